@@ -1,0 +1,19 @@
+"""fsdp2: fully sharded data parallelism on DTensor, a drop-in for ``torch.distributed.fsdp.fully_shard``."""
+
+from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._fully_shard import fully_shard
+from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from ._trace import record_schedule
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "register_fsdp_forward_method",
+    "record_schedule",
+]
+
+__version__ = "0.1.0.dev0"

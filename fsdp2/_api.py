@@ -1,0 +1,88 @@
+"""Public policy types: how parameters are cast and where sharded state lives.
+
+Policies are frozen dataclasses checked in ``__post_init__`` so a bad value is
+reported where the user wrote it, not deep inside the first forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+
+
+def _check_float_dtype(field: str, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype):
+        raise TypeError(
+            f"MixedPrecisionPolicy.{field} must be a torch.dtype or None, got {value!r}; "
+            f"pass e.g. {field}=torch.bfloat16"
+        )
+    if not value.is_floating_point:
+        raise ValueError(
+            f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {value}; "
+            f"use torch.float32, torch.bfloat16 or torch.float16"
+        )
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Module-level mixed precision.
+
+    The sharded parameters always keep their original dtype (the optimizer
+    steps on them). Before the all-gather each shard is cast to
+    ``param_dtype``, so the collective moves the smaller dtype and forward and
+    backward compute in it. Gradients are reduced in ``reduce_dtype`` and then
+    stored on the sharded parameter in its original dtype.
+
+    Args:
+        param_dtype: dtype of the unsharded parameters and of the all-gather;
+            ``None`` keeps the original dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter; ``None`` means
+            ``param_dtype`` (or the original dtype when that is ``None`` too).
+        output_dtype: if set, floating-point forward outputs are cast to it.
+        cast_forward_inputs: cast floating-point forward inputs to
+            ``param_dtype`` before the module runs.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _check_float_dtype(field, getattr(self, field))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                "MixedPrecisionPolicy.cast_forward_inputs must be a bool, "
+                f"got {self.cast_forward_inputs!r}"
+            )
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: sharded parameters and gradients live on the mesh's device."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters and gradients on the CPU.
+
+    They are copied to the compute device for the all-gather, and reduced
+    gradient shards are copied back, so the optimizer steps on the CPU. On a
+    CPU mesh this is valid and the transfers are no-ops.
+
+    Args:
+        pin_memory: pin the CPU copies so host-device copies can run
+            asynchronously (ignored when CUDA is not available).
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}")

@@ -1,0 +1,184 @@
+"""Flat collectives for a group: one all-gather of bytes, one reduce-scatter per dtype.
+
+All-gather moves bytes, so parameters of different dtypes (fp32 next to bf16,
+as LoRA adapters often are) travel in one collective; each parameter's bytes
+start at a 16-byte aligned offset so they can be viewed back as their dtype.
+Reduce-scatter does arithmetic, so it runs once per reduce dtype present.
+
+Layouts (for ``R`` ranks, each contributing a slice of ``S`` bytes):
+
+* all-gather output, rank-major: ``[rank0: p0 p1 ...][rank1: p0 p1 ...]`` (collective's order)
+* unsharded buffer, parameter-major: ``[p0: padded full][p1: padded full] ...``
+  so that each unsharded parameter is a plain view of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _compat
+from ._param import ShardedParam, ShardLayout
+
+__all__ = [
+    "ALIGN", "GatherPlan", "AllGatherInFlight", "ReduceScatterInFlight",
+    "start_all_gather", "copy_out", "start_reduce_scatter", "finish_reduce_scatter",
+]
+
+ALIGN = 16  # bytes; a multiple of every dtype's itemsize
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _offsets(sizes: Sequence[int], align: bool) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += _aligned(size) if align else size
+    return offsets, total
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """Byte layout of one all-gather of a group over ``world`` ranks."""
+
+    layouts: tuple[ShardLayout, ...]
+    dtypes: tuple[torch.dtype, ...]
+    offsets: tuple[int, ...]  # of each parameter inside a rank's slice
+    slice_bytes: int
+
+    @classmethod
+    def build(cls, layouts: Sequence[ShardLayout], dtypes: Sequence[torch.dtype]) -> GatherPlan:
+        sizes = [lay.local_numel * dt.itemsize for lay, dt in zip(layouts, dtypes)]
+        offsets, total = _offsets(sizes, align=True)
+        return cls(tuple(layouts), tuple(dtypes), tuple(offsets), max(total, ALIGN))
+
+    @property
+    def world(self) -> int:
+        return self.layouts[0].world
+
+    def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s place in a rank's slice ``buffer``, typed and shaped ``local_shape``."""
+        lay, dtype = self.layouts[i], self.dtypes[i]
+        nbytes = lay.local_numel * dtype.itemsize
+        return buffer[self.offsets[i]:self.offsets[i] + nbytes].view(dtype).view(lay.local_shape)
+
+
+class AllGatherInFlight(NamedTuple):
+    """An all-gather issued but maybe not finished; both buffers must outlive ``work``."""
+
+    work: dist.Work | None
+    send: torch.Tensor
+    output: torch.Tensor
+    plan: GatherPlan
+
+
+def start_all_gather(
+    send: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup, device: torch.device
+) -> AllGatherInFlight:
+    output = torch.empty(plan.world * plan.slice_bytes, dtype=torch.uint8, device=device)
+    if plan.world == 1:
+        output.copy_(send)
+        return AllGatherInFlight(None, send, output, plan)
+    work = _compat.all_gather_flat(output, send, group=group, async_op=True)
+    return AllGatherInFlight(work, send, output, plan)
+
+
+def copy_out(inflight: AllGatherInFlight, regions: Sequence[torch.Tensor]) -> None:
+    """Scatter the rank-major gathered bytes into parameter-major ``regions``.
+
+    ``regions[i]`` is parameter ``i``'s padded full tensor (typed, shaped ``padded_shape``).
+    """
+    plan = inflight.plan
+    by_rank = inflight.output.view(plan.world, plan.slice_bytes)
+    with torch.no_grad():
+        for i, region in enumerate(regions):
+            lay, dtype = plan.layouts[i], plan.dtypes[i]
+            nbytes = lay.local_numel * dtype.itemsize
+            src = by_rank[:, plan.offsets[i]:plan.offsets[i] + nbytes].view(dtype)
+            lay.chunks_view(region).copy_(src.unflatten(1, lay.local_shape))
+
+
+class ReduceScatterInFlight(NamedTuple):
+    """One dtype bucket's reduce-scatter, finished by :func:`finish_reduce_scatter`."""
+
+    work: dist.Work | None
+    input: torch.Tensor
+    output: torch.Tensor
+    params: tuple[ShardedParam, ...]
+    offsets: tuple[int, ...]
+    post_divide: float | None
+
+
+def _reduce_op(dtype: torch.dtype, world: int, factor: float) -> tuple[dist.ReduceOp, float | None, float | None]:
+    """(op, pre-divide, post-divide) averaging over ``factor``.
+
+    fp32/bf16 use the backend's AVG when dividing by the world size; fp16 and
+    other dtypes sum with the division split before and after (about
+    sqrt(factor) each) to stay clear of overflow and underflow.
+    """
+    if world == 1:
+        return dist.ReduceOp.SUM, None, (factor if factor != 1 else None)
+    if dtype in (torch.float32, torch.bfloat16):
+        if factor == world:
+            return dist.ReduceOp.AVG, None, None
+        return dist.ReduceOp.SUM, None, factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return dist.ReduceOp.SUM, float(pre), factor / pre
+
+
+def start_reduce_scatter(
+    params: Sequence[ShardedParam],
+    grads: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    world: int,
+    divide_factor: float,
+    device: torch.device,
+) -> ReduceScatterInFlight:
+    """Copy full gradients into one rank-major buffer and issue the reduce-scatter."""
+    offsets, total = _offsets([p.layout.local_numel for p in params], align=False)
+    send = torch.empty(world * total, dtype=dtype, device=device)
+    by_rank = send.view(world, total)
+    with torch.no_grad():
+        for p, grad, off in zip(params, grads, offsets):
+            lay = p.layout
+            dst = by_rank[:, off:off + lay.local_numel].unflatten(1, lay.local_shape)
+            n = lay.shape[lay.dim]
+            if n == lay.chunk * world:
+                dst.copy_(lay.chunks_view(grad.contiguous()))
+            else:  # uneven: zero the padding, then copy each rank's true rows
+                dst.zero_()
+                for r in range(world):
+                    rows = lay.rows(r)
+                    if rows:
+                        dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
+    op, pre, post = _reduce_op(dtype, world, divide_factor)
+    if pre is not None and pre != 1:
+        send.div_(pre)
+    output = torch.empty(total, dtype=dtype, device=device)
+    if world == 1:
+        output.copy_(send)
+        work = None
+    else:
+        work = _compat.reduce_scatter_flat(output, send, op=op, group=group, async_op=True)
+    return ReduceScatterInFlight(work, send, output, tuple(params), tuple(offsets), post)
+
+
+def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
+    """Wait, then add each parameter's reduced chunk into its sharded ``.grad``."""
+    if inflight.work is not None:
+        inflight.work.wait()
+    out = inflight.output
+    if inflight.post_divide is not None and inflight.post_divide != 1:
+        out.div_(inflight.post_divide)
+    for p, off in zip(inflight.params, inflight.offsets):
+        lay = p.layout
+        p.add_sharded_grad(out[off:off + lay.local_numel].view(lay.local_shape))

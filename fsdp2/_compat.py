@@ -1,0 +1,45 @@
+"""The few private PyTorch entry points fsdp2 needs, in one place.
+
+Checked against torch 2.6 through 2.13. Each has no public equivalent.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.autograd import Variable
+
+
+def queue_end_of_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the current autograd backward pass has finished.
+
+    The engine's callback queue is the only hook that fires after *every*
+    gradient of a backward is computed, including those of parameters whose
+    per-tensor hooks never fire (unused parameters).
+    """
+    Variable._execution_engine.queue_callback(fn)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine is running a backward on this thread.
+
+    Used to recognise forwards re-run inside backward (activation
+    checkpointing), which must not reshard the parameters backward needs.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def set_dtensor_local(dtensor: torch.Tensor, local: torch.Tensor) -> None:
+    """Point an existing DTensor (e.g. a registered parameter) at new local data.
+
+    Keeps the Python object, so optimizers and user references to the
+    parameter stay valid across ``module.to_empty()`` / ``.to()``. DTensor
+    exposes no public setter for its local tensor.
+    """
+    dtensor._local_tensor = local
+
+
+# torch 2.13 renamed the flat collectives (the old names warn); older releases only have the old ones.
+all_gather_flat = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+reduce_scatter_flat = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor

@@ -1,0 +1,297 @@
+"""The ``fully_shard`` entry point: validate everything, then shard.
+
+Every check runs before the first change, so a bad argument leaves the
+user's module exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ._api import MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
+from ._group import ParamGroup, SubGroup
+from ._module import FSDPModule
+from ._param import ShardedParam
+from ._state import ModuleState, get_state
+
+__all__ = ["fully_shard"]
+
+ModuleOrModules = Union[nn.Module, "list[nn.Module]"]
+
+
+def fully_shard(
+    module: ModuleOrModules,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> ModuleOrModules:
+    """Shard ``module``'s parameters across the data-parallel ranks of ``mesh``.
+
+    Each parameter the module owns (not already claimed by a ``fully_shard``
+    on a submodule: call it bottom-up, blocks first, root last) becomes a
+    DTensor ``Shard(0)`` on ``mesh``. The parameters form one group: before
+    forward they are all-gathered in one collective into one buffer and the
+    module sees full tensors; after forward they are freed again (per
+    ``reshard_after_forward``); backward gathers them again, and once their
+    gradients are ready one reduce-scatter averages them, leaving each rank
+    its gradient shard on the sharded parameter's ``.grad``. Optimizers step
+    on the shards with no communication.
+
+    Args:
+        module: a module, or a list of modules that form one group.
+        mesh: 1-D :class:`DeviceMesh` of the data-parallel ranks; ``None``
+            means all ranks of the default process group on the default device.
+        reshard_after_forward: ``True`` frees parameters after forward and
+            gathers them again in backward; ``False`` keeps them; ``None``
+            means ``False`` for the root and ``True`` otherwise; an ``int``
+            ``k`` keeps 1/k of them after forward, so backward gathers over
+            ``k`` ranks only (``k`` must divide the mesh size).
+        shard_placement_fn: maps a parameter to ``Shard(dim)`` (or ``None``
+            for ``Shard(0)``).
+        mp_policy: see :class:`MixedPrecisionPolicy`.
+        offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on the CPU.
+        ignored_params: parameters left untouched (not sharded, not reduced).
+
+    Returns:
+        ``module``, whose class now also derives from :class:`FSDPModule`.
+
+    Raises:
+        TypeError / ValueError: for bad arguments, naming the fix; the module
+        is left unchanged.
+    """
+    modules = _check_modules(module)
+    mesh = _resolve_mesh(mesh)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
+    _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
+    found = _collect_params(modules, ignored_params or set())
+    dims = _placement_dims(found, shard_placement_fn)
+    _check_devices(found, mesh)
+
+    subgroup = None
+    if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
+        subgroup = SubGroup(mesh, reshard_after_forward)
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    params: list[ShardedParam] = []
+    state: ModuleState | None = None
+    try:
+        for (param, locations, fqn), dim in zip(found, dims):
+            params.append(ShardedParam(
+                param, locations, fqn, mesh, dim, mp_policy.param_dtype, mp_policy.reduce_dtype,
+                offload_to_cpu=offload, pin_memory=offload and offload_policy.pin_memory,
+            ))
+        group = None
+        if params:
+            group = ParamGroup(params, mesh, _compute_device(mesh), subgroup)
+            group.reshard_after_forward = reshard_after_forward
+        state = ModuleState(tuple(modules), group, mp_policy)
+        for m in modules:
+            _swap_class(m)
+    except BaseException:
+        # Restore the original parameters and hooks; never leave a half-sharded module.
+        for (param, locations, _), _dim in zip(found, dims):
+            for owner, name in locations:
+                owner._parameters[name] = param
+        if state is not None:
+            state.remove()
+        for m in modules:
+            if isinstance(m, FSDPModule):
+                m.__class__ = m.__class__.__mro__[2]
+        raise
+    return module
+
+
+# ---- validation -------------------------------------------------------------------------
+def _check_modules(module: Any) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(
+            f"fully_shard expects an nn.Module or a non-empty list of nn.Modules, got {type(module).__name__}"
+        )
+    for m in modules:
+        if get_state(m) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
+                "(bottom-up: blocks first, then the root)"
+            )
+    return modules
+
+
+def _resolve_mesh(mesh: Any) -> DeviceMesh:
+    if mesh is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "fully_shard(mesh=None) needs torch.distributed to be initialized: call "
+                "dist.init_process_group(...) first (torchrun sets up the environment), or pass a mesh"
+            )
+        device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "
+            "build one with init_device_mesh('cpu' or 'cuda', (world_size,))"
+        )
+    if mesh.ndim > 2:
+        raise ValueError(
+            f"fully_shard: mesh has {mesh.ndim} dims; use a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh "
+            "(HSDP), e.g. mesh['dp'] to take the data-parallel axes of a larger mesh"
+        )
+    if mesh.ndim == 2:
+        raise NotImplementedError(
+            "fully_shard: 2-D (HSDP) meshes are not supported yet; pass a 1-D data-parallel mesh"
+        )
+    return mesh
+
+
+def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> bool | int | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(
+            f"fully_shard: reshard_after_forward must be None, a bool or an int, got {value!r}"
+        )
+    size = mesh.size()
+    if value < 1 or size % value != 0:
+        divisors = [d for d in range(1, size + 1) if size % d == 0]
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={value} must divide the mesh size {size}; "
+            f"use one of {divisors} or a bool"
+        )
+    if value == 1:
+        return False  # one rank holding everything is "keep the parameters"
+    if value == size:
+        return True
+    return value
+
+
+def _check_policies(mp_policy: Any, offload_policy: Any, ignored: Any, placement_fn: Any) -> None:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard: offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), "
+            f"got {type(offload_policy).__name__}"
+        )
+    if ignored is not None and (not isinstance(ignored, (set, frozenset))
+                                or not all(isinstance(p, nn.Parameter) for p in ignored)):
+        raise TypeError("fully_shard: ignored_params must be a set of nn.Parameter")
+    if placement_fn is not None and not callable(placement_fn):
+        raise TypeError("fully_shard: shard_placement_fn must be callable (param -> Shard(dim) or None)")
+
+
+Found = tuple[nn.Parameter, list[tuple[nn.Module, str]], str]
+
+
+def _collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list[Found]:
+    """The parameters these modules own, each with every (module, name) that holds it.
+
+    Skips subtrees already given to ``fully_shard``; a parameter reached both
+    here and through such a subtree is shared between two groups: rejected.
+    """
+    claimed: dict[int, str] = {}
+    found: dict[int, Found] = {}
+
+    def visit(module: nn.Module, prefix: str, top: bool) -> None:
+        state = get_state(module)
+        if state is not None and not top:
+            if state.group is not None:
+                for p in state.group.params:
+                    claimed[id(p.sharded)] = prefix or type(module).__name__
+            return
+        for name, param in module._parameters.items():
+            if param is None or param in ignored:
+                continue
+            fqn = f"{prefix}{name}"
+            if id(param) in found:
+                found[id(param)][1].append((module, name))
+            else:
+                found[id(param)] = (param, [(module, name)], fqn)
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.", False)
+
+    for m in modules:
+        visit(m, "", True)
+    for param, _locations, fqn in found.values():
+        owner = claimed.get(id(param))
+        if owner is None and isinstance(param, DTensor):
+            owner = "another fully_shard call or a tensor-parallel plan"
+        if owner is not None:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is already sharded by {owner}; a parameter shared by two "
+                "separately sharded modules cannot be sharded twice. Apply fully_shard to a common parent "
+                "of both users (e.g. keep tied embedding and output weights in the root group), or pass it "
+                "in ignored_params"
+            )
+    return list(found.values())
+
+
+def _placement_dims(found: list[Found], placement_fn: Callable | None) -> list[int]:
+    dims = []
+    for param, _locations, fqn in found:
+        placement = placement_fn(param) if placement_fn is not None else None
+        if placement is None:
+            dims.append(0)
+            continue
+        if not isinstance(placement, Shard):
+            raise TypeError(
+                f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; return Shard(dim) or None"
+            )
+        dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+        if param.ndim == 0 or not 0 <= dim < param.ndim:
+            raise ValueError(
+                f"fully_shard: shard_placement_fn chose Shard({placement.dim}) for {fqn!r} of shape "
+                f"{tuple(param.shape)}; pick a dim in [0, {param.ndim})"
+            )
+        dims.append(dim)
+    for (param, _locations, fqn), _dim in zip(found, dims):
+        if param.ndim == 0:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is a scalar (0-dim) and cannot be sharded; "
+                "reshape it to (1,) or pass it in ignored_params"
+            )
+    return dims
+
+
+def _check_devices(found: list[Found], mesh: DeviceMesh) -> None:
+    devices = {param.device for param, _l, _f in found}
+    if len(devices) > 1:
+        listing = ", ".join(f"{fqn} on {param.device}" for param, _l, fqn in found)
+        raise ValueError(
+            f"fully_shard: parameters are on different devices ({listing}); move the module to one device "
+            f"(module.to(...)) before sharding"
+        )
+    for device in devices:
+        if device.type not in ("meta", mesh.device_type):
+            raise ValueError(
+                f"fully_shard: parameters are on {device} but the mesh is on {mesh.device_type}; "
+                f"move the module to {mesh.device_type} first, or build it on the meta device"
+            )
+
+
+def _compute_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    fsdp_cls = _FSDP_CLASSES.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _FSDP_CLASSES[cls] = fsdp_cls
+    module.__class__ = fsdp_cls
+
+
+# One FSDP<Class> per original class, so isinstance checks and pickling by class stay stable.
+_FSDP_CLASSES: dict[type, type] = {}

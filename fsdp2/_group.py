@@ -1,0 +1,290 @@
+"""A group of parameters gathered, freed and reduced together, and its state machine.
+
+One ``fully_shard`` call makes one group. The group owns one persistent
+*unsharded buffer* (parameter-major; every unsharded parameter is a view of
+it) whose storage is allocated on unshard and released on reshard, so the
+parameter objects autograd refers to never change.
+"""
+
+from __future__ import annotations
+
+import collections
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from . import _trace
+from ._collectives import (
+    ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, copy_out,
+    finish_reduce_scatter, start_all_gather, start_reduce_scatter,
+)
+from ._param import ShardedParam
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ShardState", "ParamGroup", "ReduceQueue"]
+
+
+class ShardState(Enum):
+    SHARDED = auto()
+    """Only this rank's padded shards are live; modules hold the sharded DTensor parameters."""
+    GATHERING = auto()
+    """An all-gather is in flight: its send and output buffers are live; modules still hold shards."""
+    UNSHARDED = auto()
+    """The unsharded buffer holds the full parameters; modules hold the unsharded parameters."""
+    PARTIAL = auto()
+    """Resharded after forward to a smaller group: this rank also keeps 1/k of the full parameters."""
+
+
+class ReduceQueue:
+    """Reduce-scatters in flight, oldest first, waited on only when needed.
+
+    Bounded so at most ``limit`` groups' reduce buffers are alive at once; the
+    root's end-of-backward callback drains it.
+    """
+
+    def __init__(self, limit: int = 1) -> None:
+        self.limit = limit
+        self._pending: collections.deque[ReduceScatterInFlight] = collections.deque()
+
+    def submit(self, inflight: Sequence[ReduceScatterInFlight]) -> None:
+        self._pending.extend(inflight)
+        while len(self._pending) > self.limit:
+            finish_reduce_scatter(self._pending.popleft())
+
+    def drain(self) -> None:
+        while self._pending:
+            finish_reduce_scatter(self._pending.popleft())
+
+
+class SubGroup:
+    """The smaller process group an int ``reshard_after_forward`` reshards to."""
+
+    def __init__(self, mesh: DeviceMesh, size: int) -> None:
+        ranks = mesh.mesh.flatten().tolist()
+        blocks = [ranks[i:i + size] for i in range(0, len(ranks), size)]
+        # Every rank must create every group, in the same order.
+        self.group, _ = dist.new_subgroups_by_enumeration(blocks)
+        self.size = size
+        self.rank = mesh.get_local_rank() % size
+
+
+class ParamGroup:
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        mesh: DeviceMesh,
+        device: torch.device,
+        subgroup: SubGroup | None,
+    ) -> None:
+        self.params = params
+        self.mesh = mesh
+        self.process_group = mesh.get_group()
+        self.world = mesh.size()
+        self.device = device
+        self.subgroup = subgroup
+        self.label = "?"  # module FQN, set at lazy init when the root is known
+        self.reduce_queue = ReduceQueue()  # replaced by the root's shared queue at lazy init
+        # Policies (reshard_after_forward is resolved at lazy init: None -> root keeps params).
+        self.reshard_after_forward: bool | int | None = None
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.divide_factor: float | None = None
+        self.state = ShardState.SHARDED
+        self._gather: AllGatherInFlight | None = None
+        self._partial_send: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None
+        self._regions: list[torch.Tensor] = []
+        self._plans: dict[int, GatherPlan] = {}
+        # Per-backward bookkeeping.
+        self.backward_started = False
+        self.post_backward_done = False
+        self._grads_ready: set[int] = set()
+        self._num_trainable = sum(p.requires_grad for p in params)
+
+    # ---- layout -------------------------------------------------------------------------
+    def _plan(self, world: int) -> GatherPlan:
+        if world not in self._plans:
+            layouts = [p.layout.with_world(world) for p in self.params]
+            self._plans[world] = GatherPlan.build(layouts, [p.param_dtype for p in self.params])
+        return self._plans[world]
+
+    def invalidate(self) -> None:
+        """Forget buffers and plans after devices or dtypes changed (``nn.Module._apply``)."""
+        if self.state is not ShardState.SHARDED:
+            raise RuntimeError(f"group {self.label} must be resharded before converting its module")
+        self._plans.clear()
+        self._buffer, self._regions = None, []
+        self._num_trainable = sum(p.requires_grad for p in self.params)
+
+    def _alloc_unsharded(self) -> None:
+        if self._buffer is None:
+            sizes = [p.layout.padded_shape.numel() * p.param_dtype.itemsize for p in self.params]
+            starts, total = [], 0
+            for size in sizes:
+                starts.append(total)
+                total += (size + ALIGN - 1) // ALIGN * ALIGN
+            self._buffer = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=self.device)
+            # Parameters are views of ``.data`` (its own version counter): refilling the
+            # buffer each step must not look like an in-place change to autograd, which
+            # saved these parameters in forward and reads them again in backward.
+            param_base = self._buffer.data
+            for p, start, size in zip(self.params, starts, sizes):
+                self._regions.append(self._typed(self._buffer, p, start, size))
+                p.bind_unsharded(self._typed(param_base, p, start, size), self._on_grad_ready)
+            return
+        storage = self._buffer.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self._buffer.numel())
+
+    @staticmethod
+    def _typed(buffer: torch.Tensor, p: ShardedParam, start: int, size: int) -> torch.Tensor:
+        return buffer[start:start + size].view(p.param_dtype).view(p.layout.padded_shape)
+
+    def _free_unsharded(self) -> None:
+        if self._buffer is not None:
+            self._buffer.untyped_storage().resize_(0)
+
+    # ---- unshard / reshard --------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the all-gather (no-op if already gathered or in flight)."""
+        if self.state in (ShardState.GATHERING, ShardState.UNSHARDED):
+            return  # a prefetch already issued it: gathering twice would waste a collective
+        if self.state is ShardState.PARTIAL:
+            plan, send, group = self._plan(self.subgroup.size), self._partial_send, self.subgroup.group
+            self._partial_send = None
+        else:
+            plan, group = self._plan(self.world), self.process_group
+            send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    plan.slot(send, i).copy_(p.padded_local, non_blocking=True)
+        _trace.emit("unshard", self.label)
+        with record_function(f"fsdp2::all_gather {self.label}"):
+            self._gather = start_all_gather(send, plan, group, self.device)
+        self.state = ShardState.GATHERING
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish the all-gather and point the modules at the unsharded parameters."""
+        if self.state in (ShardState.SHARDED, ShardState.PARTIAL):
+            self.unshard(async_op=True)
+        if self.state is ShardState.UNSHARDED:
+            return
+        gather, self._gather = self._gather, None
+        with record_function(f"fsdp2::all_gather_wait {self.label}"):
+            if gather.work is not None:
+                gather.work.wait()
+            self._alloc_unsharded()
+            copy_out(gather, self._regions)
+        for p in self.params:
+            p.to_unsharded()
+        self.state = ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Back to shards only; frees the unsharded buffer's storage."""
+        if self.state is ShardState.GATHERING:
+            self.wait_for_unshard()  # its buffers are in use by the collective
+        if self.state is ShardState.SHARDED:
+            return
+        _trace.emit("reshard", self.label)
+        for p in self.params:
+            p.to_sharded()
+        self._free_unsharded()
+        self._partial_send = None
+        self.state = ShardState.SHARDED
+
+    def reshard_to_subgroup(self) -> None:
+        """UNSHARDED -> PARTIAL: keep this rank's 1/k of the full parameters, free the rest."""
+        if self.state is not ShardState.UNSHARDED:
+            return
+        plan = self._plan(self.subgroup.size)
+        send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
+        with torch.no_grad():
+            for i, region in enumerate(self._regions):
+                plan.slot(send, i).copy_(plan.layouts[i].chunks_view(region)[self.subgroup.rank])
+        _trace.emit("reshard_partial", self.label)
+        for p in self.params:
+            p.to_sharded()
+        self._free_unsharded()
+        self._partial_send = send
+        self.state = ShardState.PARTIAL
+
+    def reshard_after_forward_step(self) -> None:
+        policy = self.reshard_after_forward
+        if policy is True:
+            self.reshard()
+        elif policy is not False and policy is not None:
+            self.reshard_to_subgroup()
+
+    # ---- backward -----------------------------------------------------------------------
+    def pre_backward(self) -> None:
+        self.backward_started = True
+        self.wait_for_unshard()
+
+    def _on_grad_ready(self, param: ShardedParam) -> None:
+        self._grads_ready.add(id(param))
+        if len(self._grads_ready) == self._num_trainable and not self.post_backward_done:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Reduce-scatter the group's gradients (or keep them, when not syncing); reshard."""
+        self.post_backward_done = True
+        if self.requires_gradient_sync:
+            self._reduce_gradients()
+        else:
+            for p in self.params:
+                if p.requires_grad:
+                    p.stash_unsynced_grad()
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _reduce_gradients(self) -> None:
+        buckets: dict[torch.dtype, tuple[list[ShardedParam], list[torch.Tensor]]] = {}
+        for p in self.params:
+            grad = p.take_unsharded_grad() if p.requires_grad else None
+            if grad is not None:
+                params, grads = buckets.setdefault(p.reduce_dtype, ([], []))
+                params.append(p)
+                grads.append(grad)
+        if not buckets:
+            return
+        factor = float(self.divide_factor if self.divide_factor is not None else self.world)
+        _trace.emit("reduce_scatter", self.label)
+        with record_function(f"fsdp2::reduce_scatter {self.label}"):
+            inflight = [
+                start_reduce_scatter(params, grads, dtype, self.process_group, self.world, factor, self.device)
+                for dtype, (params, grads) in buckets.items()
+            ]
+        self.reduce_queue.submit(inflight)
+
+    def end_backward(self) -> None:
+        """Called by the root after backward: finish what per-tensor hooks did not."""
+        if self.backward_started and not self.post_backward_done:
+            self.post_backward()
+        elif self.reshard_after_backward:
+            self.reshard()  # e.g. prefetched but never reached, or kept since forward
+        self.backward_started = False
+        self.post_backward_done = False
+        self._grads_ready.clear()
+
+    def reset(self) -> None:
+        """Return to a clean sharded state after an exception mid-iteration."""
+        if self._gather is not None:
+            if self._gather.work is not None:
+                self._gather.work.wait()
+            self._gather = None
+            self.state = ShardState.SHARDED  # modules still hold the shards while gathering
+        self.reshard()
+        for p in self.params:
+            if p.unsharded is not None:
+                p.unsharded.grad = None
+            p.accumulated_grad = None
+        self.backward_started = False
+        self.post_backward_done = False
+        self._grads_ready.clear()

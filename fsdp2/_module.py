@@ -1,0 +1,203 @@
+"""``FSDPModule``: the methods a ``fully_shard``-ed module gains.
+
+``fully_shard`` swaps a module's class to a dynamically made ``FSDP<Class>``
+deriving from ``(FSDPModule, Class)``, so ``isinstance(m, FSDPModule)`` holds
+and these methods are available while everything else behaves as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch.nn as nn
+
+from ._state import ModuleState, get_state
+
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``; ``wait()`` finishes the all-gather.
+
+    Waiting is optional: the module's next forward waits anyway.
+    """
+
+    def __init__(self, state: ModuleState | None = None) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None and self._state.group is not None:
+            self._state.group.wait_for_unshard()
+        self._state = None
+
+
+class FSDPModule:
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # Containers (nn.Sequential slicing, ModuleList copies) build new
+        # instances with ``type(self)(...)``: give them the original class.
+        orig_cls = cls.__mro__[2]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _fsdp_state(self) -> ModuleState:
+        state = get_state(self)
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__} has no fsdp2 state; was fully_shard undone?")
+        return state
+
+    def _states_below(self, recurse: bool) -> list[ModuleState]:
+        if not recurse:
+            return [self._fsdp_state()]
+        states: list[ModuleState] = []
+        for module in self.modules():
+            state = get_state(module)
+            if state is not None and state not in states:
+                states.append(state)
+        return states
+
+    # ---- explicit unshard / reshard -----------------------------------------------------
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now (not recursive).
+
+        With ``async_op=True`` returns an :class:`UnshardHandle`; the next
+        forward waits for it if ``wait()`` was not called.
+        """
+        state = self._fsdp_state()
+        state.lazy_init()
+        if state.group is not None:
+            state.group.unshard(async_op=True)
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters; the module holds shards again (not recursive)."""
+        state = self._fsdp_state()
+        if state.group is not None:
+            state.group.reshard()
+
+    # ---- policies -----------------------------------------------------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turn gradient reduction off for accumulation steps, on for the last one.
+
+        While off, gradients accumulate unsharded on each rank with no
+        communication; the next synced backward reduce-scatters the sum.
+        """
+        _check_bool("requires_gradient_sync", requires_gradient_sync)
+        for state in self._states_below(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """If False, the end of backward does not wait for the last reduce-scatters."""
+        _check_bool("is_last_backward", is_last_backward)
+        state = self._fsdp_state()
+        state.lazy_init()
+        state.ctx.is_last_backward = is_last_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free parameters after forward (True) or keep them for backward (False)."""
+        _check_bool("reshard_after_forward", reshard_after_forward)
+        for state in self._states_below(recurse):
+            if state.group is not None:
+                state.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Free parameters after backward (True, default) or keep them (e.g. between microbatches)."""
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        for state in self._states_below(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters right after this module's, in forward."""
+        self._fsdp_state().forward_prefetch = _states_of("set_modules_to_forward_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters when backward reaches this one.
+
+        Replaces the implicit choice (the module that ran just before in forward).
+        """
+        self._fsdp_state().backward_prefetch = _states_of("set_modules_to_backward_prefetch", modules)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
+        for state in self._states_below(recurse=True):
+            if state.group is not None:
+                state.group.divide_factor = float(factor)
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception inside forward or backward.
+
+        Waits for collectives in flight, reshards every group under the root,
+        drops half-accumulated unsharded gradients and clears per-iteration
+        state so the next forward starts clean. Sharded ``.grad`` values are
+        left to the caller (``optimizer.zero_grad()``).
+        """
+        self._fsdp_state().reset_iter_state()
+
+    # ---- conversions --------------------------------------------------------------------
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # Shards must be registered while torch converts them; afterwards the
+        # padded storage is rebuilt from whatever the conversion produced.
+        state = self._fsdp_state()
+        if state.group is not None:
+            state.group.reshard()
+        out = super()._apply(*args, **kwargs)
+        if state.group is not None:
+            for p in state.group.params:
+                p.reset_after_apply()
+            state.group.invalidate()
+        return out
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _states_of(method: str, modules: list[Any]) -> list[ModuleState]:
+    states = []
+    for module in modules:
+        state = get_state(module) if isinstance(module, nn.Module) else None
+        if state is None:
+            raise TypeError(f"{method}: expected modules passed to fully_shard, got {type(module).__name__}")
+        states.append(state)
+    return states
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) unshard and reshard like ``forward``.
+
+    Without this, calling a method other than ``forward`` on a sharded module
+    would see DTensor shards instead of full parameters.
+    """
+    state = get_state(module)
+    if state is None:
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} is not fully_shard-ed; "
+            "call fully_shard(module) first"
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not state._modules_to_run:
+            state._modules_to_run.add(module)
+        args, kwargs = state.pre_forward(args, kwargs)
+        output = method(*args, **kwargs)
+        if module in state._modules_to_run:
+            state._modules_to_run.discard(module)
+            if not state._modules_to_run:
+                return state.post_forward(output)
+        return output
+
+    setattr(module, method_name, wrapped)

@@ -1,0 +1,249 @@
+"""One parameter's life: sharded storage, the DTensor users see, the unsharded view.
+
+A parameter of true shape ``(n, ...)`` sharded on tensor dim ``d`` over ``world``
+ranks is split into ``world`` chunks of ``chunk = ceil(n / world)`` rows along
+``d``. Each rank stores its chunk zero-padded to ``chunk`` rows, so every rank's
+slice of a group's all-gather has the same size; the DTensor built on top
+narrows the padding away and reports the true global shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from . import _compat
+
+__all__ = ["ShardLayout", "ShardedParam", "contiguous_stride"]
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a tensor of ``shape`` is cut into ``world`` padded chunks along ``dim``."""
+
+    shape: torch.Size
+    dim: int
+    world: int
+    chunk: int
+
+    @classmethod
+    def even(cls, shape: torch.Size, dim: int, world: int) -> ShardLayout:
+        return cls(shape, dim, world, math.ceil(shape[dim] / world))
+
+    def with_world(self, world: int) -> ShardLayout:
+        """The same padded tensor cut into ``world`` chunks (``world`` divides ours)."""
+        return ShardLayout(self.shape, self.dim, world, self.chunk * self.world // world)
+
+    @property
+    def padded_shape(self) -> torch.Size:
+        return self._resize_dim(self.chunk * self.world)
+
+    @property
+    def local_shape(self) -> torch.Size:
+        return self._resize_dim(self.chunk)
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def rows(self, rank: int) -> int:
+        """How many true (unpadded) rows along ``dim`` rank ``rank`` owns."""
+        return max(0, min(self.chunk, self.shape[self.dim] - rank * self.chunk))
+
+    def chunks_view(self, padded_full: torch.Tensor) -> torch.Tensor:
+        """View a padded full tensor as ``(world, *local_shape)``, chunk ``r`` at index ``r``."""
+        return padded_full.unflatten(self.dim, (self.world, self.chunk)).movedim(self.dim, 0)
+
+    def _resize_dim(self, size: int) -> torch.Size:
+        shape = list(self.shape)
+        shape[self.dim] = size
+        return torch.Size(shape)
+
+
+class ShardedParam:
+    """A managed parameter: its padded local shard and its unsharded alias.
+
+    ``sharded`` is the ``nn.Parameter`` (a DTensor ``Shard(dim)``) registered on
+    the module outside forward/backward and stepped by the optimizer.
+    ``unsharded`` is a plain ``nn.Parameter`` created at the first unshard as a
+    view into the group's unsharded buffer; it is the same object every step
+    (autograd's saved tensors and gradient accumulation refer to it), only its
+    storage is freed and re-filled.
+    """
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        locations: list[tuple[nn.Module, str]],
+        fqn: str,
+        mesh: DeviceMesh,
+        dim: int,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        offload_to_cpu: bool,
+        pin_memory: bool,
+    ) -> None:
+        self.locations = locations
+        self.fqn = fqn
+        self.mesh = mesh
+        self.rank = mesh.get_local_rank()
+        self.requires_grad = param.requires_grad
+        self.layout = ShardLayout.even(param.shape, dim, mesh.size())
+        self._mp = (param_dtype, reduce_dtype)
+        self.offload_to_cpu = offload_to_cpu
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.unsharded: nn.Parameter | None = None
+        # Sum of unsynced gradients kept in reduce dtype (see ParamGroup.post_backward).
+        self.accumulated_grad: torch.Tensor | None = None
+        self._init_sharded(param.detach())
+
+    # ---- dtypes -------------------------------------------------------------------------
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self.padded_local.dtype
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype of the unsharded parameter and of the all-gather."""
+        wanted = self._mp[0]
+        return wanted if wanted is not None and self.orig_dtype.is_floating_point else self.orig_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self._mp[1] if self._mp[1] is not None else self.param_dtype
+
+    # ---- sharded side -------------------------------------------------------------------
+    def _init_sharded(self, full: torch.Tensor) -> None:
+        """Cut this rank's chunk out of ``full`` into fresh padded storage."""
+        layout, dim = self.layout, self.layout.dim
+        rows = layout.rows(self.rank)
+        device = torch.device("cpu") if self.offload_to_cpu and full.device.type != "meta" else full.device
+        padded = torch.zeros(layout.local_shape, dtype=full.dtype, device=device)
+        if rows > 0 and full.device.type != "meta":
+            padded.narrow(dim, 0, rows).copy_(full.narrow(dim, self.rank * layout.chunk, rows))
+        if self.pin_memory and device.type == "cpu":
+            padded = padded.pin_memory()
+        self._set_padded_local(padded)
+
+    def _set_padded_local(self, padded: torch.Tensor) -> None:
+        self.padded_local = padded
+        local = padded.narrow(self.layout.dim, 0, self.layout.rows(self.rank))
+        self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
+        self._register_on_modules(self.sharded)
+
+    def _as_dtensor(self, local: torch.Tensor) -> DTensor:
+        shape = self.layout.shape
+        return DTensor.from_local(
+            local, self.mesh, [Shard(self.layout.dim)], run_check=False,
+            shape=shape, stride=contiguous_stride(shape),
+        )
+
+    def reset_after_apply(self) -> None:
+        """Re-adopt the module's parameter after ``nn.Module._apply``.
+
+        ``to_empty()``, ``.to(device/dtype)`` and friends replace the local
+        tensor (or the whole parameter); rebuild padded storage from whatever
+        is registered now, keeping the registered parameter object.
+        """
+        module, name = self.locations[0]
+        current = module._parameters[name]
+        if not isinstance(current, DTensor):
+            raise TypeError(
+                f"parameter {self.fqn!r} is no longer a DTensor after a module conversion; "
+                "convert fully_shard-ed modules with to_empty()/to()/cuda()/float()-style calls only"
+            )
+        local = current._local_tensor
+        if local.data_ptr() == self.padded_local.data_ptr() and local.device == self.padded_local.device \
+                and local.dtype == self.padded_local.dtype and local.device.type != "meta":
+            return
+        padded = torch.zeros(self.layout.local_shape, dtype=local.dtype, device=local.device)
+        rows = self.layout.rows(self.rank)
+        if local.device.type != "meta":
+            padded.narrow(self.layout.dim, 0, rows).copy_(local)
+        self.padded_local = padded
+        _compat.set_dtensor_local(current, padded.narrow(self.layout.dim, 0, rows))
+        self.sharded = current
+        self.requires_grad = current.requires_grad
+        self._register_on_modules(current)
+        self.unsharded = None  # device or dtype may have changed: rebuild at next unshard
+
+    def all_gather_input(self) -> torch.Tensor:
+        """The flat local chunk to send, on the padded storage's device, original dtype."""
+        return self.padded_local.view(-1)
+
+    # ---- unsharded side -----------------------------------------------------------------
+    def bind_unsharded(self, region: torch.Tensor, on_grad_ready: Callable[[ShardedParam], None]) -> None:
+        """Create the unsharded parameter as a view of ``region`` (once).
+
+        ``region`` is this parameter's slice of the group's unsharded buffer,
+        typed ``param_dtype`` and holding the padded full tensor.
+        """
+        if self.unsharded is not None:
+            return
+        padded_full = region.view(self.layout.padded_shape)
+        view = padded_full.narrow(self.layout.dim, 0, self.layout.shape[self.layout.dim])
+        self.unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
+        if self.requires_grad:
+            self.unsharded.register_post_accumulate_grad_hook(lambda _p: on_grad_ready(self))
+
+    def to_unsharded(self) -> None:
+        assert self.unsharded is not None, "bind_unsharded() must run before to_unsharded()"
+        self._register_on_modules(self.unsharded)
+
+    def to_sharded(self) -> None:
+        self._register_on_modules(self.sharded)
+
+    def _register_on_modules(self, param: nn.Parameter) -> None:
+        # Plain dict writes: nn.Module.__setattr__ would re-run its checks every step.
+        for module, name in self.locations:
+            module._parameters[name] = param
+
+    # ---- gradients ----------------------------------------------------------------------
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient to reduce (with any unsynced sum folded in); clears it."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        if self.accumulated_grad is not None:
+            acc, self.accumulated_grad = self.accumulated_grad, None
+            if grad is not None:
+                acc += grad
+            grad = acc
+        return grad
+
+    def stash_unsynced_grad(self) -> None:
+        """Keep the gradient for a later synced backward, summed in reduce dtype."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is None or self.reduce_dtype == self.param_dtype and self.accumulated_grad is None:
+            return  # autograd keeps accumulating into unsharded.grad itself
+        self.unsharded.grad = None
+        if self.accumulated_grad is None:
+            self.accumulated_grad = grad.to(self.reduce_dtype)
+        else:
+            self.accumulated_grad += grad
+
+    def add_sharded_grad(self, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced chunk (``local_shape``, may alias a comm buffer)."""
+        local = reduced.narrow(self.layout.dim, 0, self.layout.rows(self.rank))
+        target_device = self.padded_local.device
+        grad = self.sharded.grad
+        if grad is None:
+            local = local.to(device=target_device, dtype=self.orig_dtype, copy=True)
+            self.sharded.grad = self._as_dtensor(local.contiguous())
+        else:
+            with torch.no_grad():
+                grad.to_local().add_(local.to(target_device))

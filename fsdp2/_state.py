@@ -1,0 +1,228 @@
+"""Per-module hooks and the root's per-iteration state.
+
+Lifecycle of one training step (see docs/design.md):
+
+1. pre-forward: (root: lazy init once) unshard the group, issue explicit
+   forward prefetches, cast inputs.
+2. post-forward: reshard per ``reshard_after_forward`` and hook the outputs so
+   the group is unsharded again when backward reaches them.
+3. pre-backward (first gradient reaching the outputs): unshard, prefetch the
+   group that ran before this one in forward, and (once per backward) queue
+   the root's end-of-backward callback.
+4. post-backward (every trainable parameter's gradient accumulated):
+   reduce-scatter, reshard.
+5. end of backward (root callback): finish groups whose hooks did not fire,
+   wait for reduce-scatters, reset per-iteration state.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum, auto
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import _compat
+from ._api import MixedPrecisionPolicy
+from ._group import ParamGroup, ReduceQueue
+from ._tree import cast_floating, iter_tensors
+
+__all__ = ["TrainingState", "ModuleState", "RootContext", "get_state"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_ATTR = "_fsdp2_state"
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    """Not inside this module's forward or a backward through it."""
+    FORWARD = auto()
+    """Inside forward: the group's parameters are unsharded."""
+    BACKWARD = auto()
+    """A backward through this module is running; parameters unsharded until post-backward."""
+
+
+class RootContext:
+    """State shared by every module under one root, for one iteration at a time."""
+
+    def __init__(self, states: list[ModuleState]) -> None:
+        self.states = states
+        self.forward_order: list[ParamGroup] = []  # first-call order this iteration
+        self.callback_queued = False
+        self.reduce_queue = ReduceQueue()
+        self.is_last_backward = True
+        self.in_forward = False
+
+
+def get_state(module: nn.Module) -> ModuleState | None:
+    return module.__dict__.get(_STATE_ATTR)
+
+
+class ModuleState:
+    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup | None,
+                 mp_policy: MixedPrecisionPolicy) -> None:
+        self.modules = modules
+        self.group = group
+        self.mp_policy = mp_policy
+        self.is_root: bool | None = None  # decided at lazy init
+        self.ctx: RootContext | None = None
+        self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[ModuleState] = []
+        self.backward_prefetch: list[ModuleState] | None = None  # None: implicit
+        self._modules_to_run: set[nn.Module] = set()
+        self._handles: list[Any] = []
+        for module in modules:
+            module.__dict__[_STATE_ATTR] = self
+            self._handles.append(module.register_forward_pre_hook(
+                self._pre_forward_hook, prepend=True, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                self._make_post_forward_hook(module), prepend=False, always_call=True))
+
+    def remove(self) -> None:
+        """Undo the hooks and attributes (used when fully_shard fails half-way)."""
+        for handle in self._handles:
+            handle.remove()
+        for module in self.modules:
+            module.__dict__.pop(_STATE_ATTR, None)
+
+    # ---- lazy init ----------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        root_module = self.modules[0]
+        names = {module: name for name, module in root_module.named_modules(remove_duplicate=False)}
+        states: list[ModuleState] = []
+        for module in root_module.modules():
+            state = get_state(module)
+            if state is not None and state not in states:
+                states.append(state)
+        for state in states:
+            if state is not self and state.is_root:
+                raise RuntimeError(
+                    f"fully_shard: forward ran on a sharded sub-module ({state.label()}) before the "
+                    "root module; run the first forward through the outermost module"
+                )
+        ctx = RootContext(states)
+        for state in states:
+            state.is_root = state is self
+            state.ctx = ctx
+            if state.group is not None:
+                group = state.group
+                group.label = ",".join(names.get(m, "?") or "root" for m in state.modules)
+                group.reduce_queue = ctx.reduce_queue
+                if group.reshard_after_forward is None:
+                    group.reshard_after_forward = not state.is_root
+        logger.debug("fsdp2: lazy init with root %s and %d groups", type(root_module).__name__, len(states))
+
+    def label(self) -> str:
+        if self.group is not None and self.group.label != "?":
+            return self.group.label
+        return type(self.modules[0]).__name__
+
+    # ---- forward ------------------------------------------------------------------------
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self._modules_to_run:
+            self._modules_to_run.update(self.modules)
+        return self.pre_forward(args, kwargs)
+
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.lazy_init()
+        ctx = self.ctx
+        if self.is_root and not ctx.in_forward and not _compat.in_backward():
+            ctx.in_forward = True
+            ctx.forward_order.clear()
+        group = self.group
+        if group is not None:
+            if _compat.in_backward():  # recomputation (activation checkpointing)
+                group.wait_for_unshard()
+            else:
+                self.training_state = TrainingState.FORWARD
+                group.unshard(async_op=True)
+                for state in self.forward_prefetch:
+                    if state.group is not None:
+                        state.group.unshard(async_op=True)
+                group.wait_for_unshard()
+                if group not in ctx.forward_order:
+                    ctx.forward_order.append(group)
+        policy = self.mp_policy
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        return args, kwargs
+
+    def _make_post_forward_hook(self, module: nn.Module):
+        def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
+            if module in self._modules_to_run:
+                self._modules_to_run.discard(module)
+                if not self._modules_to_run:
+                    return self.post_forward(output)
+            return self._cast_output(output)
+        return hook
+
+    def post_forward(self, output: Any) -> Any:
+        if self.ctx is None:  # forward raised before lazy init finished
+            return output
+        group = self.group
+        if group is not None and not _compat.in_backward():
+            grad_outputs = [t for t in iter_tensors(output) if t.requires_grad]
+            if not (torch.is_grad_enabled() and grad_outputs):
+                group.reshard()  # no backward can follow: never leave full parameters behind
+            else:
+                group.reshard_after_forward_step()
+                torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
+            self.training_state = TrainingState.IDLE
+        if self.is_root:
+            self.ctx.in_forward = False
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.mp_policy.output_dtype
+        return output if dtype is None else cast_floating(output, dtype)
+
+    # ---- backward -----------------------------------------------------------------------
+    def _pre_backward(self, _grad: torch.Tensor) -> None:
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            _compat.queue_end_of_backward_callback(self._end_of_backward)
+        self.training_state = TrainingState.BACKWARD
+        group = self.group
+        group.pre_backward()
+        for target in self._backward_prefetch_targets():
+            target.unshard(async_op=True)
+
+    def _backward_prefetch_targets(self) -> list[ParamGroup]:
+        if self.backward_prefetch is not None:
+            return [s.group for s in self.backward_prefetch if s.group is not None]
+        order = self.ctx.forward_order
+        if self.group in order:
+            index = order.index(self.group)
+            if index > 0:
+                return [order[index - 1]]
+        return []
+
+    def _end_of_backward(self) -> None:
+        ctx = self.ctx
+        ctx.callback_queued = False
+        # Last-run groups first: the order backward reached them, the same on every rank.
+        for state in reversed(ctx.states):
+            if state.group is not None:
+                state.group.end_backward()
+            state.training_state = TrainingState.IDLE
+        if ctx.is_last_backward:
+            ctx.reduce_queue.drain()
+
+    # ---- recovery -----------------------------------------------------------------------
+    def reset_iter_state(self) -> None:
+        states = self.ctx.states if self.ctx is not None else [self]
+        if self.ctx is not None:
+            self.ctx.callback_queued = False
+            self.ctx.in_forward = False
+            self.ctx.reduce_queue.drain()
+        for state in states:
+            if state.group is not None:
+                state.group.reset()
+            state.training_state = TrainingState.IDLE
+            state._modules_to_run.clear()
