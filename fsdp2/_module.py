@@ -105,6 +105,7 @@ class FSDPModule:
         for state in self._states_below(recurse):
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
+                state.auto_reshard_after_forward = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Free parameters after backward (True, default) or keep them (e.g. between microbatches)."""

@@ -68,6 +68,8 @@ class ModuleState:
         self.group = group
         self.mp_policy = mp_policy
         self.is_root: bool | None = None  # decided at lazy init
+        # reshard_after_forward=None: decided at lazy init (root keeps its parameters).
+        self.auto_reshard_after_forward = group is not None and group.reshard_after_forward is None
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[ModuleState] = []
@@ -100,10 +102,14 @@ class ModuleState:
             if state is not None and state not in states:
                 states.append(state)
         for state in states:
-            if state is not self and state.is_root:
+            # A sub-module initialised on its own (e.g. its unshard() was called first) is
+            # adopted as long as it is not in the middle of an iteration.
+            busy = state.ctx is not None and (state.ctx.in_forward or state.ctx.callback_queued)
+            if state is not self and state.is_root and busy:
                 raise RuntimeError(
-                    f"fully_shard: forward ran on a sharded sub-module ({state.label()}) before the "
-                    "root module; run the first forward through the outermost module"
+                    f"fully_shard: forward of {type(root_module).__name__} started while its sharded "
+                    f"sub-module {state.label()} is mid-iteration as a root; run forward through the "
+                    "outermost module"
                 )
         ctx = RootContext(states)
         for state in states:
@@ -113,7 +119,7 @@ class ModuleState:
                 group = state.group
                 group.label = ",".join(names.get(m, "?") or "root" for m in state.modules)
                 group.reduce_queue = ctx.reduce_queue
-                if group.reshard_after_forward is None:
+                if state.auto_reshard_after_forward:
                     group.reshard_after_forward = not state.is_root
         logger.debug("fsdp2: lazy init with root %s and %d groups", type(root_module).__name__, len(states))
 
@@ -197,6 +203,8 @@ class ModuleState:
         if self.backward_prefetch is not None:
             return [s.group for s in self.backward_prefetch if s.group is not None]
         order = self.ctx.forward_order
+        if self.is_root:  # backward leaves the root's own layers for the last group that ran
+            return [order[-1]] if order and order[-1] is not self.group else []
         if self.group in order:
             index = order.index(self.group)
             if index > 0:
