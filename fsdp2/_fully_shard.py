@@ -81,6 +81,7 @@ def fully_shard(
     if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
         subgroup = SubGroup(mesh, reshard_after_forward)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
+    device = _compute_device(mesh)
     params: list[ShardedParam] = []
     state: ModuleState | None = None
     try:
@@ -88,11 +89,14 @@ def fully_shard(
             params.append(ShardedParam(
                 param, locations, fqn, mesh, dim, mp_policy.param_dtype, mp_policy.reduce_dtype,
                 offload_to_cpu=offload, pin_memory=offload and offload_policy.pin_memory,
+                device=device,
             ))
         group = None
         if params:
-            group = ParamGroup(params, mesh, _compute_device(mesh), subgroup)
+            group = ParamGroup(params, mesh, device, subgroup)
             group.reshard_after_forward = reshard_after_forward
+        if device.type != "cpu":
+            _move_buffers(modules, device)
         state = ModuleState(tuple(modules), group, mp_policy)
         for m in modules:
             _swap_class(m)
@@ -271,11 +275,20 @@ def _check_devices(found: list[Found], mesh: DeviceMesh) -> None:
             f"(module.to(...)) before sharding"
         )
     for device in devices:
-        if device.type not in ("meta", mesh.device_type):
+        if device.type not in ("meta", "cpu", mesh.device_type):
             raise ValueError(
                 f"fully_shard: parameters are on {device} but the mesh is on {mesh.device_type}; "
                 f"move the module to {mesh.device_type} first, or build it on the meta device"
             )
+
+
+def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    """Buffers stay unsharded but live on the compute device, as parameters do."""
+    for m in modules:
+        for sub in m.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and buf.device.type == "cpu":
+                    sub._buffers[name] = buf.to(device)
 
 
 def _compute_device(mesh: DeviceMesh) -> torch.device:

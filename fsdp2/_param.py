@@ -96,6 +96,7 @@ class ShardedParam:
         reduce_dtype: torch.dtype | None,
         offload_to_cpu: bool,
         pin_memory: bool,
+        device: torch.device,
     ) -> None:
         self.locations = locations
         self.fqn = fqn
@@ -106,6 +107,7 @@ class ShardedParam:
         self._mp = (param_dtype, reduce_dtype)
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory and torch.cuda.is_available()
+        self._home_device = device
         self.unsharded: nn.Parameter | None = None
         # Sum of unsynced gradients kept in reduce dtype (see ParamGroup.post_backward).
         self.accumulated_grad: torch.Tensor | None = None
@@ -131,7 +133,10 @@ class ShardedParam:
         """Cut this rank's chunk out of ``full`` into fresh padded storage."""
         layout, dim = self.layout, self.layout.dim
         rows = layout.rows(self.rank)
-        device = torch.device("cpu") if self.offload_to_cpu and full.device.type != "meta" else full.device
+        if full.device.type == "meta":
+            device = full.device
+        else:  # a CPU-built model on an accelerator mesh moves there, as with torch's FSDP2
+            device = torch.device("cpu") if self.offload_to_cpu else self._home_device
         padded = torch.zeros(layout.local_shape, dtype=full.dtype, device=device)
         if rows > 0 and full.device.type != "meta":
             padded.narrow(dim, 0, rows).copy_(full.narrow(dim, self.rank * layout.chunk, rows))
