@@ -1,0 +1,303 @@
+"""Per-step wall time and memory of fsdp2 against torch's FSDP2, DDP and no communication.
+
+    torchrun --nproc-per-node 2 benchmarks/step_time.py [--dim 384 --layers 6 ...] [--sweep]
+
+One launch builds the same GPT-style transformer four ways, each with its own AdamW:
+
+- ``fsdp2``:       ``fsdp2.fully_shard`` per block, then the root;
+- ``torch_fsdp2``: ``torch.distributed.fsdp.fully_shard``, applied the same way;
+- ``ddp``:         ``torch.nn.parallel.DistributedDataParallel``;
+- ``nocomm``:      the plain model, each rank training its own copy (the compute-only floor).
+
+Their steps are interleaved round-robin (one step of each per round, the starting
+implementation rotating every round) so a noisy machine slows all of them alike. A step
+is forward + backward + ``optimizer.step()`` (plus ``zero_grad``), timed on every rank
+after a ``dist.barrier()``; a step's time is the slowest rank's, and the medians over the
+rounds after ``--warmup`` are reported. Rank 0 prints one JSON line per configuration
+(see benchmarks/README.md for the fields). Runs on gloo/CPU, or NCCL when CUDA is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+IMPLS = ("fsdp2", "torch_fsdp2", "ddp", "nocomm")
+RATIOS = (("fsdp2", "torch_fsdp2"), ("fsdp2", "ddp"), ("fsdp2", "nocomm"),
+          ("torch_fsdp2", "nocomm"), ("ddp", "nocomm"))
+
+
+# ---- model ------------------------------------------------------------------------------
+class Block(nn.Module):
+    """Pre-norm block: causal self-attention, then a GELU MLP (4x hidden)."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.attn_norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(d, dim=-1)
+        # (batch, heads, seq, head_dim)
+        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+
+
+class GPT(nn.Module):
+    """Token + learned position embeddings, ``n_layers`` blocks, final norm, untied head."""
+
+    def __init__(self, vocab: int, dim: int, n_layers: int, n_heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, dim)
+        self.pos_emb = nn.Embedding(seq, dim)
+        self.layers = nn.ModuleList(Block(dim, n_heads) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: (batch, seq) -> logits: (batch, seq, vocab)
+        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int
+    layers: int
+    heads: int
+    vocab: int
+    seq: int
+    batch: int  # sequences per rank per step
+
+    def __post_init__(self) -> None:
+        if min(asdict(self).values()) < 1:
+            raise ValueError(f"every model option must be >= 1, got {self}")
+        if self.dim % self.heads:
+            raise ValueError(f"--dim {self.dim} must be divisible by --heads {self.heads}")
+
+
+# Parameter counts in the comments are what the model above builds (embeddings included).
+PRESETS = {
+    "tiny": ModelConfig(dim=64, layers=2, heads=4, vocab=256, seq=32, batch=2),      # ~0.13M
+    "5M": ModelConfig(dim=256, layers=4, heads=4, vocab=4096, seq=128, batch=2),     # ~5.3M
+    "17M": ModelConfig(dim=384, layers=6, heads=6, vocab=8192, seq=128, batch=2),    # ~16.9M
+    "50M": ModelConfig(dim=640, layers=8, heads=10, vocab=8192, seq=128, batch=2),   # ~49.9M
+    "100M": ModelConfig(dim=768, layers=12, heads=12, vocab=8192, seq=128, batch=2),  # ~97.6M
+}
+DEFAULT_SWEEP = "5M,17M,50M,100M"
+
+
+# ---- the four implementations -----------------------------------------------------------
+def shard_per_block(model: GPT, mesh: DeviceMesh, fully_shard: Callable) -> nn.Module:
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root: embeddings, final norm, head
+    return model
+
+
+def wrap(impl: str, model: GPT, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    if impl == "fsdp2":
+        from fsdp2 import fully_shard
+        return shard_per_block(model, mesh, fully_shard)
+    if impl == "torch_fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        return shard_per_block(model, mesh, fully_shard)
+    if impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if impl == "nocomm":
+        return model
+    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+
+
+def make_batch(rank: int, step: int, cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (inputs, targets), different per (rank, step), identical for every implementation."""
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: torch.Tensor,
+               targets: torch.Tensor) -> torch.Tensor:
+    # zero_grad first, so the gradients of the last step stay alive for the memory count.
+    opt.zero_grad(set_to_none=True)
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+# ---- measurements -----------------------------------------------------------------------
+def _local_bytes(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> list[int]:
+    """[params, grads, optimizer state] bytes this rank holds (local shards of DTensors)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    optim = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [sum(_local_bytes(t) for t in ts) for ts in (params, grads, optim)]
+
+
+def gather_rows(values: list[float], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Stack every rank's ``values``: (world, len(values)). Uses the default group."""
+    local = torch.tensor(values, dtype=dtype)
+    if dist.get_backend() == "nccl":
+        local = local.cuda()
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, local)
+    return torch.stack(rows).cpu()
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux (bytes on macOS).
+    scale = 1 / 1024 ** 2 if sys.platform == "darwin" else 1 / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
+               mesh: DeviceMesh, device: torch.device) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same initial weights on every rank and for every implementation
+    base = GPT(cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq).to(device)
+    n_params = sum(p.numel() for p in base.parameters())
+    models = {impl: wrap(impl, copy.deepcopy(base), mesh, device) for impl in impls}
+    del base
+    opts = {impl: torch.optim.AdamW(m.parameters(), lr=1e-4) for impl, m in models.items()}
+
+    times = {impl: [] for impl in impls}
+    losses: dict[str, torch.Tensor] = {}
+    for rnd in range(warmup + steps):
+        inputs, targets = make_batch(rank, rnd, cfg, device)
+        for k in range(len(impls)):
+            impl = impls[(rnd + k) % len(impls)]  # rotate who goes first
+            dist.barrier()
+            start = time.perf_counter()
+            losses[impl] = train_step(models[impl], opts[impl], inputs, targets)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if rnd >= warmup:
+                times[impl].append(elapsed)
+
+    # A step lasts until its slowest rank is done.
+    per_step = {impl: gather_rows(times[impl]).max(dim=0).values.tolist() for impl in impls}
+    median = {impl: statistics.median(per_step[impl]) for impl in impls}
+    quartiles = {impl: statistics.quantiles(per_step[impl], n=4) if steps > 1 else [median[impl]] * 3
+                 for impl in impls}
+    mem = {impl: gather_rows(state_bytes(models[impl], opts[impl]), torch.int64) for impl in impls}
+    rss = gather_rows([peak_rss_mb()])[:, 0].tolist()
+    result = {
+        "config": {**asdict(cfg), "params": n_params, "world": world, "steps": steps, "warmup": warmup,
+                   "device": device.type, "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "median_s": {impl: round(median[impl], 5) for impl in impls},
+        "iqr_s": {impl: [round(quartiles[impl][0], 5), round(quartiles[impl][2], 5)] for impl in impls},
+        "ratio": {f"{a}/{b}": round(median[a] / median[b], 3) for a, b in RATIOS if a in impls and b in impls},
+        "peak_rss_mb": [round(r, 1) for r in rss],
+        "memory": {impl: {"params_bytes": m[:, 0].tolist(), "grads_bytes": m[:, 1].tolist(),
+                          "optim_bytes": m[:, 2].tolist(), "total_bytes": m.sum(dim=1).tolist()}
+                   for impl, m in mem.items()},
+        "last_loss_rank0": {impl: round(losses[impl].item(), 5) for impl in impls},
+    }
+    del models, opts, losses
+    gc.collect()
+    return result
+
+
+# ---- entry point ------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    d = PRESETS["17M"]
+    p.add_argument("--dim", type=int, default=d.dim)
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--vocab", type=int, default=d.vocab)
+    p.add_argument("--seq", type=int, default=d.seq)
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each implementation)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="NAMES",
+                   help=f"run presets instead of --dim.. --batch; bare --sweep means {DEFAULT_SWEEP}; "
+                        f"known: {','.join(PRESETS)}")
+    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    args = p.parse_args()
+    args.impls = [i for i in args.impls.split(",") if i]
+    unknown = [i for i in args.impls if i not in IMPLS]
+    if unknown or not args.impls or len(set(args.impls)) != len(args.impls):
+        p.error(f"--impls: give distinct names from {','.join(IMPLS)}, got {args.impls}")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.sweep is not None:
+        names = [n for n in args.sweep.split(",") if n]
+        bad = [n for n in names if n not in PRESETS]
+        if bad or not names:
+            p.error(f"--sweep: unknown preset(s) {bad}; known: {','.join(PRESETS)}")
+        args.configs = [PRESETS[n] for n in names]
+    else:
+        try:
+            args.configs = [ModelConfig(args.dim, args.layers, args.heads, args.vocab, args.seq, args.batch)]
+        except ValueError as e:
+            p.error(str(e))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    world = dist.get_world_size()
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Ranks share the machine's cores; oversubscribing them would time thread thrashing.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+    try:
+        for cfg in args.configs:
+            result = run_config(cfg, args.impls, args.steps, args.warmup, mesh, device)
+            if dist.get_rank() == 0:
+                line = json.dumps(result)
+                print(line, flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(line + "\n")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
