@@ -1,0 +1,202 @@
+"""The drop-in promise: same names, signatures and defaults as torch's FSDP2, same training.
+
+Switching ``from torch.distributed.fsdp import fully_shard`` to ``from fsdp2 import
+fully_shard`` must change nothing a user can call or observe.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp2
+from tests._dist import run_on_ranks
+from tests._models import MLP, Transformer, lm_loss, make_batch
+from tests._parity import train_parity
+
+PUBLIC_NAMES = {
+    "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
+    "CPUOffloadPolicy", "register_fsdp_forward_method", "record_schedule",
+}
+# torch's FSDP2 names fsdp2 does not provide: DataParallelMeshDims only configures
+# fully_shard's ``dp_mesh_dims`` argument (see test_fully_shard_signature_matches_torch), and
+# share_comm_ctx shares CUDA streams between roots.
+TORCH_ONLY_NAMES = {"DataParallelMeshDims", "share_comm_ctx"}
+FSDP_MODULE_METHODS = [
+    "unshard", "reshard", "set_requires_gradient_sync", "set_is_last_backward",
+    "set_reshard_after_forward", "set_reshard_after_backward", "set_modules_to_forward_prefetch",
+    "set_modules_to_backward_prefetch", "set_gradient_divide_factor", "reset_iter_state",
+]
+
+
+def _comparable(value):
+    """A default value, made comparable across the two packages' policy classes."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value).__name__, dataclasses.asdict(value)
+    return value
+
+
+def _params(fn) -> list[tuple[str, inspect._ParameterKind, object]]:
+    """Names, kinds and defaults; annotations differ in spelling only, so they are left out."""
+    return [(p.name, p.kind, _comparable(p.default)) for p in inspect.signature(fn).parameters.values()]
+
+
+# ---- names and signatures (no process group needed) ---------------------------------------
+def test_all_lists_exactly_the_public_names():
+    assert set(fsdp2.__all__) == PUBLIC_NAMES and len(fsdp2.__all__) == len(PUBLIC_NAMES)
+    assert all(hasattr(fsdp2, name) for name in fsdp2.__all__)
+    torch_fsdp2_names = set(torch_fsdp._fully_shard.__all__)
+    # Every other FSDP2 name torch exports is here; record_schedule is fsdp2's own.
+    assert torch_fsdp2_names - TORCH_ONLY_NAMES == PUBLIC_NAMES - {"record_schedule"}
+
+
+def test_fully_shard_signature_matches_torch():
+    ours = _params(fsdp2.fully_shard)
+    theirs = _params(torch_fsdp.fully_shard)
+    # torch 2.13 added ``dp_mesh_dims`` (which axes of a larger mesh are data parallel);
+    # fsdp2 takes the data-parallel mesh itself (``mesh=world_mesh["dp"]``) instead.
+    assert theirs[-1][0] == "dp_mesh_dims"
+    assert ours == theirs[:-1]
+    assert [name for name, kind, _ in ours if kind is inspect.Parameter.KEYWORD_ONLY] == [
+        "mesh", "reshard_after_forward", "shard_placement_fn", "mp_policy", "offload_policy",
+        "ignored_params",
+    ]
+
+
+@pytest.mark.parametrize("name", ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"])
+def test_policy_fields_and_defaults_match_torch(name):
+    ours, theirs = getattr(fsdp2, name), getattr(torch_fsdp, name)
+
+    def fields(cls):
+        return [(f.name, f.default) for f in dataclasses.fields(cls)]
+
+    assert fields(ours) == fields(theirs)
+    # Frozen-ness may differ: fsdp2's policies are all frozen (torch's OffloadPolicy is not).
+    assert dataclasses.asdict(ours()) == dataclasses.asdict(theirs())
+    assert issubclass(fsdp2.CPUOffloadPolicy, fsdp2.OffloadPolicy)
+
+
+@pytest.mark.parametrize("method", FSDP_MODULE_METHODS)
+def test_fsdp_module_method_matches_torch(method):
+    assert _params(getattr(fsdp2.FSDPModule, method)) == _params(getattr(torch_fsdp.FSDPModule, method))
+
+
+def test_package_never_imports_torch_fsdp():
+    offenders = []
+    for path in sorted(Path(fsdp2.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                modules = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)) \
+                    and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+                modules = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            else:
+                continue
+            if any(m == "torch.distributed.fsdp" or m.startswith("torch.distributed.fsdp.")
+                   for m in modules if isinstance(m, str)):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert len(list(Path(fsdp2.__file__).parent.glob("*.py"))) > 5  # the scan saw the package
+    assert offenders == []
+
+
+# ---- behaviour on a live world -------------------------------------------------------------
+def _module_identity(impl_name):
+    impl = importlib.import_module(impl_name)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    returned = impl.fully_shard(model, mesh=mesh)
+    sliced = model[:2]
+    return {
+        "returned_is_module": returned is model,
+        "is_fsdp_module": isinstance(model, impl.FSDPModule),
+        "still_sequential": isinstance(model, nn.Sequential),
+        "class_name": type(model).__name__,
+        "sliced_class": type(sliced).__name__,
+        "sliced_is_fsdp": isinstance(sliced, impl.FSDPModule),
+        "sliced_shares_children": sliced[0] is model[0],
+    }
+
+
+def test_fully_shard_returns_the_module_as_fsdp_subclass():
+    ours = run_on_ranks(_module_identity, 2, "fsdp2")[0]
+    assert ours == run_on_ranks(_module_identity, 2, "torch.distributed.fsdp")[0]
+    assert ours == {
+        "returned_is_module": True,
+        "is_fsdp_module": True,
+        "still_sequential": True,
+        "class_name": "FSDPSequential",
+        # nn.Sequential slicing builds ``type(self)(...)``: the slice is a plain Sequential.
+        "sliced_class": "Sequential",
+        "sliced_is_fsdp": False,
+        "sliced_shares_children": True,
+    }
+
+
+def _train_three_steps(fully_shard, model: nn.Module) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The user's training code; only the ``fully_shard`` it is handed differs."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        x, y = make_batch(dist.get_rank(), step)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def _switch_by_one_import():
+    model = Transformer()
+    torch_losses, torch_params = _train_three_steps(torch_fsdp.fully_shard, copy.deepcopy(model))
+    losses, params = _train_three_steps(fsdp2.fully_shard, copy.deepcopy(model))
+    assert params.keys() == torch_params.keys()
+    for name, p in params.items():
+        torch.testing.assert_close(p, torch_params[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    return torch_losses, losses
+
+
+def test_switching_the_import_gives_the_same_training():
+    for torch_losses, losses in run_on_ranks(_switch_by_one_import, 2):
+        assert len(losses) == 3
+        torch.testing.assert_close(losses, torch_losses, atol=1e-5, rtol=1e-5)
+
+
+def _dense_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+
+def _default_mesh():
+    meshes = []
+
+    def shard(model):
+        fsdp2.fully_shard(model)  # mesh=None: the default process group's world
+        meshes.extend(p.device_mesh for p in model.parameters())
+
+    train_parity(lambda: MLP(8, 16), shard, batch=_dense_batch, loss_fn=F.mse_loss)
+    return [(m.device_type, m.mesh.tolist()) for m in meshes]
+
+
+def test_mesh_none_uses_the_default_world():
+    for meshes in run_on_ranks(_default_mesh, 2):
+        assert meshes == [("cpu", [0, 1])] * 4
