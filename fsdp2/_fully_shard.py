@@ -111,6 +111,11 @@ def fully_shard(
             if isinstance(m, FSDPModule):
                 m.__class__ = m.__class__.__mro__[2]
         raise
+    # Mark the replaced originals: a module outside this call that still holds one shares a
+    # parameter with this group, and a later fully_shard on it must refuse (see _collect_params).
+    owner = type(modules[0]).__mro__[2].__name__  # the class before the FSDP<Class> swap
+    for param, _locations, fqn in found:
+        param.__dict__[_SHARDED_BY_ATTR] = f"fully_shard({owner}) as {fqn!r}"
     return module
 
 
@@ -194,6 +199,9 @@ def _check_policies(mp_policy: Any, offload_policy: Any, ignored: Any, placement
 
 Found = tuple[nn.Parameter, list[tuple[nn.Module, str]], str]
 
+# Set on an original parameter once fully_shard has replaced it by its sharded DTensor.
+_SHARDED_BY_ATTR = "_fsdp2_sharded_by"
+
 
 def _collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list[Found]:
     """The parameters these modules own, each with every (module, name) that holds it.
@@ -226,7 +234,7 @@ def _collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> lis
     for m in modules:
         visit(m, "", True)
     for param, _locations, fqn in found.values():
-        owner = claimed.get(id(param))
+        owner = claimed.get(id(param)) or param.__dict__.get(_SHARDED_BY_ATTR)
         if owner is None and isinstance(param, DTensor):
             owner = "another fully_shard call or a tensor-parallel plan"
         if owner is not None:

@@ -87,7 +87,7 @@ class ParamGroup:
         self.world = mesh.size()
         self.device = device
         self.subgroup = subgroup
-        self.label = "?"  # module FQN, set at lazy init when the root is known
+        self.label = type(params[0].locations[0][0]).__name__  # the FQN once lazy init knows the root
         self.reduce_queue = ReduceQueue()  # replaced by the root's shared queue at lazy init
         # Policies (reshard_after_forward is resolved at lazy init: None -> root keeps params).
         self.reshard_after_forward: bool | int | None = None
@@ -176,12 +176,16 @@ class ParamGroup:
             self.unshard(async_op=True)
         if self.state is ShardState.UNSHARDED:
             return
-        gather, self._gather = self._gather, None
+        gather = self._gather
         with record_function(f"fsdp2::all_gather_wait {self.label}"):
             if gather.work is not None:
                 gather.work.wait()
-            self._alloc_unsharded()
+            # The buffer and its parameter views outlive this forward: if the first unshard
+            # runs under inference_mode they must still not be inference tensors.
+            with torch.inference_mode(False):
+                self._alloc_unsharded()
             copy_out(gather, self._regions)
+        self._gather = None  # only now: if the copy raised, reset() still finds the collective
         for p in self.params:
             p.to_unsharded()
         self.state = ShardState.UNSHARDED

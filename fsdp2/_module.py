@@ -65,7 +65,8 @@ class FSDPModule:
         forward waits for it if ``wait()`` was not called.
         """
         state = self._fsdp_state()
-        state.lazy_init()
+        # No lazy init here: this module may be a sub-module called before the root's first
+        # forward, and must not become a root itself.
         if state.group is not None:
             state.group.unshard(async_op=True)
         handle = UnshardHandle(state)
@@ -121,7 +122,8 @@ class FSDPModule:
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters when backward reaches this one.
 
-        Replaces the implicit choice (the module that ran just before in forward).
+        Replaces the implicit choice (the module that ran just before in forward);
+        an empty list restores it, as in torch.
         """
         self._fsdp_state().backward_prefetch = _states_of("set_modules_to_backward_prefetch", modules)
 

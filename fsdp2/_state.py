@@ -27,6 +27,7 @@ import torch.nn as nn
 from . import _compat
 from ._api import MixedPrecisionPolicy
 from ._group import ParamGroup, ReduceQueue
+from ._state_dict import register_state_dict_hooks
 from ._tree import cast_floating, iter_tensors
 
 __all__ = ["TrainingState", "ModuleState", "RootContext", "get_state"]
@@ -73,7 +74,7 @@ class ModuleState:
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[ModuleState] = []
-        self.backward_prefetch: list[ModuleState] | None = None  # None: implicit
+        self.backward_prefetch: list[ModuleState] | None = None  # None or []: implicit
         self._modules_to_run: set[nn.Module] = set()
         self._handles: list[Any] = []
         for module in modules:
@@ -82,6 +83,7 @@ class ModuleState:
                 self._pre_forward_hook, prepend=True, with_kwargs=True))
             self._handles.append(module.register_forward_hook(
                 self._make_post_forward_hook(module), prepend=False, always_call=True))
+        self._handles.extend(register_state_dict_hooks(self))
 
     def remove(self) -> None:
         """Undo the hooks and attributes (used when fully_shard fails half-way)."""
@@ -124,9 +126,7 @@ class ModuleState:
         logger.debug("fsdp2: lazy init with root %s and %d groups", type(root_module).__name__, len(states))
 
     def label(self) -> str:
-        if self.group is not None and self.group.label != "?":
-            return self.group.label
-        return type(self.modules[0]).__name__
+        return self.group.label if self.group is not None else type(self.modules[0]).__name__
 
     # ---- forward ------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -176,7 +176,10 @@ class ModuleState:
             if not (torch.is_grad_enabled() and grad_outputs):
                 group.reshard()  # no backward can follow: never leave full parameters behind
             else:
-                group.reshard_after_forward_step()
+                if all(m.training for m in self.modules):
+                    group.reshard_after_forward_step()
+                else:  # eval: backward is unlikely; if it comes, the hook gathers again
+                    group.reshard()
                 torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
             self.training_state = TrainingState.IDLE
         if self.is_root:
@@ -200,7 +203,7 @@ class ModuleState:
             target.unshard(async_op=True)
 
     def _backward_prefetch_targets(self) -> list[ParamGroup]:
-        if self.backward_prefetch is not None:
+        if self.backward_prefetch:  # an empty list means implicit, as in torch
             return [s.group for s in self.backward_prefetch if s.group is not None]
         order = self.ctx.forward_order
         if self.is_root:  # backward leaves the root's own layers for the last group that ran

@@ -1,0 +1,120 @@
+"""``state_dict`` / ``load_state_dict`` on ``fully_shard``-ed modules, with no communication.
+
+Outside forward and backward the modules hold the sharded DTensor parameters,
+so ``nn.Module.state_dict`` already returns them under the unsharded model's
+keys. Two hooks per sharded module cover the rest:
+
+- a state-dict post-hook that, while the group is unsharded (after an explicit
+  ``unshard()``, or a forward whose parameters were kept for backward), puts the
+  sharded DTensors back in place of the full tensors the modules hold then;
+- a load pre-hook that reshards the group (its full tensors would be stale after
+  the load) and cuts a full plain tensor down to this rank's rows, so
+  ``load_state_dict`` accepts full tensors as well as DTensors. A full tensor
+  of the wrong shape is left alone: ``nn.Module`` reports it as a size mismatch
+  naming the key and both shapes.
+
+Keys are found from the module tree at hook time (a parameter may be tied under
+several names), never cached, so a module re-parented after ``fully_shard``
+still loads under its current names.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from ._param import ShardedParam, contiguous_stride
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from ._state import ModuleState
+
+__all__ = ["register_state_dict_hooks", "shard_full_tensor"]
+
+
+def register_state_dict_hooks(state: ModuleState) -> list[RemovableHandle]:
+    """Install the save and load hooks on each of ``state``'s modules; returns their handles."""
+    handles = []
+    for module in state.modules:
+        handles.append(module.register_state_dict_post_hook(
+            lambda m, sd, prefix, _meta: _sharded_on_save(state, m, sd, prefix)))
+        handles.append(module.register_load_state_dict_pre_hook(
+            lambda m, sd, prefix, meta, *_rest: _shard_on_load(state, m, sd, prefix, meta)))
+    return handles
+
+
+def shard_full_tensor(param: ShardedParam, full: torch.Tensor) -> DTensor:
+    """This rank's rows of ``full`` (the parameter's unsharded shape) as a DTensor like ``param``'s.
+
+    A view of ``full``: nothing is copied or communicated; ``copy_`` into the
+    sharded parameter then moves only this rank's rows.
+    """
+    layout = param.layout
+    start = min(param.rank * layout.chunk, layout.shape[layout.dim])  # empty shards start at the end
+    local = full.narrow(layout.dim, start, layout.rows(param.rank))
+    return DTensor.from_local(local, param.mesh, [Shard(layout.dim)], run_check=False,
+                              shape=layout.shape, stride=contiguous_stride(layout.shape))
+
+
+def _param_keys(state: ModuleState, module: nn.Module, prefix: str) -> Iterator[tuple[str, ShardedParam]]:
+    """Every state-dict key, under ``module`` at ``prefix``, that names one of the group's parameters."""
+    if state.group is None:
+        return
+    names = _relative_prefixes(module, state)
+    for param in state.group.params:
+        for owner, name in param.locations:
+            for rel in names.get(id(owner), ()):
+                yield f"{prefix}{rel}{name}", param
+
+
+def _relative_prefixes(root: nn.Module, state: ModuleState) -> dict[int, list[str]]:
+    """``id(module) -> ["a.b.", ...]`` for modules under ``root`` outside other sharded subtrees."""
+    found: dict[int, list[str]] = {}
+    stack = [(root, "")]
+    while stack:
+        module, rel = stack.pop()
+        found.setdefault(id(module), []).append(rel)
+        for name, child in module._modules.items():
+            # Another group's subtree holds none of our parameters (fully_shard rejects sharing).
+            if child is not None and child.__dict__.get("_fsdp2_state", state) is state:
+                stack.append((child, f"{rel}{name}."))
+    return found
+
+
+def _sharded_on_save(state: ModuleState, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+    group = state.group
+    if group is None or all(_registered(p) is p.sharded for p in group.params):
+        return  # the modules hold the shards: nn.Module saved them already
+    for key, param in _param_keys(state, module, prefix):
+        if key in state_dict:
+            # Same choice nn.Module makes: detach unless keep_vars (then the value is a Parameter).
+            keep_vars = isinstance(state_dict[key], nn.Parameter)
+            state_dict[key] = param.sharded if keep_vars else param.sharded.detach()
+
+
+def _registered(param: ShardedParam) -> nn.Parameter:
+    owner, name = param.locations[0]
+    return owner._parameters[name]
+
+
+def _shard_on_load(state: ModuleState, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                   local_metadata: dict[str, Any]) -> None:
+    if state.group is None:
+        return
+    if local_metadata.get("assign_to_params_buffers"):
+        raise NotImplementedError(
+            f"load_state_dict(assign=True) is not supported on a fully_shard-ed "
+            f"{type(module).__name__}: it would replace the sharded parameters fsdp2 manages; "
+            "load with assign=False (full tensors and DTensors are both accepted)"
+        )
+    # Loading overwrites the shards; full parameters gathered before would be stale.
+    state.group.reshard()
+    for key, param in _param_keys(state, module, prefix):
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                and value.shape == param.layout.shape:
+            state_dict[key] = shard_full_tensor(param, value)

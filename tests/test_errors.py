@@ -1,0 +1,184 @@
+"""Bad arguments raise TypeError/ValueError naming the problem and the fix, and change nothing.
+
+Every check in ``fully_shard`` runs before the first change, so after a rejected call the
+module must be exactly as it was: same class, same parameter objects (plain tensors, not
+DTensors), no hooks, no fsdp2 state.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp2 import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from tests._dist import run_on_ranks
+from tests._models import MLP
+
+
+# ---- helpers ----------------------------------------------------------------------------
+def _snapshot(module: nn.Module) -> list[tuple]:
+    """Everything fully_shard could change, per submodule; parameters by identity."""
+    return [
+        (name, type(m), [(n, id(p), p.__class__) for n, p in m._parameters.items()],
+         len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks),
+         sorted(k for k in m.__dict__ if "fsdp" in k.lower()))
+        for name, m in module.named_modules()
+    ]
+
+
+def _values(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in module.named_parameters() if p.device.type != "meta"}
+
+
+def _expect_rejected(module: nn.Module, call: Callable[[], Any], exc: type[Exception], match: str,
+                     *, already_sharded: bool = False) -> None:
+    before, values = _snapshot(module), _values(module)
+    with pytest.raises(exc, match=match):
+        call()
+    assert _snapshot(module) == before
+    after = _values(module)
+    assert after.keys() == values.keys() and all(torch.equal(after[n], v) for n, v in values.items())
+    if not already_sharded:
+        assert not any(isinstance(m, FSDPModule) for m in module.modules())
+        assert not any(isinstance(p, DTensor) for p in module.parameters())
+
+
+@functools.cache
+def _mesh() -> DeviceMesh:
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+class TiedPair(nn.Module):
+    """Two MLPs whose first layers share one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = MLP(8), MLP(8)
+        self.b.in_proj.weight = self.a.in_proj.weight
+
+
+class WithScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP(8)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+
+# ---- cases run on 2 ranks (they need a mesh); name -> (module, call, exception, match) -----
+def _case(name: str) -> tuple[nn.Module, Callable[[], Any], type[Exception], str]:
+    mlp = MLP(8)
+    shard = functools.partial(fully_shard, mlp, mesh=_mesh())
+    if name == "mesh_is_process_group":
+        return mlp, lambda: fully_shard(mlp, mesh=dist.group.WORLD), TypeError, \
+            r"mesh must be a .*DeviceMesh, got ProcessGroup; build one with init_device_mesh"
+    if name == "mesh_is_string":
+        return mlp, lambda: fully_shard(mlp, mesh="cpu"), TypeError, r"mesh must be a .*DeviceMesh, got str"
+    if name == "mesh_3d":
+        mesh = init_device_mesh("cpu", (1, 1, dist.get_world_size()), mesh_dim_names=("a", "b", "c"))
+        return mlp, lambda: fully_shard(mlp, mesh=mesh), ValueError, r"mesh has 3 dims; use a 1-D mesh"
+    if name.startswith("reshard_after_forward="):
+        value = name.split("=", 1)[1]
+        if value.lstrip("-").isdigit():
+            return mlp, lambda: shard(reshard_after_forward=int(value)), ValueError, \
+                rf"reshard_after_forward={value} must divide the mesh size 2; use one of \[1, 2\] or a bool"
+        return mlp, lambda: shard(reshard_after_forward=value), TypeError, \
+            r"reshard_after_forward must be None, a bool or an int, got 'yes'"
+    if name == "param_shared_between_groups":
+        tied = TiedPair()
+        fully_shard(tied.a, mesh=_mesh())
+        return tied.b, lambda: fully_shard(tied.b, mesh=_mesh()), ValueError, \
+            r"parameter 'in_proj.weight' is already sharded .* Apply fully_shard to a common parent"
+    if name == "param_shared_with_root":  # e.g. tied embedding and output head
+        tied = TiedPair()
+        fully_shard(tied.b, mesh=_mesh())
+        return tied, lambda: fully_shard(tied, mesh=_mesh()), ValueError, \
+            r"parameter 'a.in_proj.weight' is already sharded by fully_shard\(MLP\) as 'in_proj.weight'"
+    if name == "params_on_meta_and_cpu":
+        with torch.device("meta"):
+            mlp.out_proj = nn.Linear(32, 8)
+        return mlp, shard, ValueError, \
+            r"parameters are on different devices \(.*out_proj.weight on meta.*\); move the module to one device"
+    if name == "fully_shard_twice":
+        shard()
+        return mlp, shard, ValueError, r"fully_shard was already applied to this FSDPMLP; apply it once per module"
+    if name == "placement_not_shard":
+        return mlp, lambda: shard(shard_placement_fn=lambda p: Replicate()), TypeError, \
+            r"shard_placement_fn returned Replicate\(\) for 'in_proj.weight'; return Shard\(dim\) or None"
+    if name == "placement_dim_too_large":
+        return mlp, lambda: shard(shard_placement_fn=lambda p: Shard(p.ndim)), ValueError, \
+            r"chose Shard\(2\) for 'in_proj.weight' of shape \(32, 8\); pick a dim in \[0, 2\)"
+    if name == "placement_dim_too_negative":
+        return mlp, lambda: shard(shard_placement_fn=lambda p: Shard(-3)), ValueError, \
+            r"chose Shard\(-3\) for 'in_proj.weight' .*; pick a dim in \[0, 2\)"
+    if name == "scalar_param":
+        module = WithScalar()
+        return module, lambda: fully_shard(module, mesh=_mesh()), ValueError, \
+            r"parameter 'temperature' is a scalar \(0-dim\) .*reshape it to \(1,\) or pass it in ignored_params"
+    raise KeyError(name)
+
+
+# In the other cases only the arguments were bad: the module must still shard and run after.
+_INVALID_MODULE = {"param_shared_between_groups", "param_shared_with_root", "params_on_meta_and_cpu",
+                   "fully_shard_twice", "scalar_param"}
+
+
+def _check_case(name: str) -> None:
+    module, call, exc, match = _case(name)
+    _expect_rejected(module, call, exc, match,
+                     already_sharded=name in ("fully_shard_twice", "param_shared_with_root"))
+    if name not in _INVALID_MODULE:
+        x = torch.randn(2, 8)
+        expected = module(x)
+        fully_shard(module, mesh=_mesh())
+        torch.testing.assert_close(module(x), expected)
+
+
+CASES = [
+    "mesh_is_process_group", "mesh_is_string", "mesh_3d",
+    "reshard_after_forward=3", "reshard_after_forward=0", "reshard_after_forward=-1",
+    "reshard_after_forward=yes",
+    "param_shared_between_groups", "param_shared_with_root", "params_on_meta_and_cpu", "fully_shard_twice",
+    "placement_not_shard", "placement_dim_too_large", "placement_dim_too_negative", "scalar_param",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_argument_raises_and_leaves_module_unchanged(case):
+    run_on_ranks(_check_case, 2, case)
+
+
+# ---- cases with no process group needed --------------------------------------------------
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype"])
+def test_mixed_precision_policy_rejects_integer_dtype(field):
+    with pytest.raises(ValueError, match=rf"MixedPrecisionPolicy.{field} must be a floating-point dtype, "
+                                         r"got torch.int32; use torch.float32"):
+        MixedPrecisionPolicy(**{field: torch.int32})
+    with pytest.raises(TypeError, match=rf"MixedPrecisionPolicy.{field} must be a torch.dtype or None, "
+                                        rf"got 'bf16'; pass e.g. {field}=torch.bfloat16"):
+        MixedPrecisionPolicy(**{field: "bf16"})
+
+
+@pytest.mark.parametrize("bad", ["model", 3, [], None])
+def test_non_module_argument_raises_type_error(bad):
+    with pytest.raises(TypeError, match=r"fully_shard expects an nn.Module or a non-empty list of nn.Modules"):
+        fully_shard(bad)
+
+
+def test_list_with_a_non_module_leaves_the_modules_unchanged():
+    mlp = MLP(8)
+    _expect_rejected(mlp, lambda: fully_shard([mlp, "not a module"]), TypeError,
+                     r"expects an nn.Module or a non-empty list of nn.Modules, got list")
+
+
+def test_register_fsdp_forward_method_on_unsharded_module_raises():
+    mlp = MLP(8)
+    _expect_rejected(mlp, lambda: register_fsdp_forward_method(mlp, "forward"), ValueError,
+                     r"register_fsdp_forward_method: MLP is not fully_shard-ed; call fully_shard\(module\) first")

@@ -1,0 +1,102 @@
+"""The event trace of a training step, pinned: what FSDP gathers, frees and reduces, in order.
+
+A 3-block Transformer, each block sharded and the root holding the embeddings, norm
+and output head, on 2 ranks. Every rank must issue the same collectives in the same
+order (otherwise they would deadlock or mix up data), so the ranks' traces must agree;
+the trace itself is pinned with expecttest (``EXPECTTEST_ACCEPT=1`` rewrites it after
+an intended change).
+"""
+
+from __future__ import annotations
+
+import expecttest
+import torch
+import torch.distributed as dist
+
+import fsdp2
+from tests._dist import run_on_ranks
+from tests._models import Transformer, lm_loss, make_batch
+
+
+def _traced_steps(block_reshard_after_forward: bool | None, steps: int) -> list[list[str]]:
+    """Train ``steps`` steps; return each step's forward + backward events on this rank."""
+    model = Transformer()
+    for block in model.layers:
+        fsdp2.fully_shard(block, reshard_after_forward=block_reshard_after_forward)
+    fsdp2.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    traces = []
+    for step in range(steps):
+        inputs, targets = make_batch(dist.get_rank(), step)
+        with fsdp2.record_schedule() as events:
+            lm_loss(model(inputs), targets).backward()
+        opt.step()
+        opt.zero_grad()
+        traces.append(list(events))
+    return traces
+
+
+def _run(block_reshard_after_forward: bool | None, steps: int) -> list[list[str]]:
+    per_rank = run_on_ranks(_traced_steps, 2, block_reshard_after_forward, steps)
+    assert all(traces == per_rank[0] for traces in per_rank), per_rank
+    return per_rank[0]
+
+
+def _counts(events: list[str]) -> str:
+    return (f"all_gather={sum(e.startswith('unshard ') for e in events)} "
+            f"reduce_scatter={sum(e.startswith('reduce_scatter ') for e in events)}")
+
+
+class TestTrace(expecttest.TestCase):
+    def test_default_trace(self):
+        # Forward: the root gathers once and keeps its parameters (it is needed again
+        # first in backward); each block is gathered and freed in turn. Backward runs in
+        # reverse: gathering a block also prefetches the one before it, each block
+        # reduce-scatters and frees once its gradients are done, the root last.
+        (events,) = _run(None, 1)
+        self.assertExpectedInline("\n".join(events), """\
+unshard root
+unshard layers.0
+reshard layers.0
+unshard layers.1
+reshard layers.1
+unshard layers.2
+reshard layers.2
+unshard layers.2
+unshard layers.1
+reduce_scatter layers.2
+reshard layers.2
+unshard layers.0
+reduce_scatter layers.1
+reshard layers.1
+reduce_scatter layers.0
+reshard layers.0
+reduce_scatter root
+reshard root""")
+
+    def test_blocks_keep_params_after_forward_trace(self):
+        # reshard_after_forward=False: no all-gathers in backward at all.
+        (events,) = _run(False, 1)
+        self.assertExpectedInline("\n".join(events), """\
+unshard root
+unshard layers.0
+unshard layers.1
+unshard layers.2
+reduce_scatter layers.2
+reshard layers.2
+reduce_scatter layers.1
+reshard layers.1
+reduce_scatter layers.0
+reshard layers.0
+reduce_scatter root
+reshard root""")
+
+    def test_collective_counts_per_step(self):
+        lines = []
+        for name, policy in (("default", None), ("keep", False)):
+            first, second = _run(policy, 2)
+            self.assertEqual(second, first)  # steady state from the first step on
+            lines.append(f"{name}: {_counts(first)}")
+        self.assertExpectedInline("\n".join(lines), """\
+default: all_gather=7 reduce_scatter=4
+keep: all_gather=4 reduce_scatter=4""")
