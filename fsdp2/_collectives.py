@@ -20,12 +20,12 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from . import _compat, _trace
 from ._param import ShardedParam, ShardLayout
 
 __all__ = [
     "ALIGN", "GatherPlan", "AllGatherInFlight", "ReduceScatterInFlight",
-    "start_all_gather", "copy_out", "start_reduce_scatter", "finish_reduce_scatter",
+    "start_all_gather", "copy_out", "ReduceTarget", "start_reduce_scatter", "finish_reduce_scatter",
 ]
 
 ALIGN = 16  # bytes; a multiple of every dtype's itemsize
@@ -104,6 +104,26 @@ def copy_out(inflight: AllGatherInFlight, regions: Sequence[torch.Tensor]) -> No
             lay.chunks_view(region).copy_(src.unflatten(1, lay.local_shape))
 
 
+@dataclass
+class ReduceTarget:
+    """Where and how one group's gradients are reduced.
+
+    ``group``/``world``: the shard axis (reduce-scatter). ``replicate_group``:
+    the replicate axis of an HSDP mesh (all-reduce after the reduce-scatter),
+    skipped while ``all_reduce`` is False, in which case the reduce-scattered
+    sums wait in ``partial`` (per dtype) for the next all-reduce.
+    """
+
+    group: dist.ProcessGroup
+    world: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_world: int
+    all_reduce: bool
+    partial: dict[torch.dtype, torch.Tensor]
+    divide_factor: float
+    label: str
+
+
 class ReduceScatterInFlight(NamedTuple):
     """One dtype bucket's reduce-scatter, finished by :func:`finish_reduce_scatter`."""
 
@@ -112,7 +132,9 @@ class ReduceScatterInFlight(NamedTuple):
     output: torch.Tensor
     params: tuple[ShardedParam, ...]
     offsets: tuple[int, ...]
+    op: dist.ReduceOp
     post_divide: float | None
+    target: ReduceTarget
 
 
 def _reduce_op(dtype: torch.dtype, world: int, factor: float) -> tuple[dist.ReduceOp, float | None, float | None]:
@@ -138,12 +160,11 @@ def start_reduce_scatter(
     params: Sequence[ShardedParam],
     grads: Sequence[torch.Tensor],
     dtype: torch.dtype,
-    group: dist.ProcessGroup,
-    world: int,
-    divide_factor: float,
+    target: ReduceTarget,
     device: torch.device,
 ) -> ReduceScatterInFlight:
     """Copy full gradients into one rank-major buffer and issue the reduce-scatter."""
+    world, group = target.world, target.group
     offsets, total = _offsets([p.layout.local_numel for p in params], align=False)
     send = torch.empty(world * total, dtype=dtype, device=device)
     by_rank = send.view(world, total)
@@ -160,7 +181,7 @@ def start_reduce_scatter(
                     rows = lay.rows(r)
                     if rows:
                         dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
-    op, pre, post = _reduce_op(dtype, world, divide_factor)
+    op, pre, post = _reduce_op(dtype, world * target.replicate_world, target.divide_factor)
     if pre is not None and pre != 1:
         send.div_(pre)
     output = torch.empty(total, dtype=dtype, device=device)
@@ -169,14 +190,23 @@ def start_reduce_scatter(
         work = None
     else:
         work = _compat.reduce_scatter_flat(output, send, op=op, group=group, async_op=True)
-    return ReduceScatterInFlight(work, send, output, tuple(params), tuple(offsets), post)
+    return ReduceScatterInFlight(work, send, output, tuple(params), tuple(offsets), op, post, target)
 
 
 def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
-    """Wait, then add each parameter's reduced chunk into its sharded ``.grad``."""
+    """Wait, all-reduce across replicas (HSDP), add each rank's chunk into the sharded ``.grad``."""
     if inflight.work is not None:
         inflight.work.wait()
-    out = inflight.output
+    out, target = inflight.output, inflight.target
+    if target.replicate_group is not None:
+        earlier = target.partial.pop(out.dtype, None)
+        if earlier is not None:  # reduce-scattered while all-reduce was off
+            out += earlier
+        if not target.all_reduce:
+            target.partial[out.dtype] = out
+            return
+        _trace.emit("all_reduce", target.label)
+        dist.all_reduce(out, op=inflight.op, group=target.replicate_group)
     if inflight.post_divide is not None and inflight.post_divide != 1:
         out.div_(inflight.post_divide)
     for p, off in zip(inflight.params, inflight.offsets):

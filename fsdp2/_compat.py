@@ -43,3 +43,34 @@ def set_dtensor_local(dtensor: torch.Tensor, local: torch.Tensor) -> None:
 # torch 2.13 renamed the flat collectives (the old names warn); older releases only have the old ones.
 all_gather_flat = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
 reduce_scatter_flat = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+
+
+def root_mesh(mesh):
+    """The mesh ``mesh`` was sliced from (itself if it is a root).
+
+    DeviceMesh exposes slicing but not the way back; the method moved from
+    ``_mesh_resources.get_root_mesh`` (torch 2.6) to ``DeviceMesh._get_root_mesh``.
+    """
+    if hasattr(mesh, "_get_root_mesh"):
+        return mesh._get_root_mesh()
+    from torch.distributed.device_mesh import _mesh_resources
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def concat_meshes(meshes):
+    """One mesh whose axes are those of ``meshes`` in order (all sliced from one root)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if hasattr(DeviceMesh, "_concatenate"):
+        return DeviceMesh._concatenate(list(meshes))
+    names = tuple(name for mesh in meshes for name in mesh.mesh_dim_names)
+    return root_mesh(meshes[0])[names]
+
+
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's placement for "shard dim ``dim`` of each of ``split_factor`` pieces".
+
+    Needed when FSDP shards a dimension tensor parallelism already split:
+    the data-parallel chunks interleave with the TP chunks. Private in torch.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+    return _StridedShard(dim, split_factor=split_factor)

@@ -15,7 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ._api import MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
+from . import _compat
 from ._group import ParamGroup, SubGroup
+from ._mesh import DataParallelMesh
 from ._module import FSDPModule
 from ._param import ShardedParam
 from ._state import ModuleState, get_state
@@ -76,10 +78,12 @@ def fully_shard(
     found = _collect_params(modules, ignored_params or set())
     dims = _placement_dims(found, shard_placement_fn)
     _check_devices(found, mesh)
+    _check_tensor_parallel(found, mesh, reshard_after_forward)
 
+    dp = DataParallelMesh.of(mesh)
     subgroup = None
     if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
-        subgroup = SubGroup(mesh, reshard_after_forward)
+        subgroup = SubGroup(dp, reshard_after_forward)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     device = _compute_device(mesh)
     params: list[ShardedParam] = []
@@ -87,13 +91,13 @@ def fully_shard(
     try:
         for (param, locations, fqn), dim in zip(found, dims):
             params.append(ShardedParam(
-                param, locations, fqn, mesh, dim, mp_policy.param_dtype, mp_policy.reduce_dtype,
+                param, locations, fqn, dp, dim, mp_policy.param_dtype, mp_policy.reduce_dtype,
                 offload_to_cpu=offload, pin_memory=offload and offload_policy.pin_memory,
                 device=device,
             ))
         group = None
         if params:
-            group = ParamGroup(params, mesh, device, subgroup)
+            group = ParamGroup(params, dp, device, subgroup)
             group.reshard_after_forward = reshard_after_forward
         if device.type != "cpu":
             _move_buffers(modules, device)
@@ -154,9 +158,10 @@ def _resolve_mesh(mesh: Any) -> DeviceMesh:
             f"fully_shard: mesh has {mesh.ndim} dims; use a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh "
             "(HSDP), e.g. mesh['dp'] to take the data-parallel axes of a larger mesh"
         )
-    if mesh.ndim == 2:
-        raise NotImplementedError(
-            "fully_shard: 2-D (HSDP) meshes are not supported yet; pass a 1-D data-parallel mesh"
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            "fully_shard: a 2-D mesh means HSDP (replicate, shard) and needs axis names; build it with "
+            "init_device_mesh(device, (replicas, shards), mesh_dim_names=('dp_replicate', 'dp_shard'))"
         )
     return mesh
 
@@ -168,7 +173,7 @@ def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> bool | int | N
         raise TypeError(
             f"fully_shard: reshard_after_forward must be None, a bool or an int, got {value!r}"
         )
-    size = mesh.size()
+    size = mesh.size(mesh.ndim - 1)  # the shard axis
     if value < 1 or size % value != 0:
         divisors = [d for d in range(1, size + 1) if size % d == 0]
         raise ValueError(
@@ -235,8 +240,6 @@ def _collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> lis
         visit(m, "", True)
     for param, _locations, fqn in found.values():
         owner = claimed.get(id(param)) or param.__dict__.get(_SHARDED_BY_ATTR)
-        if owner is None and isinstance(param, DTensor):
-            owner = "another fully_shard call or a tensor-parallel plan"
         if owner is not None:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is already sharded by {owner}; a parameter shared by two "
@@ -297,6 +300,29 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
             for name, buf in sub._buffers.items():
                 if buf is not None and buf.device.type == "cpu":
                     sub._buffers[name] = buf.to(device)
+
+
+def _check_tensor_parallel(found: list[Found], mesh: DeviceMesh, reshard_after_forward: Any) -> None:
+    """DTensor parameters must come from a TP plan on a sibling axis of ``mesh``'s parent mesh."""
+    dp_root = _compat.root_mesh(mesh)
+    for param, _locations, fqn in found:
+        if not isinstance(param, DTensor):
+            continue
+        tp_mesh = param.device_mesh
+        names = tp_mesh.mesh_dim_names or ()
+        shared = set(names) & set(mesh.mesh_dim_names or ())
+        if tp_mesh is mesh or _compat.root_mesh(tp_mesh) is not dp_root or not names or shared:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which is not a separate "
+                f"named axis of the data-parallel mesh's parent ({dp_root}). Build one mesh, e.g. "
+                "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), apply "
+                "parallelize_module(block, mesh['tp'], plan) and then fully_shard(block, mesh=mesh['dp'])"
+            )
+        if not isinstance(reshard_after_forward, (bool, type(None))):
+            raise ValueError(
+                f"fully_shard: reshard_after_forward={reshard_after_forward} (int) is not supported with "
+                f"tensor-parallel parameters ({fqn!r}); use True or False"
+            )
 
 
 def _compute_device(mesh: DeviceMesh) -> torch.device:

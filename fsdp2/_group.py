@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,13 +18,12 @@ from torch.profiler import record_function
 
 from . import _trace
 from ._collectives import (
-    ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, copy_out,
+    ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, ReduceTarget, copy_out,
     finish_reduce_scatter, start_all_gather, start_reduce_scatter,
 )
+from ._mesh import DataParallelMesh
 from ._param import ShardedParam
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ShardState", "ParamGroup", "ReduceQueue"]
 
@@ -64,27 +63,25 @@ class ReduceQueue:
 class SubGroup:
     """The smaller process group an int ``reshard_after_forward`` reshards to."""
 
-    def __init__(self, mesh: DeviceMesh, size: int) -> None:
-        ranks = mesh.mesh.flatten().tolist()
-        blocks = [ranks[i:i + size] for i in range(0, len(ranks), size)]
+    def __init__(self, dp: DataParallelMesh, size: int) -> None:
         # Every rank must create every group, in the same order.
-        self.group, _ = dist.new_subgroups_by_enumeration(blocks)
+        self.group, _ = dist.new_subgroups_by_enumeration(dp.shard_blocks(size))
         self.size = size
-        self.rank = mesh.get_local_rank() % size
+        self.rank = dp.shard_rank % size
 
 
 class ParamGroup:
     def __init__(
         self,
         params: list[ShardedParam],
-        mesh: DeviceMesh,
+        dp: DataParallelMesh,
         device: torch.device,
         subgroup: SubGroup | None,
     ) -> None:
         self.params = params
-        self.mesh = mesh
-        self.process_group = mesh.get_group()
-        self.world = mesh.size()
+        self.dp = dp
+        self.process_group = dp.shard_group
+        self.world = dp.shard_size
         self.device = device
         self.subgroup = subgroup
         self.label = type(params[0].locations[0][0]).__name__  # the FQN once lazy init knows the root
@@ -93,6 +90,8 @@ class ParamGroup:
         self.reshard_after_forward: bool | int | None = None
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce across replicas after reduce-scatter
+        self._partial_reduce: dict[torch.dtype, torch.Tensor] = {}
         self.divide_factor: float | None = None
         self.state = ShardState.SHARDED
         self._gather: AllGatherInFlight | None = None
@@ -258,11 +257,18 @@ class ParamGroup:
                 grads.append(grad)
         if not buckets:
             return
-        factor = float(self.divide_factor if self.divide_factor is not None else self.world)
+        dp = self.dp
+        target = ReduceTarget(
+            group=self.process_group, world=self.world,
+            replicate_group=dp.replicate_group, replicate_world=dp.replicate_size,
+            all_reduce=self.requires_all_reduce, partial=self._partial_reduce,
+            divide_factor=float(self.divide_factor if self.divide_factor is not None else dp.world),
+            label=self.label,
+        )
         _trace.emit("reduce_scatter", self.label)
         with record_function(f"fsdp2::reduce_scatter {self.label}"):
             inflight = [
-                start_reduce_scatter(params, grads, dtype, self.process_group, self.world, factor, self.device)
+                start_reduce_scatter(params, grads, dtype, target, self.device)
                 for dtype, (params, grads) in buckets.items()
             ]
         self.reduce_queue.submit(inflight)
@@ -289,6 +295,7 @@ class ParamGroup:
             if p.unsharded is not None:
                 p.unsharded.grad = None
             p.accumulated_grad = None
+        self._partial_reduce.clear()
         self.backward_started = False
         self.post_backward_done = False
         self._grads_ready.clear()

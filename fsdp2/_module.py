@@ -93,6 +93,18 @@ class FSDPModule:
             if state.group is not None:
                 state.group.requires_gradient_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: skip (False) or do (True) the all-reduce across replicas after reduce-scatter.
+
+        For gradient accumulation that still reduce-scatters within each
+        replica but saves the slower cross-replica traffic until the last
+        micro-batch; the skipped sums are kept and all-reduced then.
+        """
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        for state in self._states_below(recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """If False, the end of backward does not wait for the last reduce-scatters."""
         _check_bool("is_last_backward", is_last_backward)

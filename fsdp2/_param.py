@@ -17,8 +17,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from . import _compat
+from ._mesh import DataParallelMesh
 
 __all__ = ["ShardLayout", "ShardedParam", "contiguous_stride"]
 
@@ -90,7 +92,7 @@ class ShardedParam:
         param: nn.Parameter,
         locations: list[tuple[nn.Module, str]],
         fqn: str,
-        mesh: DeviceMesh,
+        dp: DataParallelMesh,
         dim: int,
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
@@ -100,10 +102,20 @@ class ShardedParam:
     ) -> None:
         self.locations = locations
         self.fqn = fqn
-        self.mesh = mesh
-        self.rank = mesh.get_local_rank()
+        self.dp = dp
+        self.rank = dp.shard_rank
         self.requires_grad = param.requires_grad
-        self.layout = ShardLayout.even(param.shape, dim, mesh.size())
+        self.global_shape = param.shape
+        # Tensor parallelism: the parameter is already a DTensor on a TP mesh. FSDP shards
+        # its TP-local tensor and adds the data-parallel axes in front.
+        self.tp: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
+        if isinstance(param, DTensor):
+            self.tp = (param.device_mesh, tuple(param.placements))
+            local = param.to_local()
+        else:
+            local = param
+        self.spmd_mesh, self.placements = self._spmd_layout(dim)
+        self.layout = ShardLayout.even(local.shape, dim, dp.shard_size)
         self._mp = (param_dtype, reduce_dtype)
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory and torch.cuda.is_available()
@@ -111,7 +123,21 @@ class ShardedParam:
         self.unsharded: nn.Parameter | None = None
         # Sum of unsynced gradients kept in reduce dtype (see ParamGroup.post_backward).
         self.accumulated_grad: torch.Tensor | None = None
-        self._init_sharded(param.detach())
+        self._init_sharded(local.detach())
+
+    def _spmd_layout(self, dim: int) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """The mesh and placements of the sharded DTensor users see."""
+        if self.tp is None:
+            return self.dp.mesh, self.dp.placements(Shard(dim))
+        tp_mesh, tp_placements = self.tp
+        # Pieces TP already cut along ``dim``: the data-parallel chunks interleave with them.
+        split = 1
+        for axis, placement in enumerate(tp_placements):
+            if isinstance(placement, Shard) and placement.dim == dim:
+                split *= tp_mesh.size(axis)
+        shard = _compat.strided_shard(dim, split) if split > 1 else Shard(dim)
+        mesh = _compat.concat_meshes([self.dp.mesh, tp_mesh])
+        return mesh, self.dp.placements(shard) + tp_placements
 
     # ---- dtypes -------------------------------------------------------------------------
     @property
@@ -147,13 +173,13 @@ class ShardedParam:
     def _set_padded_local(self, padded: torch.Tensor) -> None:
         self.padded_local = padded
         local = padded.narrow(self.layout.dim, 0, self.layout.rows(self.rank))
-        self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
+        self.sharded = nn.Parameter(self.as_sharded_dtensor(local), requires_grad=self.requires_grad)
         self._register_on_modules(self.sharded)
 
-    def _as_dtensor(self, local: torch.Tensor) -> DTensor:
-        shape = self.layout.shape
+    def as_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
+        shape = self.global_shape
         return DTensor.from_local(
-            local, self.mesh, [Shard(self.layout.dim)], run_check=False,
+            local, self.spmd_mesh, self.placements, run_check=False,
             shape=shape, stride=contiguous_stride(shape),
         )
 
@@ -201,6 +227,13 @@ class ShardedParam:
             return
         padded_full = region.view(self.layout.padded_shape)
         view = padded_full.narrow(self.layout.dim, 0, self.layout.shape[self.layout.dim])
+        if self.tp is not None:  # TP modules expect DTensor parameters on the TP mesh
+            tp_mesh, tp_placements = self.tp
+            with torch.no_grad():
+                view = DTensor.from_local(
+                    view, tp_mesh, tp_placements, run_check=False,
+                    shape=self.global_shape, stride=contiguous_stride(self.global_shape),
+                )
         self.unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
         if self.requires_grad:
             self.unsharded.register_post_accumulate_grad_hook(lambda _p: on_grad_ready(self))
@@ -218,9 +251,19 @@ class ShardedParam:
             module._parameters[name] = param
 
     # ---- gradients ----------------------------------------------------------------------
+    def _unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded parameter's gradient as a plain (TP-local) tensor."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if isinstance(grad, DTensor):
+            tp_mesh, tp_placements = self.tp
+            if tuple(grad.placements) != tp_placements:  # e.g. Partial sums from TP
+                grad = grad.redistribute(tp_mesh, tp_placements)
+            grad = grad.to_local()
+        return grad
+
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """The unsharded gradient to reduce (with any unsynced sum folded in); clears it."""
-        grad = self.unsharded.grad if self.unsharded is not None else None
+        grad = self._unsharded_grad()
         if self.unsharded is not None:
             self.unsharded.grad = None
         if self.accumulated_grad is not None:
@@ -232,9 +275,11 @@ class ShardedParam:
 
     def stash_unsynced_grad(self) -> None:
         """Keep the gradient for a later synced backward, summed in reduce dtype."""
-        grad = self.unsharded.grad if self.unsharded is not None else None
-        if grad is None or self.reduce_dtype == self.param_dtype and self.accumulated_grad is None:
+        if self.unsharded is None or self.unsharded.grad is None:
+            return
+        if self.reduce_dtype == self.param_dtype and self.accumulated_grad is None and self.tp is None:
             return  # autograd keeps accumulating into unsharded.grad itself
+        grad = self._unsharded_grad()
         self.unsharded.grad = None
         if self.accumulated_grad is None:
             self.accumulated_grad = grad.to(self.reduce_dtype)
@@ -248,7 +293,7 @@ class ShardedParam:
         grad = self.sharded.grad
         if grad is None:
             local = local.to(device=target_device, dtype=self.orig_dtype, copy=True)
-            self.sharded.grad = self._as_dtensor(local.contiguous())
+            self.sharded.grad = self.as_sharded_dtensor(local.contiguous())
         else:
             with torch.no_grad():
                 grad.to_local().add_(local.to(target_device))

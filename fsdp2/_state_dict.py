@@ -56,8 +56,7 @@ def shard_full_tensor(param: ShardedParam, full: torch.Tensor) -> DTensor:
     layout = param.layout
     start = min(param.rank * layout.chunk, layout.shape[layout.dim])  # empty shards start at the end
     local = full.narrow(layout.dim, start, layout.rows(param.rank))
-    return DTensor.from_local(local, param.mesh, [Shard(layout.dim)], run_check=False,
-                              shape=layout.shape, stride=contiguous_stride(layout.shape))
+    return param.as_sharded_dtensor(local)
 
 
 def _param_keys(state: ModuleState, module: nn.Module, prefix: str) -> Iterator[tuple[str, ShardedParam]]:

@@ -1,0 +1,217 @@
+"""Full (unsharded) single-file models: export for inference, import pretrained weights.
+
+``export_full`` gathers one parameter at a time (``full_tensor()``, a
+collective every rank joins) and rank 0 streams it to the file, so the writer
+holds about one full parameter beyond its shards. ``load_full`` has each rank
+memory-map the file and read only the rows it owns: no broadcast, and no rank
+ever holds a full copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .._state import get_state
+from ._safetensors import StreamingWriter, import_safetensors
+
+__all__ = ["export_full", "load_full"]
+
+INDEX = "model.safetensors.index.json"
+KeyMap = Callable[[str], "str | None"] | Mapping[str, str]
+
+
+def export_full(path: str | os.PathLike, model: nn.Module, *, format: str = "safetensors") -> None:
+    """Write ``model``'s full state dict to one file, gathering one parameter at a time.
+
+    Call on every rank (each gather is a collective); rank 0 writes. Keys are
+    the unsharded model's, tied parameters appear under each of their names.
+
+    Args:
+        path: the output file.
+        model: a sharded (or plain) model.
+        format: ``"safetensors"`` (streamed: peak extra memory on rank 0 is
+            about one full parameter) or ``"torch"`` (``torch.save`` of a dict
+            of CPU tensors; ``torch.save`` needs the whole dict, so rank 0 holds
+            the full model at the end).
+    """
+    if format not in ("safetensors", "torch"):
+        raise ValueError(f"export_full: format must be 'safetensors' or 'torch', got {format!r}")
+    state = model.state_dict()  # shards and buffers, no communication
+    writer_rank = not dist.is_initialized() or dist.get_rank() == 0
+    specs = {key: (value.shape, value.dtype) for key, value in state.items()}
+    tmp = Path(f"{path}.tmp")
+    if format == "torch":
+        full = {key: _gather(value, writer_rank) for key, value in state.items()}
+        if writer_rank:
+            torch.save(full, tmp)
+    else:
+        import_safetensors()  # fail before any collective if the reader side is missing
+        file = open(tmp, "wb") if writer_rank else None
+        try:
+            writer = StreamingWriter(file, specs, {"format": "pt"}) if writer_rank else None
+            for key, value in state.items():
+                tensor = _gather(value, writer_rank)
+                if writer is not None:
+                    writer.write(key, tensor)
+                del tensor  # drop it before gathering the next one
+            if writer is not None:
+                writer.close()
+        finally:
+            if file is not None:
+                file.close()
+    if writer_rank:
+        os.replace(tmp, path)  # readers never see a half-written file
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _gather(value: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    return full.detach().cpu() if keep else None
+
+
+def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None = None) -> None:
+    """Load full weights from safetensors into a sharded ``model``; each rank reads only its rows.
+
+    ``path`` is a ``.safetensors`` file, or a directory holding
+    ``model.safetensors`` or a Hugging Face shard index
+    (``model.safetensors.index.json`` naming the file of each tensor). The
+    files are memory-mapped and each rank copies just the slice of each tensor
+    its shard covers, so no rank materializes the model and nothing is sent.
+    Tensors are cast to the model's dtypes.
+
+    Args:
+        path: file or directory, as above.
+        model: the (sharded or plain) model to fill; every rank calls this.
+        key_map: renames checkpoint keys to model keys: a mapping, or a
+            callable returning the model key or ``None`` to skip the tensor.
+
+    Raises:
+        ValueError: listing every model key the file lacks (a tied parameter
+            needs only one of its names), every file key the model lacks, and
+            every shape mismatch; raised before anything is loaded.
+    """
+    safetensors = import_safetensors()
+    files = _resolve_files(Path(path))
+    mapped = _map_keys(files, key_map)
+    state = model.state_dict()
+    _check_keys(model, state, mapped, files)
+    for state_obj in {id(s): s for s in map(get_state, model.modules()) if s is not None}.values():
+        if state_obj.group is not None:
+            state_obj.group.reshard()  # loading makes any gathered copy stale
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for model_key, (file, file_key) in mapped.items():
+        if model_key in state:
+            by_file.setdefault(file, []).append((model_key, file_key))
+    with torch.no_grad():
+        for file, keys in by_file.items():
+            with safetensors.safe_open(file, framework="pt") as f:
+                for model_key, file_key in keys:
+                    _copy_owned_rows(state[model_key], f.get_slice(file_key), model_key)
+
+
+def _resolve_files(path: Path) -> dict[str, list[str]]:
+    """file -> the keys it holds (read from headers only)."""
+    if path.is_dir():
+        index = path / INDEX
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files: dict[str, list[str]] = {}
+            for key, name in weight_map.items():
+                files.setdefault(str(path / name), []).append(key)
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                raise FileNotFoundError(f"load_full: {index} names shard files that do not exist: {missing}")
+            return files
+        if (path / "model.safetensors").is_file():
+            path = path / "model.safetensors"
+        else:
+            raise FileNotFoundError(f"load_full: {path} holds neither {INDEX} nor model.safetensors")
+    if not path.is_file():
+        raise FileNotFoundError(f"load_full: no such file {path}")
+    return {str(path): list(_header(path))}
+
+
+def _header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"load_full: {path} is not a safetensors file (shorter than its header length)")
+        size = int.from_bytes(raw, "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _map_keys(files: dict[str, list[str]], key_map: KeyMap | None) -> dict[str, tuple[str, str]]:
+    """model key -> (file, file key)."""
+    mapped: dict[str, tuple[str, str]] = {}
+    for file, keys in files.items():
+        for key in keys:
+            if key_map is None:
+                target = key
+            elif callable(key_map):
+                target = key_map(key)
+            else:
+                target = key_map.get(key, key)
+            if target is not None:
+                mapped[target] = (file, key)
+    return mapped
+
+
+def _check_keys(model: nn.Module, state: dict[str, torch.Tensor], mapped: dict[str, tuple[str, str]],
+                files: dict[str, list[str]]) -> None:
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        header = _header(Path(file))
+        shapes.update({k: v["shape"] for k, v in header.items()})
+    # Tied parameters: one name in the file is enough for all of them.
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    names_of = {name: names for names in aliases.values() for name in names}
+    missing = [k for k in state if k not in mapped and not any(a in mapped for a in names_of.get(k, ()))]
+    unexpected = [k for k in mapped if k not in state]
+    mismatched = [f"{k}: file {shapes[mapped[k][1]]} vs model {list(state[k].shape)}"
+                  for k in mapped if k in state and list(state[k].shape) != shapes[mapped[k][1]]]
+    # Tied names the file lacks take their values from the name it has.
+    for k in state:
+        if k not in mapped:
+            present = [a for a in names_of.get(k, ()) if a in mapped]
+            if present:
+                mapped[k] = mapped[present[0]]
+    if missing or unexpected or mismatched:
+        parts = [f"{label} ({len(items)}): {', '.join(items)}" for label, items in
+                 (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched))
+                 if items]
+        raise ValueError(f"load_full: {', '.join(files)} does not match the model; " + "; ".join(parts))
+
+
+def _copy_owned_rows(target: torch.Tensor, source: Any, key: str) -> None:
+    """Copy the rows of ``source`` (a safetensors slice) that this rank's part of ``target`` covers."""
+    if not isinstance(target, DTensor):
+        target.copy_(source[:])
+        return
+    if target.device_mesh.ndim != 1 or not isinstance(target.placements[0], (Shard, Replicate)):
+        raise NotImplementedError(f"load_full: {key!r} is a DTensor with placements {target.placements} on a "
+                                  f"{target.device_mesh.ndim}-D mesh; only 1-D Shard/Replicate is supported")
+    local = target.to_local()
+    placement = target.placements[0]
+    if isinstance(placement, Replicate):
+        local.copy_(source[:])
+        return
+    dim, n = placement.dim, target.shape[placement.dim]
+    chunk = math.ceil(n / target.device_mesh.size())
+    start = min(target.device_mesh.get_local_rank() * chunk, n)
+    index = (slice(None),) * dim + (slice(start, start + local.shape[dim]),)
+    if local.numel() > 0:
+        local.copy_(source[index])
