@@ -79,6 +79,7 @@ def _relative_prefixes(root: nn.Module, state: ModuleState) -> dict[int, list[st
         found.setdefault(id(module), []).append(rel)
         for name, child in module._modules.items():
             # Another group's subtree holds none of our parameters (fully_shard rejects sharing).
+            # "_fsdp2_state" is _state._STATE_ATTR, spelled out: _state imports this module.
             if child is not None and child.__dict__.get("_fsdp2_state", state) is state:
                 stack.append((child, f"{rel}{name}."))
     return found

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ._dcp import single_process_ok
 from ._safetensors import StreamingWriter
 
 
@@ -35,7 +36,8 @@ def export(dcp_dir: str, out: str, prefix: str | None = None) -> list[str]:
         writer = StreamingWriter(f, specs, {"format": "pt"})
         for key, meta in chosen.items():
             tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-            dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
+            with single_process_ok():
+                dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
             writer.write(key[len(prefix):], tensor)
         writer.close()
     os.replace(tmp, out)

@@ -17,8 +17,10 @@ import logging
 import os
 import shutil
 import uuid
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-__all__ = ["MARKER", "save", "load", "find_complete"]
+__all__ = ["MARKER", "save", "load", "find_complete", "single_process_ok"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         buffer = io.BytesIO()
         torch.save(extra, buffer)
         state["extra"] = buffer  # one opaque blob: DCP would flatten a dict into keys
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
+    with single_process_ok():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
     if distributed:
         dist.barrier()  # every rank's files are closed before the marker says so
     if not distributed or dist.get_rank() == 0:
@@ -109,7 +112,8 @@ def load(path: str | os.PathLike, model: nn.Module,
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     if marker["extra"]:
         state["extra"] = io.BytesIO()
-    dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
+    with single_process_ok():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -131,6 +135,14 @@ def find_complete(path: str | os.PathLike) -> Path:
             return old
     why = "has no completion marker (an interrupted or foreign save)" if path.exists() else "does not exist"
     raise FileNotFoundError(f"no complete fsdp2 checkpoint at {path}: the directory {why}")
+
+
+@contextmanager
+def single_process_ok() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group: here that is on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _write_synced(path: Path, data: bytes) -> None:
