@@ -1,6 +1,7 @@
 """fsdp2: fully sharded data parallelism on DTensor, a drop-in for ``torch.distributed.fsdp.fully_shard``."""
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._clip import clip_grad_norm_
 from ._fully_shard import fully_shard
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._trace import record_schedule
@@ -14,6 +15,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "register_fsdp_forward_method",
     "record_schedule",
+    "clip_grad_norm_",
 ]
 
 __version__ = "0.1.0.dev0"

@@ -311,7 +311,9 @@ def _check_tensor_parallel(found: list[Found], mesh: DeviceMesh, reshard_after_f
         tp_mesh = param.device_mesh
         names = tp_mesh.mesh_dim_names or ()
         shared = set(names) & set(mesh.mesh_dim_names or ())
-        if tp_mesh is mesh or _compat.root_mesh(tp_mesh) is not dp_root or not names or shared:
+        # By value, not identity: DTensor's caches may hand back an equal mesh sliced from an
+        # equal root built by an earlier init_device_mesh call (torch's fully_shard accepts it too).
+        if tp_mesh == mesh or _compat.root_mesh(tp_mesh) != dp_root or not names or shared:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which is not a separate "
                 f"named axis of the data-parallel mesh's parent ({dp_root}). Build one mesh, e.g. "

@@ -139,6 +139,19 @@ class FSDPModule:
         """
         self._fsdp_state().backward_prefetch = _states_of("set_modules_to_backward_prefetch", modules)
 
+    def set_implicit_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Turn the implicit prefetch schedule on (default) or off.
+
+        On: in forward, each group issues the all-gather of the group that ran
+        after it in the previous iteration before computing; in backward, of
+        the group that ran before it. At most one extra group is unsharded at
+        a time. Off: groups gather only when reached (and explicit
+        ``set_modules_to_*_prefetch`` lists still apply). Not in torch's FSDP2.
+        """
+        _check_bool("enabled", enabled)
+        for state in self._states_below(recurse):
+            state.implicit_prefetch = enabled
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:

@@ -183,6 +183,27 @@ class ShardedParam:
             shape=shape, stride=contiguous_stride(shape),
         )
 
+    def local_box(self) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]`` per dim: where this rank's sharded values sit in the global tensor.
+
+        Tensor parallelism cuts first: each ``Shard(d)`` axis of the TP mesh splits the box
+        along ``d`` into ceil-sized chunks (as ``torch.chunk``) and keeps this rank's. FSDP then
+        keeps this rank's rows of that TP-local box. Replicate axes, HSDP's included, cut nothing.
+        """
+        box = [(0, size) for size in self.global_shape]
+        if self.tp is not None:
+            tp_mesh, tp_placements = self.tp
+            for axis, placement in enumerate(tp_placements):
+                if isinstance(placement, Shard):
+                    start, stop = box[placement.dim]
+                    chunk = math.ceil((stop - start) / tp_mesh.size(axis))
+                    start = min(start + tp_mesh.get_local_rank(axis) * chunk, stop)
+                    box[placement.dim] = (start, min(start + chunk, stop))
+        layout = self.layout
+        start = box[layout.dim][0] + min(self.rank * layout.chunk, layout.shape[layout.dim])
+        box[layout.dim] = (start, start + layout.rows(self.rank))
+        return box
+
     def reset_after_apply(self) -> None:
         """Re-adopt the module's parameter after ``nn.Module._apply``.
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from . import _compat
 from ._api import MixedPrecisionPolicy
-from ._group import ParamGroup, ReduceQueue
+from ._group import ParamGroup, ReduceQueue, ShardState
 from ._state_dict import register_state_dict_hooks
 from ._tree import cast_floating, iter_tensors
 
@@ -52,6 +52,7 @@ class RootContext:
     def __init__(self, states: list[ModuleState]) -> None:
         self.states = states
         self.forward_order: list[ParamGroup] = []  # first-call order this iteration
+        self.last_forward_order: list[ParamGroup] = []  # the previous iteration's: forward prefetch
         self.callback_queued = False
         self.reduce_queue = ReduceQueue()
         self.is_last_backward = True
@@ -75,6 +76,9 @@ class ModuleState:
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[ModuleState] = []
         self.backward_prefetch: list[ModuleState] | None = None  # None or []: implicit
+        # Implicit prefetch: forward gathers the group that ran next last iteration,
+        # backward the group that ran before this one (see set_implicit_prefetch).
+        self.implicit_prefetch = True
         self._modules_to_run: set[nn.Module] = set()
         self._handles: list[Any] = []
         for module in modules:
@@ -139,6 +143,8 @@ class ModuleState:
         ctx = self.ctx
         if self.is_root and not ctx.in_forward and not _compat.in_backward():
             ctx.in_forward = True
+            if ctx.forward_order:
+                ctx.last_forward_order = list(ctx.forward_order)
             ctx.forward_order.clear()
         group = self.group
         if group is not None:
@@ -147,9 +153,8 @@ class ModuleState:
             else:
                 self.training_state = TrainingState.FORWARD
                 group.unshard(async_op=True)
-                for state in self.forward_prefetch:
-                    if state.group is not None:
-                        state.group.unshard(async_op=True)
+                for target in self._forward_prefetch_targets():
+                    target.unshard(async_op=True)  # in flight while this group computes
                 group.wait_for_unshard()
                 if group not in ctx.forward_order:
                     ctx.forward_order.append(group)
@@ -182,8 +187,11 @@ class ModuleState:
                     group.reshard()
                 torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
             self.training_state = TrainingState.IDLE
-        if self.is_root:
+        if self.is_root and not _compat.in_backward():
             self.ctx.in_forward = False
+            for state in self.ctx.states:  # a prefetch this forward never used: free it
+                if state.group is not None and state.group.state is ShardState.GATHERING:
+                    state.group.reshard()
         return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
@@ -202,9 +210,22 @@ class ModuleState:
         for target in self._backward_prefetch_targets():
             target.unshard(async_op=True)
 
+    def _forward_prefetch_targets(self) -> list[ParamGroup]:
+        """Explicit targets, else the group that ran after this one last iteration."""
+        if self.forward_prefetch:
+            return [s.group for s in self.forward_prefetch if s.group is not None]
+        order = self.ctx.last_forward_order
+        if self.implicit_prefetch and self.group in order:
+            index = order.index(self.group)
+            if index + 1 < len(order):
+                return [order[index + 1]]
+        return []
+
     def _backward_prefetch_targets(self) -> list[ParamGroup]:
         if self.backward_prefetch:  # an empty list means implicit, as in torch
             return [s.group for s in self.backward_prefetch if s.group is not None]
+        if not self.implicit_prefetch:
+            return []
         order = self.ctx.forward_order
         if self.is_root:  # backward leaves the root's own layers for the last group that ran
             return [order[-1]] if order and order[-1] is not self.group else []

@@ -21,10 +21,11 @@ from tests._parity import average_grads, full, train_parity
 N_LAYERS = 3
 
 
-def _shard(model: Transformer, *, explicit: bool = False) -> Transformer:
+def _shard(model: Transformer, *, explicit: bool = False, implicit: bool = True) -> Transformer:
     for block in model.layers:
         fsdp2.fully_shard(block)
     fsdp2.fully_shard(model)
+    model.set_implicit_prefetch(implicit)
     if explicit:
         layers = list(model.layers)
         for prev, nxt in zip(layers, layers[1:]):
@@ -42,9 +43,9 @@ def _one_step_schedule(model: Transformer) -> tuple[list[str], list[str]]:
     return list(fwd), list(bwd)
 
 
-def _parity_and_schedule(explicit: bool) -> tuple[list[str], list[str]]:
+def _parity_and_schedule(explicit: bool, implicit: bool = True) -> tuple[list[str], list[str]]:
     models: list[Transformer] = []
-    train_parity(Transformer, lambda m: models.append(_shard(m, explicit=explicit)))
+    train_parity(Transformer, lambda m: models.append(_shard(m, explicit=explicit, implicit=implicit)))
     return _one_step_schedule(models[0])
 
 
@@ -62,11 +63,23 @@ def test_explicit_prefetch_matches_reference_and_gathers_ahead():
             assert bwd.index(f"unshard layers.{i - 1}") < bwd.index(f"reshard layers.{i}"), bwd
 
 
-def test_without_forward_prefetch_each_block_gathers_after_previous_reshard():
-    # The contrast to the test above: by default forward does not prefetch.
+def test_implicit_forward_prefetch_gathers_next_block_ahead():
+    # After the first iteration, each group issues the next group's all-gather (in last
+    # iteration's order) before computing: root -> layers.0 -> layers.1 -> layers.2.
     for fwd, _bwd in run_on_ranks(_parity_and_schedule, 2, False):
+        assert fwd.index("unshard layers.0") < fwd.index("unshard layers.1"), fwd
+        for i in range(N_LAYERS - 1):
+            assert fwd.count(f"unshard layers.{i}") == 1, fwd
+            assert fwd.index(f"unshard layers.{i + 1}") < fwd.index(f"reshard layers.{i}"), fwd
+
+
+def test_without_implicit_prefetch_each_block_gathers_after_previous_reshard():
+    # The contrast: set_implicit_prefetch(False) gathers each group only when it is reached.
+    for fwd, bwd in run_on_ranks(_parity_and_schedule, 2, False, False):
         for i in range(N_LAYERS - 1):
             assert fwd.index(f"reshard layers.{i}") < fwd.index(f"unshard layers.{i + 1}"), fwd
+        for i in range(1, N_LAYERS):
+            assert bwd.index(f"reshard layers.{i}") < bwd.index(f"unshard layers.{i - 1}"), bwd
 
 
 def test_implicit_backward_prefetch_gathers_previous_block_before_reducing():

@@ -49,18 +49,20 @@ def _counts(events: list[str]) -> str:
 
 class TestTrace(expecttest.TestCase):
     def test_default_trace(self):
-        # Forward: the root gathers once and keeps its parameters (it is needed again
-        # first in backward); each block is gathered and freed in turn. Backward runs in
-        # reverse: gathering a block also prefetches the one before it, each block
-        # reduce-scatters and frees once its gradients are done, the root last.
-        (events,) = _run(None, 1)
+        # The steady state (second step). Forward: the root gathers once and keeps its
+        # parameters (it is needed again first in backward); each group issues the next
+        # group's all-gather (in the previous step's order) before it computes, so at most
+        # two groups are unsharded at once. Backward runs in reverse: gathering a block also
+        # prefetches the one before it, each block reduce-scatters and frees once its
+        # gradients are done, the root last.
+        _first, events = _run(None, 2)
         self.assertExpectedInline("\n".join(events), """\
 unshard root
 unshard layers.0
-reshard layers.0
 unshard layers.1
-reshard layers.1
+reshard layers.0
 unshard layers.2
+reshard layers.1
 reshard layers.2
 unshard layers.2
 unshard layers.1
@@ -94,9 +96,26 @@ reshard root""")
     def test_collective_counts_per_step(self):
         lines = []
         for name, policy in (("default", None), ("keep", False)):
-            first, second = _run(policy, 2)
-            self.assertEqual(second, first)  # steady state from the first step on
+            first, second, third = _run(policy, 3)
+            self.assertEqual(third, second)  # steady state from the second step on
+            self.assertEqual(_counts(first), _counts(second))  # only the order differs at first
             lines.append(f"{name}: {_counts(first)}")
         self.assertExpectedInline("\n".join(lines), """\
 default: all_gather=7 reduce_scatter=4
 keep: all_gather=4 reduce_scatter=4""")
+
+    def test_at_most_two_blocks_unsharded_at_once(self):
+        # The prefetch schedule's memory bound: besides the root (which keeps its parameters
+        # from forward to backward by default), never more than two groups are gathered.
+        for events in _run(None, 3):
+            live: set[str] = set()
+            peak = 0
+            for event in events:
+                kind, label = event.split(" ", 1)
+                if kind == "unshard":
+                    live.add(label)
+                elif kind == "reshard":
+                    live.discard(label)
+                peak = max(peak, len(live - {"root"}))
+            self.assertLessEqual(peak, 2, events)
+            self.assertEqual(peak, 2, events)  # and prefetching really overlaps two groups

@@ -1,0 +1,53 @@
+"""Gradient clipping across parameters that live on different meshes.
+
+With FSDP x TP, parameters TP left alone are DTensors on the data-parallel
+mesh while TP weights live on the (dp, tp) mesh. ``torch.nn.utils.clip_grad_norm_``
+stacks per-tensor norms and fails on mixed meshes; here each mesh's norm is
+computed separately, made a plain tensor, and combined.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip gradients by their total norm, like ``torch.nn.utils.clip_grad_norm_``.
+
+    Gradients are grouped by (mesh, placements); each group's norm is taken
+    with ``torch.nn.utils.get_total_norm`` (DTensor reduces it over its mesh),
+    the group norms are combined into the total, and every gradient is scaled
+    by ``max_norm / total`` when that is below 1.
+
+    Returns:
+        The total norm as a plain tensor, the same on every rank.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad
+        if grad is not None:
+            key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else grad.device
+            groups.setdefault(key, []).append(p)
+    if not groups:
+        return torch.tensor(0.0)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type, error_if_nonfinite, foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = norms[0].device
+    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type, error_if_nonfinite, foreach)
+    for members in groups.values():  # one mesh at a time: foreach ops cannot mix meshes
+        torch.nn.utils.clip_grads_with_norm_(members, max_norm, total, foreach)
+    return total
