@@ -1,0 +1,101 @@
+"""FSDPModule setters that change numbers or the schedule: divide factor, reshard after forward."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import fsdp2
+from tests._dist import run_on_ranks
+from tests._models import Transformer, lm_loss, make_batch
+from tests._parity import full, train_parity
+
+
+def _shard(model: Transformer) -> Transformer:
+    for block in model.layers:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    return model
+
+
+def _grads_with_divide_factor(factor: float) -> float:
+    """Largest difference between the sharded grads and the reference's sum / factor."""
+    rank = dist.get_rank()
+    ref = Transformer()
+    model = copy.deepcopy(ref)
+    _shard(model)
+    model.set_gradient_divide_factor(factor)
+    inputs, targets = make_batch(rank, 0)
+    lm_loss(ref(inputs), targets).backward()
+    lm_loss(model(inputs), targets).backward()
+    worst = 0.0
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        want = p_ref.grad.clone()
+        dist.all_reduce(want)
+        want /= factor
+        got = full(p.grad)
+        assert got.dtype == torch.float32, name
+        worst = max(worst, (got - want).abs().max().item() / (want.abs().max().item() + 1e-12))
+    return worst
+
+
+def test_gradient_divide_factor_fp32():
+    # Divide the summed gradients by 1 (a plain sum) and by 8, not by the world size.
+    for factor in (1.0, 8.0):
+        assert max(run_on_ranks(_grads_with_divide_factor, 2, factor)) < 1e-5
+
+
+def _bf16_grads(factor: float | None) -> list[torch.Tensor]:
+    model = Transformer()
+    policy = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mp_policy=policy)
+    fsdp2.fully_shard(model, mp_policy=policy)
+    if factor is not None:
+        model.set_gradient_divide_factor(factor)
+    inputs, targets = make_batch(dist.get_rank(), 0)
+    lm_loss(model(inputs), targets).backward()
+    return [full(p.grad) for p in model.parameters()]
+
+
+def _divide_factor_rescales_bf16_grads(factor: float) -> float:
+    # Same bf16 compute both times; only the division after the fp32 sum differs.
+    default, custom = _bf16_grads(None), _bf16_grads(factor)
+    world = dist.get_world_size()
+    return max(((c * factor - d * world).abs().max() / (d.abs().max() * world + 1e-12)).item()
+               for c, d in zip(custom, default))
+
+
+def test_gradient_divide_factor_bf16_compute_fp32_reduce():
+    assert max(run_on_ranks(_divide_factor_rescales_bf16_grads, 2, 3.0)) < 1e-6
+
+
+def _set_reshard_after_forward_schedule() -> tuple[list[str], list[str]]:
+    holder: list[Transformer] = []
+
+    def shard(model: Transformer) -> None:
+        _shard(model)
+        # Change the policy after fully_shard: blocks keep their parameters for backward,
+        # the root frees its own (the opposite of the defaults).
+        for block in model.layers:
+            block.set_reshard_after_forward(False)
+        model.set_reshard_after_forward(True, recurse=False)
+        holder.append(model)
+
+    train_parity(Transformer, shard)
+    model = holder[0]
+    inputs, targets = make_batch(dist.get_rank(), 5)
+    with fsdp2.record_schedule() as fwd:
+        loss = lm_loss(model(inputs), targets)
+    with fsdp2.record_schedule() as bwd:
+        loss.backward()
+    return list(fwd), list(bwd)
+
+
+def test_set_reshard_after_forward_changes_schedule_not_numbers():
+    for fwd, bwd in run_on_ranks(_set_reshard_after_forward_schedule, 2):
+        assert "reshard root" in fwd, fwd
+        assert not any(e.startswith("reshard layers.") for e in fwd), fwd
+        assert [e for e in bwd if e.startswith("unshard")] == ["unshard root"], bwd
