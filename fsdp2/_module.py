@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from ._group import ShardState
 from ._state import ModuleState, get_state
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -27,8 +28,11 @@ class UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        if self._state is not None and self._state.group is not None:
-            self._state.group.wait_for_unshard()
+        group = self._state.group if self._state is not None else None
+        # Only a gather still in flight: once a forward has used (and maybe freed) the
+        # parameters, waiting must not gather them again (torch's handle is a no-op then too).
+        if group is not None and group.state is ShardState.GATHERING:
+            group.wait_for_unshard()
         self._state = None
 
 

@@ -231,7 +231,9 @@ class ModuleState:
             return [order[-1]] if order and order[-1] is not self.group else []
         if self.group in order:
             index = order.index(self.group)
-            if index > 0:
+            # A group already reduced this backward (e.g. a root holding only the output head)
+            # needs no parameters again: gathering it would be a wasted all-gather.
+            if index > 0 and not order[index - 1].post_backward_done:
                 return [order[index - 1]]
         return []
 

@@ -8,7 +8,8 @@ keys. Two hooks per sharded module cover the rest:
   ``unshard()``, or a forward whose parameters were kept for backward), puts the
   sharded DTensors back in place of the full tensors the modules hold then;
 - a load pre-hook that reshards the group (its full tensors would be stale after
-  the load) and cuts a full plain tensor down to this rank's rows, so
+  the load) and cuts a full plain tensor down to this rank's box (its rows,
+  of its TP chunk for tensor-parallel parameters), so
   ``load_state_dict`` accepts full tensors as well as DTensors. A full tensor
   of the wrong shape is left alone: ``nn.Module`` reports it as a size mismatch
   naming the key and both shapes.
@@ -24,9 +25,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from ._param import ShardedParam, contiguous_stride
+from ._param import ShardedParam
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -48,14 +49,15 @@ def register_state_dict_hooks(state: ModuleState) -> list[RemovableHandle]:
 
 
 def shard_full_tensor(param: ShardedParam, full: torch.Tensor) -> DTensor:
-    """This rank's rows of ``full`` (the parameter's unsharded shape) as a DTensor like ``param``'s.
+    """This rank's box of ``full`` (the parameter's global shape) as a DTensor like ``param``'s.
 
     A view of ``full``: nothing is copied or communicated; ``copy_`` into the
-    sharded parameter then moves only this rank's rows.
+    sharded parameter then moves only this rank's values. The box is cut by
+    tensor parallelism first, then by FSDP (:meth:`ShardedParam.local_box`).
     """
-    layout = param.layout
-    start = min(param.rank * layout.chunk, layout.shape[layout.dim])  # empty shards start at the end
-    local = full.narrow(layout.dim, start, layout.rows(param.rank))
+    local = full
+    for dim, (start, stop) in enumerate(param.local_box()):
+        local = local.narrow(dim, start, stop - start)
     return param.as_sharded_dtensor(local)
 
 
@@ -116,5 +118,5 @@ def _shard_on_load(state: ModuleState, module: nn.Module, state_dict: dict[str, 
     for key, param in _param_keys(state, module, prefix):
         value = state_dict.get(key)
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
-                and value.shape == param.layout.shape:
+                and value.shape == param.global_shape:
             state_dict[key] = shard_full_tensor(param, value)

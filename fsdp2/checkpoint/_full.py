@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .. import _compat
+from .._param import ShardedParam
 from .._state import get_state
 from ._safetensors import StreamingWriter, import_safetensors
 
@@ -92,10 +94,14 @@ class _Gatherer:
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
         if not isinstance(value, DTensor):
             return value.detach()
-        mesh, placement = value.device_mesh, value.placements[0]
-        if mesh.ndim != 1 or not isinstance(placement, Shard):
+        mesh = value.device_mesh
+        cut = [axis for axis, placement in enumerate(value.placements) if not isinstance(placement, Replicate)]
+        # One Shard axis (FSDP, or HSDP whose replicate axis holds copies): gather over that axis only.
+        # Anything else (FSDP x TP's strided shards) takes DTensor's general path.
+        if len(cut) != 1 or type(value.placements[cut[0]]) is not Shard:
             return value.full_tensor()
-        world, dim, n = mesh.size(), placement.dim, value.shape[placement.dim]
+        axis, placement = cut[0], value.placements[cut[0]]
+        world, dim, n = mesh.size(axis), placement.dim, value.shape[placement.dim]
         chunk = math.ceil(n / world)
         local = value.to_local()
         padded_shape = list(value.shape)
@@ -109,7 +115,7 @@ class _Gatherer:
             self._buffers[key] = buffer = None  # free the old one before allocating the new one
             self._buffers[key] = buffer = torch.empty(numel, dtype=send.dtype, device=send.device)
         out = buffer[:numel]
-        dist.all_gather_into_tensor(out, send.reshape(-1), group=mesh.get_group())
+        _compat.all_gather_flat(out, send.reshape(-1), group=mesh.get_group(axis))
         gathered = out.view(world, *padded_shape).movedim(0, dim).flatten(dim, dim + 1)  # (.., world*chunk, ..)
         return gathered.narrow(dim, 0, n)
 
@@ -124,8 +130,9 @@ def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None 
     ``path`` is a ``.safetensors`` file, or a directory holding
     ``model.safetensors`` or a Hugging Face shard index
     (``model.safetensors.index.json`` naming the file of each tensor). The
-    files are memory-mapped and each rank copies just the slice of each tensor
-    its shard covers, so no rank materializes the model and nothing is sent.
+    files are memory-mapped and each rank copies just the box of each tensor
+    its shard covers (with tensor parallelism: its rows of its TP chunk), so no
+    rank materializes the model and nothing is sent.
     Tensors are cast to the model's dtypes.
 
     Args:
@@ -142,11 +149,13 @@ def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None 
     safetensors = import_safetensors()
     files = _resolve_files(Path(path))
     mapped = _map_keys(files, key_map)
-    state = model.state_dict()
+    state = model.state_dict(keep_vars=True)  # the sharded Parameters themselves: they name their layout
     _check_keys(model, state, mapped, files)
+    managed: dict[int, ShardedParam] = {}
     for state_obj in {id(s): s for s in map(get_state, model.modules()) if s is not None}.values():
         if state_obj.group is not None:
             state_obj.group.reshard()  # loading makes any gathered copy stale
+            managed.update((id(p.sharded), p) for p in state_obj.group.params)
     by_file: dict[str, list[tuple[str, str]]] = {}
     for model_key, (file, file_key) in mapped.items():
         if model_key in state:
@@ -155,7 +164,8 @@ def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None 
         for file, keys in by_file.items():
             with safetensors.safe_open(file, framework="pt") as f:
                 for model_key, file_key in keys:
-                    _copy_owned_rows(state[model_key], f.get_slice(file_key), model_key)
+                    target = state[model_key]
+                    _copy_owned(target, managed.get(id(target)), f.get_slice(file_key), model_key)
 
 
 def _resolve_files(path: Path) -> dict[str, list[str]]:
@@ -235,22 +245,35 @@ def _check_keys(model: nn.Module, state: dict[str, torch.Tensor], mapped: dict[s
         raise ValueError(f"load_full: {', '.join(files)} does not match the model; " + "; ".join(parts))
 
 
-def _copy_owned_rows(target: torch.Tensor, source: Any, key: str) -> None:
-    """Copy the rows of ``source`` (a safetensors slice) that this rank's part of ``target`` covers."""
+def _copy_owned(target: torch.Tensor, param: ShardedParam | None, source: Any, key: str) -> None:
+    """Copy the box of ``source`` (a safetensors slice) that this rank's part of ``target`` covers.
+
+    ``param`` is fsdp2's record of ``target`` (``None`` for tensors fsdp2 does not manage):
+    its :meth:`~ShardedParam.local_box` covers every layout fsdp2 builds (FSDP, HSDP, FSDP x TP).
+    """
     if not isinstance(target, DTensor):
         target.copy_(source[:])
         return
-    if target.device_mesh.ndim != 1 or not isinstance(target.placements[0], (Shard, Replicate)):
+    if param is not None:
+        box = param.local_box()
+    elif target.device_mesh.ndim == 1 and isinstance(target.placements[0], (Shard, Replicate)):
+        box = _box_1d(target)
+    else:
         raise NotImplementedError(f"load_full: {key!r} is a DTensor with placements {target.placements} on a "
-                                  f"{target.device_mesh.ndim}-D mesh; only 1-D Shard/Replicate is supported")
+                                  f"{target.device_mesh.ndim}-D mesh that fsdp2 does not manage; only fsdp2's "
+                                  "parameters and 1-D Shard/Replicate DTensors are supported")
     local = target.to_local()
-    placement = target.placements[0]
-    if isinstance(placement, Replicate):
-        local.copy_(source[:])
-        return
-    dim, n = placement.dim, target.shape[placement.dim]
-    chunk = math.ceil(n / target.device_mesh.size())
-    start = min(target.device_mesh.get_local_rank() * chunk, n)
-    index = (slice(None),) * dim + (slice(start, start + local.shape[dim]),)
     if local.numel() > 0:
-        local.copy_(source[index])
+        local.copy_(source[tuple(slice(start, stop) for start, stop in box)] if box else source[:])
+
+
+def _box_1d(target: DTensor) -> list[tuple[int, int]]:
+    """This rank's box of a DTensor on a 1-D mesh (e.g. torch's ``fully_shard``), torch.chunk-style."""
+    box = [(0, size) for size in target.shape]
+    placement = target.placements[0]
+    if isinstance(placement, Shard):
+        n = target.shape[placement.dim]
+        chunk = math.ceil(n / target.device_mesh.size())
+        start = min(target.device_mesh.get_local_rank() * chunk, n)
+        box[placement.dim] = (start, min(start + chunk, n))
+    return box
