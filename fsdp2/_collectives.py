@@ -81,10 +81,9 @@ class AllGatherInFlight(NamedTuple):
 def start_all_gather(
     send: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup, device: torch.device
 ) -> AllGatherInFlight:
+    if plan.world == 1:  # nothing to gather: the send buffer is the result
+        return AllGatherInFlight(None, send, send, plan)
     output = torch.empty(plan.world * plan.slice_bytes, dtype=torch.uint8, device=device)
-    if plan.world == 1:
-        output.copy_(send)
-        return AllGatherInFlight(None, send, output, plan)
     work = _compat.all_gather_flat(output, send, group=group, async_op=True)
     return AllGatherInFlight(work, send, output, plan)
 
@@ -184,11 +183,10 @@ def start_reduce_scatter(
     op, pre, post = _reduce_op(dtype, world * target.replicate_world, target.divide_factor)
     if pre is not None and pre != 1:
         send.div_(pre)
-    output = torch.empty(total, dtype=dtype, device=device)
-    if world == 1:
-        output.copy_(send)
-        work = None
+    if world == 1:  # nothing to scatter: the send buffer is the result
+        output, work = send, None
     else:
+        output = torch.empty(total, dtype=dtype, device=device)
         work = _compat.reduce_scatter_flat(output, send, op=op, group=group, async_op=True)
     return ReduceScatterInFlight(work, send, output, tuple(params), tuple(offsets), op, post, target)
 

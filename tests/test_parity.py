@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+import fsdp2
 from fsdp2 import fully_shard, record_schedule
 from tests._dist import run_on_ranks
 from tests._models import MLP, Transformer, lm_loss, make_batch
@@ -444,3 +445,33 @@ def test_collectives_per_training_step():
         # backward gathers only the 3 blocks again; one reduce-scatter per group.
         assert _counts(forward) == {"unshard": 4, "reshard": 3}, forward
         assert _counts(backward) == {"unshard": 3, "reduce_scatter": 4, "reshard": 4}, backward
+
+
+# ---- world size 1 ------------------------------------------------------------------------
+def _world_size_one_matches_plain_training() -> list[float]:
+    # A mesh of one rank per process (the "b" axis of a (2, 1) mesh): no communication at
+    # all, so each rank trains exactly like the plain model on its own data.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("a", "b"))["b"]
+    ref = Transformer()
+    model = copy.deepcopy(ref)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        inputs, targets = make_batch(dist.get_rank(), step)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss = lm_loss(m(inputs), targets)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+    assert_params_match(ref, model, atol=1e-6, rtol=1e-6)
+    return losses
+
+
+def test_world_size_one_matches_plain_training():
+    for losses in run_on_ranks(_world_size_one_matches_plain_training, 2):
+        assert losses[0::2] == pytest.approx(losses[1::2], abs=1e-6)
