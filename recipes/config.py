@@ -1,0 +1,317 @@
+"""Typed recipe configuration: dataclasses, a TOML file, and ``--section.key=value`` overrides.
+
+A run's configuration is the dataclass defaults, then the TOML file (``--config``,
+default ``configs/tiny.toml``), then command-line overrides, last one wins. Every key
+is checked against its dataclass field and converted to the field's type, so a typo or
+a wrong type fails before any process group starts, with a message naming the key::
+
+    --training.lrr=1e-3      unknown key 'training.lrr' (from --training.lrr=1e-3); did you mean 'training.lr'?
+    --training.steps=ten     training.steps must be an int, got 'ten' (from --training.steps=ten)
+
+A few frequent keys have short flags (``--dp-shard 2`` is ``--parallelism.dp_shard=2``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .llama.model import ModelArgs
+
+__all__ = [
+    "ConfigError", "JobConfig", "TrainingConfig", "ParallelismConfig", "DataConfig",
+    "CheckpointConfig", "MetricsConfig", "DEFAULT_CONFIG", "parse_args", "load_config", "describe",
+]
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.toml"
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that does not fit the config dataclasses."""
+
+
+def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{section}.{name} must be {bound}, got {value!r}")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 300  # optimizer steps in the whole run (the LR schedule spans them)
+    batch_size: int = 8  # sequences per data-parallel rank per micro-batch
+    seq_len: int = 128  # tokens per sequence (bytes, with the byte-level tokenizer)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int = 20
+    weight_decay: float = 0.1  # applied to matrices only, not to norms
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"  # bf16: compute and all-gather in bf16, reduce in fp32
+    activation_checkpoint: bool = False  # recompute each block's activations in backward
+    compile: bool = False  # torch.compile each block
+    seed: int = 0  # initial weights and data order
+
+    def __post_init__(self) -> None:
+        _positive("training", self, "steps", "batch_size", "seq_len", "grad_accum", "lr")
+        _positive("training", self, "warmup_steps", "weight_decay", "max_grad_norm", allow_zero=True)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"training.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1  # replicas (HSDP: each replica is a full FSDP group)
+    dp_shard: int = -1  # ranks that shard the parameters (FSDP); -1 = world size / (others)
+    tp: int = 1  # tensor-parallel degree
+    reshard_after_forward: Literal["default", "always", "never"] = "default"  # default: all but the root
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # a text file or a directory of them; None: the Python standard library's sources
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: no checkpoints; resumes from the newest complete one found here
+    every: int = 0  # save every N steps (and at the end); 0: only at the end
+    keep: int = 2  # newest checkpoints to keep; 0 keeps all
+    export: str | None = None  # write the final full model here: .safetensors (streamed), else torch.save
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", self, "every", "keep", allow_zero=True)
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 10  # print (and record) every N steps, plus the first and the last
+    file: str | None = None  # one JSON object per logged step; a PNG loss curve is written next to it
+    sample_tokens: int = 0  # at the end, generate this many bytes from a prompt (greedy) and print them
+
+    def __post_init__(self) -> None:
+        _positive("metrics", self, "log_every")
+        _positive("metrics", self, "sample_tokens", allow_zero=True)
+
+
+@dataclass
+class JobConfig:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        if self.training.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"training.seq_len ({self.training.seq_len}) exceeds model.max_seq_len "
+                f"({self.model.max_seq_len}); raise model.max_seq_len or shorten the sequences"
+            )
+
+
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(JobConfig)[f.name] for f in dataclasses.fields(JobConfig)}
+
+# Short flags for the keys people change most. Each takes its value like any override.
+ALIASES = {
+    "--dp-shard": "parallelism.dp_shard",
+    "--dp-replicate": "parallelism.dp_replicate",
+    "--tp": "parallelism.tp",
+    "--steps": "training.steps",
+    "--data": "data.path",
+    "--checkpoint-dir": "checkpoint.dir",
+    "--checkpoint-every": "checkpoint.every",
+    "--metrics-file": "metrics.file",
+}
+
+
+# ---- typing: one field's type, and converting a value to it -------------------------------
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join("none" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    return {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string"}.get(tp, str(tp))
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _convert(value: Any, tp: Any, key: str, source: str, *, from_cli: bool) -> Any:
+    """``value`` as type ``tp``: a command-line string is parsed, a TOML value must already fit."""
+
+    def bad() -> ConfigError:
+        return ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} (from {source})")
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if type(None) in options and from_cli and value.lower() in ("none", "null"):
+            return None
+        for option in options:
+            if option is not type(None):
+                try:
+                    return _convert(value, option, key, source, from_cli=from_cli)
+                except ConfigError:
+                    pass
+        raise bad()
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad()
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli:
+            try:
+                return int(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad()
+    raise ConfigError(f"{key} has unsupported type {tp!r}")
+
+
+def _lookup(key: str, source: str) -> tuple[str, str, Any]:
+    """(section, name, type) of a dotted key, or a ConfigError that suggests the nearest key."""
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name:
+        close = difflib.get_close_matches(section, SECTIONS, n=1)
+        hint = f"; did you mean '{close[0]}.{name}'?" if close and name else ""
+        raise ConfigError(
+            f"unknown config section '{section}' (from {source}){hint} "
+            f"sections: {', '.join(SECTIONS)}; keys are written section.key"
+        )
+    fields = _field_types(SECTIONS[section])
+    if name not in fields:
+        close = difflib.get_close_matches(name, fields, n=1)
+        hint = f"; did you mean '{section}.{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"unknown key '{key}' (from {source}){hint} keys in [{section}]: {', '.join(fields)}"
+        )
+    return section, name, fields[name]
+
+
+# ---- building a JobConfig ----------------------------------------------------------------
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> JobConfig:
+    """The defaults, updated by the TOML file at ``path`` and then by ``--section.key=value`` overrides."""
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    if path is not None:
+        _apply_toml(values, Path(path))
+    for key, raw, source in _split_overrides(overrides):
+        section, name, tp = _lookup(key, source)
+        values[section][name] = _convert(raw, tp, key, source, from_cli=True)
+    try:
+        return JobConfig(**{name: SECTIONS[name](**kv) for name, kv in values.items()})
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # ModelArgs validates itself with ValueError
+        raise ConfigError(str(e)) from e
+
+
+def _apply_toml(values: dict[str, dict[str, Any]], path: Path) -> None:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+        for name, value in table.items():
+            key, source = f"{section}.{name}", str(path)
+            section_, name_, tp = _lookup(key, source)
+            values[section_][name_] = _convert(value, tp, key, source, from_cli=False)
+
+
+def _split_overrides(args: typing.Sequence[str]) -> list[tuple[str, Any, str]]:
+    """``--a.b=v``, ``--a.b v``, a bare ``--a.b`` (true, for bool keys) and the short ALIASES."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides are written --section.key=value")
+        flag, eq, raw = arg.partition("=")
+        key = ALIASES.get(flag, flag[2:])
+        if "." not in key:
+            raise ConfigError(
+                f"unknown option {flag!r}; overrides are written --section.key=value "
+                f"(short flags: {', '.join(ALIASES)}, --config)"
+            )
+        source = arg
+        if not eq:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if nxt is not None and not nxt.startswith("--"):
+                raw, source, i = nxt, f"{arg} {nxt}", i + 1
+            else:
+                section, name, tp = _lookup(key, arg)
+                if tp is not bool:
+                    raise ConfigError(f"{arg} needs a value: {key} must be {_type_name(tp)}")
+                raw = "true"
+        out.append((key, raw, source))
+        i += 1
+    return out
+
+
+def parse_args(argv: typing.Sequence[str]) -> JobConfig:
+    """``[--config PATH] [--section.key=value | short flag ...]`` -> JobConfig."""
+    args, path = list(argv), DEFAULT_CONFIG
+    for i, arg in enumerate(args):
+        if arg == "--config" or arg.startswith("--config="):
+            if "=" in arg:
+                path = Path(arg.partition("=")[2])
+                del args[i]
+            elif i + 1 < len(args):
+                path = Path(args[i + 1])
+                del args[i:i + 2]
+            else:
+                raise ConfigError("--config needs a path")
+            break
+    return load_config(path, args)
+
+
+def describe(config: JobConfig | None = None) -> str:
+    """Every key with its type and value, one per line (``--help`` prints this)."""
+    config = config or JobConfig()
+    lines = []
+    for section in SECTIONS:
+        obj = getattr(config, section)
+        for name, tp in _field_types(type(obj)).items():
+            value = getattr(obj, name)
+            text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            lines.append(f"  {f'--{section}.{name}={text}':<42} {_type_name(tp)}")
+    return "\n".join(lines)

@@ -1,0 +1,253 @@
+"""Parallelize the Llama model: degrees -> a device mesh -> TP, activation checkpointing, compile, FSDP.
+
+``ParallelDims`` turns the degrees a user asks for (``--dp-shard``, ``--dp-replicate``,
+``--tp``, with -1 meaning "the rest of the world") into a validated layout and a
+``DeviceMesh`` whose axes are named once here and looked up by name everywhere else.
+``parallelize`` then applies the techniques in the one order that composes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from fsdp2 import MixedPrecisionPolicy, fully_shard
+
+from .model import ModelArgs, Transformer
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+
+__all__ = ["ParallelDims", "parallelize", "check_layout", "tp_plan", "apply_activation_checkpointing", "apply_compile", "apply_fsdp"]
+
+# Mesh axis names, outermost first: replicas, then the ranks that shard, then tensor parallel
+# innermost so a TP group is the most tightly connected ranks (one node's GPUs).
+AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each parallelism; their product is the world size.
+
+    At most one degree may be -1; it is inferred as world_size / (product of the others).
+
+    Args:
+        dp_replicate: data-parallel replicas (HSDP); each holds a full copy, sharded within.
+        dp_shard: ranks that shard parameters, gradients and optimizer state (FSDP).
+        tp: tensor-parallel degree; each block's matrices are split across these ranks.
+        world_size: number of ranks in the job.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+    mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        degrees = {name: getattr(self, name) for name in AXES}
+        for name, value in degrees.items():
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+                raise ValueError(f"parallelism.{name} must be a positive int or -1 (infer), got {value!r}")
+        inferred = [name for name, value in degrees.items() if value == -1]
+        if len(inferred) > 1:
+            raise ValueError(
+                f"only one of {', '.join(AXES)} can be -1 (inferred from the world size), "
+                f"got -1 for {' and '.join(inferred)}"
+            )
+        known = 1
+        for value in degrees.values():
+            known *= value if value != -1 else 1
+        if inferred:
+            if self.world_size % known:
+                raise ValueError(
+                    f"cannot infer parallelism.{inferred[0]}: the other degrees multiply to {known}, "
+                    f"which does not divide the world size {self.world_size}"
+                )
+            setattr(self, inferred[0], self.world_size // known)
+        elif known != self.world_size:
+            product = " * ".join(f"{name} ({getattr(self, name)})" for name in AXES)
+            raise ValueError(
+                f"{product} = {known}, but the world size is {self.world_size}; "
+                "change a degree or set one of them to -1 to infer it"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data: all but the tensor-parallel ones."""
+        return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        """Data-parallel index of global ``rank``; the ranks of one TP group share it (and their data)."""
+        return rank // self.tp  # the mesh is row-major with tp innermost
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """A DeviceMesh over all ranks, saved as ``self.mesh``.
+
+        "dp_shard" is always an axis (it is where FSDP shards, even with one rank);
+        "dp_replicate" and "tp" are added only when their degree is above 1: pure FSDP is
+        ("dp_shard",), HSDP ("dp_replicate", "dp_shard"), FSDP x TP ("dp_shard", "tp"),
+        and HSDP x TP all three.
+        """
+        names = [n for n in AXES if n == "dp_shard" or getattr(self, n) > 1]
+        self.mesh = init_device_mesh(
+            device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=tuple(names)
+        )
+        return self.mesh
+
+    def dp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards over: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP.
+
+        Never the "tp" axis: TP has already split those weights, and FSDP shards each TP
+        shard again over these ranks (a 2-D DTensor on the whole mesh).
+        """
+        mesh = self._built()
+        if self.dp_replicate > 1:
+            return mesh["dp_replicate", "dp_shard"]
+        return mesh if mesh.mesh_dim_names == ("dp_shard",) else mesh["dp_shard"]
+
+    def _built(self) -> DeviceMesh:
+        if self.mesh is None:
+            raise RuntimeError("call ParallelDims.build_mesh(device_type) before using the mesh")
+        return self.mesh
+
+
+def parallelize(model: Transformer, dims: ParallelDims, config: JobConfig) -> Transformer:
+    """Apply, in this order: tensor parallelism, activation checkpointing, compile, FSDP.
+
+    Works on a model built on the meta device: nothing here allocates parameter storage.
+
+    Args:
+        model: the unsharded model (usually on ``meta``).
+        dims: validated degrees whose ``build_mesh`` has been called.
+        config: the job; reads ``training.mixed_precision``, ``training.activation_checkpoint``,
+            ``training.compile`` and ``parallelism.reshard_after_forward``.
+    """
+    mesh = dims._built()
+    training = config.training
+    # 1. TP first: it turns weights into DTensors on the "tp" axis; FSDP must see that final
+    #    layout to shard each TP shard again along the data-parallel axes.
+    if dims.tp > 1:
+        tp_plan(model, mesh["tp"])
+    # 2. Activation checkpointing inside FSDP's unit: FSDP's hooks run on the block's call, so
+    #    the recompute in backward runs while the block is already gathered (no second all-gather).
+    if training.activation_checkpoint:
+        apply_activation_checkpointing(model)
+    # 3. Compile each block's math; FSDP's hooks, added next, stay outside the compiled region.
+    if training.compile:
+        apply_compile(model)
+    # 4. FSDP last, bottom-up: each block is one all-gather/reduce-scatter group, the root
+    #    takes what is left (embeddings, final norm, output).
+    apply_fsdp(model, dims.dp_mesh(), config)
+    return model
+
+
+def check_layout(dims: ParallelDims, config: JobConfig) -> None:
+    """Raise ValueError if the model or its sequences cannot be split ``dims.tp`` ways.
+
+    Call it before any collective, so a bad layout is one clear error, not a hang.
+    """
+    if dims.tp == 1:
+        return
+    _check_tp(config.model, dims.tp)
+    seq_len = config.training.seq_len
+    if seq_len % dims.tp:
+        # DTensor's uneven Shard(1) collectives fail on gloo (mismatched message sizes).
+        raise ValueError(
+            f"sequence parallelism splits each sequence over the tp ranks: training.seq_len ({seq_len}) "
+            f"must be divisible by tp ({dims.tp})"
+        )
+
+
+def _check_tp(args: ModelArgs, tp: int) -> None:
+    if args.n_heads % tp or args.kv_heads % tp:
+        raise ValueError(
+            f"tensor parallelism splits heads: model.n_heads ({args.n_heads}) and model.n_kv_heads "
+            f"({args.kv_heads}) must both be divisible by tp ({tp})"
+        )
+    if args.tie_embeddings:
+        raise ValueError(
+            "model.tie_embeddings is not supported with tensor parallelism: the embedding is split "
+            "row-wise and the output projection column-wise, so one weight cannot serve both"
+        )
+
+
+def tp_plan(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism with sequence parallelism, as in torchtitan.
+
+    Inside a block, wq/wk/wv and w1/w3 are split by output features (column-wise: each
+    rank computes n_heads / tp heads and ffn_hidden / tp channels) and wo/w2 by input
+    features (row-wise: partial sums, reduce-scattered along the sequence). Between
+    blocks, activations stay sharded along the sequence (dim 1), so the norms and the
+    residual adds run on seq / tp tokens per rank; each attention and feed-forward
+    all-gathers its input sequence first.
+    """
+    _check_tp(model.args, tp_mesh.size())
+    parallelize_module(model, tp_mesh, {
+        # tokens are replicated; the embedding's output leaves sequence-sharded.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # gather the sequence, compute a vocab slice per rank, gather the logits.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # (x, rope): gather x's sequence; rope is a plain replicated tensor.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+def apply_activation_checkpointing(model: Transformer) -> None:
+    """Wrap each block so backward recomputes its activations instead of keeping them.
+
+    The wrapper's state-dict hooks drop its ``_checkpoint_wrapped_module.`` prefix, so
+    checkpoints are interchangeable between runs with and without it.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each block's forward in place (the module and its parameter names are unchanged)."""
+    for block in model.layers:
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        inner.forward = torch.compile(inner.forward, fullgraph=True)
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, config: JobConfig) -> None:
+    """``fully_shard`` each block, then the root, with the job's precision and resharding."""
+    param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config.training.mixed_precision]
+    # Gradients are always reduced in fp32: summing many bf16 gradients loses their low bits.
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    reshard = {"default": None, "always": True, "never": False}[config.parallelism.reshard_after_forward]
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    # For the root, None keeps the parameters gathered after forward: backward needs the
+    # output layer first, so gathering it again would be wasted.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)

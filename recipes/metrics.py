@@ -1,0 +1,84 @@
+"""What a run reports: one line per logged step, a JSON-lines metrics file, a PNG loss curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["memory_mb", "gather_memory_mb", "MetricsWriter", "format_duration", "plot_loss"]
+
+
+def memory_mb(device: torch.device) -> float:
+    """This rank's memory in MiB: peak allocated on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/statm") as f:  # current RSS, in pages (Linux)
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # peak, KiB on Linux
+
+
+def gather_memory_mb(device: torch.device) -> list[float]:
+    """Collective: every rank's :func:`memory_mb`, in rank order."""
+    mine = torch.tensor([memory_mb(device)], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.item() for t in every]
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to ``path`` (rank 0 only).
+
+    On resume the records after the resumed step (logged by the interrupted run but not
+    covered by its checkpoint) are dropped, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, path: str | Path, *, resume_step: int) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_step > 0 and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def plot_loss(metrics_path: str | Path) -> Path | None:
+    """Draw loss against step from a metrics file into ``<metrics>.png``; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    metrics_path = Path(metrics_path)
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats / byte)")
+    ax.set_title(str(metrics_path))
+    ax.grid(alpha=0.3)
+    out = metrics_path.with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

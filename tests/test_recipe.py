@@ -1,0 +1,438 @@
+"""The Llama recipe: config parsing, parallel layout, the model under FSDP/TP, and train.py end to end.
+
+- Config and ParallelDims errors are checked in-process (no ranks needed).
+- On a 2-rank gloo world: the meta-built, FSDP-sharded (activation-checkpointed) model starts
+  from exactly the unsharded model's weights and trains like it for two steps of the recipe's
+  optimizer, schedule and gradient clipping; the tensor-parallel plan matches the unsharded
+  model's loss and gradients.
+- On a 4-rank world, for HSDP (dp_replicate 2 x dp_shard 2) and FSDP x TP (dp_shard 2 x tp 2):
+  the meta-built model starts from the unsharded weights and its first loss and clipped
+  gradient norm match the unsharded model's.
+- ``torchrun recipes/train.py`` runs once as a subprocess on 2 ranks (8 steps, checkpoints at
+  4 and 8, safetensors export); ``train()`` runs in the 2-rank world resumed from its step-4
+  checkpoint, and in the 4-rank world for each 2-D layout (6 steps, checkpoint at 3), then
+  resumed from step 3. Losses are finite and fall; a resumed run's losses, learning rates
+  and gradient norms equal the uninterrupted run's, step for step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+import fsdp2
+from recipes.config import ConfigError, load_config, parse_args
+from recipes.data import ByteTokenizer, get_batch, load_corpus
+from recipes.llama.model import ModelArgs, Transformer
+from recipes.llama.parallelize import ParallelDims, check_layout, tp_plan
+from recipes.train import build_model, build_optimizer, lr_schedule, train
+from recipes.train import main as train_main
+from tests._dist import run_on_ranks
+from tests._models import lm_loss, make_batch
+from tests._parity import average_grads, full
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "recipes" / "train.py"
+
+SMALL_MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+               "--model.max_seq_len=32", "--training.seq_len=32"]
+
+
+# ---- config parsing (in-process) ----------------------------------------------------------
+def test_default_config_and_overrides():
+    default = parse_args([])
+    assert default.training.steps == 300 and default.model.dim == 128  # the checked-in tiny.toml
+    cfg = parse_args(["--training.lr=0.01", "--training.steps", "7", "--training.activation_checkpoint",
+                      "--training.mixed_precision=bf16", "--dp-shard", "2", "--checkpoint-dir=/tmp/x",
+                      "--model.n_kv_heads=none", "--data", "corpus.txt"])
+    assert cfg.training.lr == 0.01 and cfg.training.steps == 7
+    assert cfg.training.activation_checkpoint is True and cfg.training.mixed_precision == "bf16"
+    assert cfg.parallelism.dp_shard == 2 and cfg.checkpoint.dir == "/tmp/x" and cfg.data.path == "corpus.txt"
+    assert cfg.model.n_kv_heads is None and cfg.model.kv_heads == cfg.model.n_heads
+    assert parse_args(["--training.steps=1", "--training.steps=2"]).training.steps == 2  # last one wins
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--training.lrr=1e-3"], r"unknown key 'training.lrr' \(from --training.lrr=1e-3\); did you mean 'training.lr'\?"),
+    (["--trainng.lr=1e-3"], r"unknown config section 'trainng'.*did you mean 'training.lr'\?"),
+    (["--training.steps=ten"], r"training.steps must be an int, got 'ten' \(from --training.steps=ten\)"),
+    (["--training.lr=fast"], r"training.lr must be a float, got 'fast'"),
+    (["--training.compile=maybe"], r"training.compile must be a bool \(true/false\), got 'maybe'"),
+    (["--training.mixed_precision=fp16"], r"training.mixed_precision must be one of 'fp32', 'bf16', got 'fp16'"),
+    (["--training.steps"], r"--training.steps needs a value: training.steps must be an int"),
+    (["--lr=3"], r"unknown option '--lr'; overrides are written --section.key=value"),
+    (["steps=3"], r"unexpected argument 'steps=3'"),
+    (["--training.steps=0"], r"training.steps must be > 0, got 0"),
+    (["--training.seq_len=512"], r"training.seq_len \(512\) exceeds model.max_seq_len \(128\)"),
+    (["--model.n_kv_heads=3"], r"model.n_kv_heads \(3\) must be a positive divisor of model.n_heads \(4\)"),
+])
+def test_override_errors_are_clear(args, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_args(args)
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    bad_key = tmp_path / "bad_key.toml"
+    bad_key.write_text("[training]\nstep = 3\n")
+    match = rf"unknown key 'training.step' \(from {bad_key}\); did you mean 'training.steps'"
+    with pytest.raises(ConfigError, match=match):
+        load_config(bad_key)
+    bad_type = tmp_path / "bad_type.toml"
+    bad_type.write_text('[training]\nsteps = "3"\n')  # TOML keeps types: a string is not an int
+    with pytest.raises(ConfigError, match=rf"training.steps must be an int, got '3' \(from {bad_type}\)"):
+        load_config(bad_type)
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_args(["--config", str(tmp_path / "missing.toml")])
+    syntax = tmp_path / "syntax.toml"
+    syntax.write_text("[training\n")
+    with pytest.raises(ConfigError, match=str(syntax)):
+        load_config(syntax)
+
+
+# ---- data (in-process) --------------------------------------------------------------------
+def test_batches_depend_only_on_seed_step_rank_and_micro_batch():
+    corpus = load_corpus()  # the standard library's sources
+    assert corpus.numel() > 1_000_000 and torch.equal(corpus, load_corpus())
+
+    def batch(**kw):
+        args = {"seed": 0, "step": 5, "rank": 1, "micro": 0, "batch_size": 3, "seq_len": 16} | kw
+        return get_batch(corpus, **args)
+
+    inputs, targets = batch()
+    assert inputs.shape == targets.shape == (3, 16) and inputs.dtype == torch.int64
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the next bytes
+    assert torch.equal(batch()[0], inputs)
+    for change in ({"seed": 1}, {"step": 6}, {"rank": 0}, {"micro": 1}):
+        assert not torch.equal(batch(**change)[0], inputs), change
+    tokenizer = ByteTokenizer()
+    assert tokenizer.encode("é = 1") == [0xC3, 0xA9, 32, 61, 32, 49] and tokenizer.decode([0xC3, 0xA9]) == "é"
+
+
+# ---- ParallelDims (in-process) ------------------------------------------------------------
+def test_parallel_dims_infer_and_validate():
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, tp=1, world_size=4)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp_size) == (1, 4, 1, 4)
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=-1, world_size=8)
+    assert dims.tp == 2 and dims.dp_size == 4 and [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="only one of dp_replicate, dp_shard, tp can be -1.*dp_shard and tp"):
+        ParallelDims(1, -1, -1, 4)
+    with pytest.raises(ValueError, match=r"cannot infer parallelism.dp_shard: the other degrees multiply to 3, "
+                                         r"which does not divide the world size 4"):
+        ParallelDims(1, -1, 3, 4)
+    with pytest.raises(ValueError, match=r"dp_replicate \(1\) \* dp_shard \(2\) \* tp \(2\) = 4, "
+                                         r"but the world size is 2"):
+        ParallelDims(1, 2, 2, 2)
+    with pytest.raises(ValueError, match=r"parallelism.tp must be a positive int or -1 \(infer\), got 0"):
+        ParallelDims(1, -1, 0, 2)
+
+
+def test_check_layout_rejects_what_tp_cannot_split(monkeypatch, capsys):
+    config = load_config(None, SMALL_MODEL)  # 4 heads, 2 kv heads, seq 32
+    check_layout(ParallelDims(2, 2, 1, 4), config)  # HSDP: anything goes
+    check_layout(ParallelDims(1, 2, 2, 4), config)
+    with pytest.raises(ValueError, match=r"model.n_heads \(4\) and model.n_kv_heads \(2\) must both be divisible "
+                                         r"by tp \(4\)"):
+        check_layout(ParallelDims(1, 1, 4, 4), config)
+    odd = load_config(None, [*SMALL_MODEL, "--training.seq_len=31"])
+    with pytest.raises(ValueError, match=r"training.seq_len \(31\) must be divisible by tp \(2\)"):
+        check_layout(ParallelDims(1, 2, 2, 4), odd)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # main() checks the layout before any process group starts
+    with pytest.raises(SystemExit) as exit_info:
+        train_main([*SMALL_MODEL, "--training.seq_len=31", "--tp", "2"])
+    assert exit_info.value.code == 2
+    assert "training.seq_len (31) must be divisible by tp (2)" in capsys.readouterr().err
+
+
+# ---- the model under FSDP and TP (2 ranks) -------------------------------------------------
+def _fsdp_recipe_matches_unsharded() -> list[float]:
+    """Meta build + parallelize (with activation checkpointing) vs the plain model, 2 recipe steps."""
+    config = load_config(None, [*SMALL_MODEL, "--training.seq_len=16", "--training.activation_checkpoint",
+                                "--training.lr=1e-2", "--training.warmup_steps=1", "--training.steps=2",
+                                "--training.max_grad_norm=0.5", "--training.seed=3"])
+    dims = ParallelDims(1, -1, 1, dist.get_world_size())
+    dims.build_mesh("cpu")
+    model = build_model(config, dims, torch.device("cpu"))
+    ref = Transformer(config.model)
+    ref.init_weights(seed=3)
+    other = Transformer(config.model)
+    other.init_weights(seed=4)
+    assert not torch.equal(other.tok_embeddings.weight, ref.tok_embeddings.weight), "the seed must matter"
+    # state_dict, not named_parameters: the checkpoint wrapper's hooks hide its name prefix there.
+    sharded = model.state_dict()
+    assert sharded.keys() == ref.state_dict().keys()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(full(sharded[name]), value), f"{name}: sharded init differs from unsharded init"
+    assert isinstance(sharded["layers.0.attention.wq.weight"], DTensor)
+
+    t = config.training
+    opts = [build_optimizer(m, t) for m in (model, ref)]
+    scheds = [lr_schedule(o, t) for o in opts]
+    losses, norms = [], []
+    for step in range(2):
+        tokens, targets = make_batch(dist.get_rank(), step, vocab=256)
+        step_losses, step_norms = [], []
+        for m, opt, sched in zip((model, ref), opts, scheds):
+            loss = lm_loss(m(tokens), targets)
+            loss.backward()
+            if m is ref:
+                average_grads(ref)
+            step_norms.append(full(torch.nn.utils.clip_grad_norm_(m.parameters(), t.max_grad_norm)).item())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            step_losses.append(loss.item())
+        assert step_norms[0] > t.max_grad_norm, "the test must exercise clipping"
+        assert step_norms[0] == pytest.approx(step_norms[1], rel=1e-5), step_norms
+        assert step_losses[0] == pytest.approx(step_losses[1], rel=1e-5), step_losses
+        losses.append(step_losses[0])
+        norms.append(step_norms[0])
+    sharded = model.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(full(sharded[name]), value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    return losses
+
+
+def test_fsdp_recipe_matches_unsharded_model():
+    losses = run_on_ranks(_fsdp_recipe_matches_unsharded, 2)
+    assert all(math.isfinite(x) for rank in losses for x in rank)
+
+
+def _tp_plan_matches_unsharded() -> None:
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    ref = Transformer(args)
+    ref.init_weights(seed=0)
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    tp_plan(model, mesh)
+    assert model.layers[0].attention.wq.weight.placements == (Shard(0),)  # column-wise: output features
+    assert model.layers[0].attention.wo.weight.placements == (Shard(1),)  # row-wise: input features
+    assert model.layers[0].feed_forward.w2.weight.placements == (Shard(1),)
+    tokens, targets = make_batch(0, 0, vocab=256)  # TP ranks share their data
+    ref_loss = lm_loss(ref(tokens), targets)
+    ref_loss.backward()
+    loss = lm_loss(model(tokens), targets)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(p.grad), ref_params[name].grad, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{name}.grad: {m}")
+    with pytest.raises(ValueError, match=r"model.n_heads \(4\) and model.n_kv_heads \(1\) must both be divisible"):
+        tp_plan(Transformer(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=1)), mesh)
+    with pytest.raises(ValueError, match="tie_embeddings is not supported with tensor parallelism"):
+        tp_plan(Transformer(ModelArgs(dim=32, n_layers=1, tie_embeddings=True)), mesh)
+
+
+def test_tp_plan_matches_unsharded_model():
+    run_on_ranks(_tp_plan_matches_unsharded, 2)
+
+
+# ---- the model under HSDP and FSDP x TP (4 ranks) -------------------------------------------
+LAYOUTS = {"hsdp": (2, 2, 1), "fsdp_tp": (1, 2, 2)}  # (dp_replicate, dp_shard, tp)
+
+
+def _2d_recipe_matches_unsharded(degrees: tuple[int, int, int]) -> tuple[str, ...]:
+    """Meta build + parallelize on a 2-D mesh vs the plain model: initial weights, one loss, clipped grads."""
+    # vocab 250: the embedding and output rows split unevenly over the ranks (63/62 per TP half).
+    config = load_config(None, [*SMALL_MODEL, "--model.vocab_size=250", "--training.seq_len=16",
+                                "--training.activation_checkpoint", "--training.seed=3"])
+    dims = ParallelDims(*degrees, world_size=dist.get_world_size())
+    dims.build_mesh("cpu")
+    model = build_model(config, dims, torch.device("cpu"))
+    ref = Transformer(config.model)
+    ref.init_weights(seed=3)
+    sharded = model.state_dict()
+    assert sharded.keys() == ref.state_dict().keys()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(full(sharded[name]), value), f"{name}: sharded init differs from unsharded init"
+
+    tokens, targets = make_batch(dims.dp_rank(dist.get_rank()), 0, vocab=250)  # TP peers share a batch
+    loss = lm_loss(model(tokens), targets)
+    loss.backward()
+    ref_loss = lm_loss(ref(tokens), targets)
+    ref_loss.backward()
+    average_grads(ref)  # over all ranks: TP peers add identical copies, so this is the dp average
+    norm = fsdp2.clip_grad_norm_(model.parameters(), 0.5)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    assert ref_norm > 0.5, "the test must exercise clipping"
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(norm, ref_norm, atol=1e-5, rtol=1e-4)
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    for name, p in model.named_parameters():
+        name = name.replace("._checkpoint_wrapped_module", "")
+        torch.testing.assert_close(full(p.grad), ref_grads[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m: f"{name}.grad: {m}")
+    return sharded["layers.0.attention.wq.weight"].device_mesh.mesh_dim_names
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_2d_recipe_matches_unsharded_model(layout):
+    meshes = run_on_ranks(_2d_recipe_matches_unsharded, 4, LAYOUTS[layout])
+    assert meshes[0] == {"hsdp": ("dp_replicate", "dp_shard"), "fsdp_tp": ("dp_shard", "tp")}[layout]
+
+
+# ---- train.py end to end: torchrun once, then train() in the test worlds --------------------
+RUN_ARGS = [*SMALL_MODEL, "--training.batch_size=4", "--training.grad_accum=2",
+            "--training.steps=8", "--training.warmup_steps=2", "--training.lr=1e-2",
+            "--training.activation_checkpoint", "--training.max_grad_norm=1.0",
+            "--metrics.log_every=1", "--checkpoint-every", "4"]
+# 4 ranks: fewer steps, and 3 sampled bytes so generation runs on odd lengths under TP.
+RUN_ARGS_2D = [*SMALL_MODEL, "--training.batch_size=4", "--training.steps=6", "--training.warmup_steps=1",
+               "--training.lr=1e-2", "--metrics.log_every=1", "--checkpoint-every", "3",
+               "--metrics.sample_tokens=3"]
+LAYOUT_FLAGS = {"hsdp": ["--dp-replicate", "2", "--dp-shard", "2"], "fsdp_tp": ["--dp-shard", "2", "--tp", "2"]}
+EXPORTS = {"fsdp": "model.safetensors", "hsdp": "model.pt", "fsdp_tp": "model.safetensors"}
+
+
+def _torchrun(*args: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(TRAIN), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _train_on_ranks(argv: list[str]) -> int:
+    """What main() does after init_process_group, in the test's world; returns the resumed step."""
+    config = parse_args(argv)
+    p = config.parallelism
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, dist.get_world_size())
+    check_layout(dims, config)
+    return train(config, dims, torch.device("cpu"))
+
+
+def _records(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _assert_loss_falls(records: dict[int, dict], steps: int, drop: float) -> None:
+    assert sorted(records) == list(range(1, steps + 1))
+    losses = [records[s]["loss"] for s in range(1, steps + 1)]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert losses[0] == pytest.approx(math.log(256), abs=0.05), "the initial model predicts bytes uniformly"
+    assert max(losses[-2:]) < losses[0] - drop, losses
+
+
+def _resume(root: Path, world_size: int, args: list[str], step: int, steps: int) -> None:
+    """Resume from ``root``'s step-``step`` checkpoint as if killed after it; compare with the full run."""
+    resumed = root / "resumed"
+    resumed.mkdir()
+    name = f"step-{step:08d}"
+    shutil.copytree(root / "ckpt" / name, resumed / name)
+    # The interrupted run's metrics file: the resumed run drops its steps after ``step`` and appends.
+    shutil.copy(root / "a.jsonl", root / "b.jsonl")
+    starts = run_on_ranks(_train_on_ranks, world_size,
+                          [*args, "--checkpoint-dir", str(resumed), "--metrics-file", str(root / "b.jsonl")])
+    assert starts == [step] * world_size, "the run must resume from the checkpoint, not start over"
+    assert [json.loads(line)["step"] for line in (root / "b.jsonl").read_text().splitlines()] == \
+        list(range(1, steps + 1))
+    uninterrupted, after_resume = _records(root / "a.jsonl"), _records(root / "b.jsonl")
+    for s in range(step + 1, steps + 1):
+        for key in ("loss", "lr", "grad_norm"):
+            assert after_resume[s][key] == uninterrupted[s][key], (s, key)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """torchrun, 2 ranks: 8 steps with checkpoints at 4 and 8, an export, and per-step metrics."""
+    root = tmp_path_factory.mktemp("fsdp")
+    stdout = _torchrun(*RUN_ARGS, "--checkpoint-dir", str(root / "ckpt"), "--metrics-file", str(root / "a.jsonl"),
+                       f"--checkpoint.export={root / EXPORTS['fsdp']}")
+    return root, stdout
+
+
+@pytest.fixture(scope="module")
+def layout_run(tmp_path_factory):
+    """``layout_run(name)``: the 6-step 4-rank run of a 2-D layout (checkpoints at 3 and 6), run once."""
+    roots: dict[str, Path] = {}
+
+    def run(layout: str) -> Path:
+        if layout not in roots:
+            root = tmp_path_factory.mktemp(layout)
+            run_on_ranks(_train_on_ranks, 4, [*RUN_ARGS_2D, *LAYOUT_FLAGS[layout], "--checkpoint-dir",
+                                              str(root / "ckpt"), "--metrics-file", str(root / "a.jsonl"),
+                                              f"--checkpoint.export={root / EXPORTS[layout]}"], timeout=240.0)
+            roots[layout] = root
+        return roots[layout]
+
+    return run
+
+
+def test_recipe_loss_is_finite_and_falls(full_run):
+    root, stdout = full_run
+    records = _records(root / "a.jsonl")
+    _assert_loss_falls(records, 8, drop=0.5)
+    for key in ("tokens_per_s", "lr", "grad_norm", "memory_mb", "eta_s"):
+        assert key in records[8], key
+    assert len(records[8]["memory_mb"]) == 2 and all(m > 0 for m in records[8]["memory_mb"])
+    # 4 batch x 32 seq x 2 accum x 2 ranks
+    assert "tokens/step = 4 batch x 32 seq x 2 accum x 2 dp ranks = 512" in stdout
+    assert "step 8/8  loss" in stdout
+    pytest.importorskip("matplotlib")
+    assert (root / "a.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUT_FLAGS)
+def test_2d_recipe_loss_is_finite_and_falls(layout_run, layout):
+    records = _records(layout_run(layout) / "a.jsonl")
+    _assert_loss_falls(records, 6, drop=0.5)
+    dp_ranks = {"hsdp": 4, "fsdp_tp": 2}[layout]  # TP peers share their batch
+    assert records[1]["tokens"] == 4 * 32 * dp_ranks  # batch x seq x dp ranks, per step
+    assert len(records[6]["memory_mb"]) == 4
+
+
+def test_recipe_checkpoints_are_complete(full_run):
+    root, _ = full_run
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step-00000004", "step-00000008"]
+    assert (root / "ckpt" / "step-00000008" / "fsdp2_complete.json").is_file()
+
+
+def test_recipe_resume_reproduces_losses(full_run):
+    # The resumed run is train() in the 2-rank test world: it must match the torchrun run exactly.
+    root, _ = full_run
+    _resume(root, 2, RUN_ARGS, step=4, steps=8)
+
+
+@pytest.mark.parametrize("layout", LAYOUT_FLAGS)
+def test_2d_recipe_resume_reproduces_losses(layout_run, layout):
+    _resume(layout_run(layout), 4, [*RUN_ARGS_2D, *LAYOUT_FLAGS[layout]], step=3, steps=6)
+
+
+@pytest.mark.parametrize("layout", EXPORTS)
+def test_recipe_export_loads_into_unsharded_model(full_run, layout_run, layout):
+    path = (full_run[0] if layout == "fsdp" else layout_run(layout)) / EXPORTS[layout]
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        state = torch.load(path, weights_only=True)
+    config = load_config(None, SMALL_MODEL)
+    model = Transformer(config.model)
+    model.load_state_dict(state)  # strict: every key, full shapes, no DTensors
+    assert not any(isinstance(v, DTensor) for v in state.values())
+    init = Transformer(config.model)
+    init.init_weights(seed=0)
+    assert not torch.equal(model.tok_embeddings.weight, init.tok_embeddings.weight), "export holds trained weights"
+
+
+def test_recipe_config_error_exits_cleanly(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["--training.lrr=1"])  # fails before any process group starts
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: unknown key 'training.lrr' (from --training.lrr=1); did you mean 'training.lr'? "
+        "keys in [training]: steps, batch_size, seq_len, grad_accum, lr, min_lr_ratio, warmup_steps, "
+        "weight_decay, beta1, beta2, max_grad_norm, mixed_precision, activation_checkpoint, compile, seed\n"
+    )
