@@ -308,12 +308,16 @@ class ShardedParam:
             self.accumulated_grad += grad
 
     def add_sharded_grad(self, reduced: torch.Tensor) -> None:
-        """Add this rank's reduced chunk (``local_shape``, may alias a comm buffer)."""
+        """Add this rank's reduced chunk (``local_shape``) into the sharded ``.grad``.
+
+        ``reduced`` is a slice of a reduce-scatter output allocated for this step
+        alone, so a new ``.grad`` may keep a view of it instead of a copy.
+        """
         local = reduced.narrow(self.layout.dim, 0, self.layout.rows(self.rank))
         target_device = self.padded_local.device
         grad = self.sharded.grad
         if grad is None:
-            local = local.to(device=target_device, dtype=self.orig_dtype, copy=True)
+            local = local.to(device=target_device, dtype=self.orig_dtype)
             self.sharded.grad = self.as_sharded_dtensor(local.contiguous())
         else:
             with torch.no_grad():
