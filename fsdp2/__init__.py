@@ -5,6 +5,7 @@ from ._clip import clip_grad_norm_
 from ._fully_shard import fully_shard
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._trace import record_schedule
+from .memory import MemoryTracker, estimate_memory
 
 __all__ = [
     "fully_shard",
@@ -16,6 +17,8 @@ __all__ = [
     "register_fsdp_forward_method",
     "record_schedule",
     "clip_grad_norm_",
+    "MemoryTracker",
+    "estimate_memory",
 ]
 
 __version__ = "0.1.0.dev0"

@@ -29,6 +29,7 @@ from tests._parity import train_parity
 PUBLIC_NAMES = {
     "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
     "CPUOffloadPolicy", "register_fsdp_forward_method", "record_schedule", "clip_grad_norm_",
+    "MemoryTracker", "estimate_memory",
 }
 # torch's FSDP2 names fsdp2 does not provide: DataParallelMeshDims only configures
 # fully_shard's ``dp_mesh_dims`` argument (see test_fully_shard_signature_matches_torch), and
@@ -58,8 +59,9 @@ def test_all_lists_exactly_the_public_names():
     assert set(fsdp2.__all__) == PUBLIC_NAMES and len(fsdp2.__all__) == len(PUBLIC_NAMES)
     assert all(hasattr(fsdp2, name) for name in fsdp2.__all__)
     torch_fsdp2_names = set(torch_fsdp._fully_shard.__all__)
-    # Every other FSDP2 name torch exports is here; record_schedule and clip_grad_norm_ are fsdp2's own.
-    assert torch_fsdp2_names - TORCH_ONLY_NAMES == PUBLIC_NAMES - {"record_schedule", "clip_grad_norm_"}
+    # Every other FSDP2 name torch exports is here; the rest are fsdp2's own.
+    assert torch_fsdp2_names - TORCH_ONLY_NAMES == PUBLIC_NAMES - {
+        "record_schedule", "clip_grad_norm_", "MemoryTracker", "estimate_memory"}
 
 
 def test_fully_shard_signature_matches_torch():

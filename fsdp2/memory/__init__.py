@@ -1,0 +1,10 @@
+"""Memory: a tracker of where a rank's memory went, and a planner of whether a layout fits.
+
+``MemoryTracker`` measures a run; ``estimate_memory`` predicts one from a meta-device model
+without a process group; ``python -m fsdp2.plan`` is the planner's command line.
+"""
+
+from ._planner import MemoryEstimate, estimate_memory
+from ._tracker import CATEGORIES, MemoryReport, MemoryTracker
+
+__all__ = ["CATEGORIES", "MemoryTracker", "MemoryReport", "estimate_memory", "MemoryEstimate"]

@@ -1,0 +1,111 @@
+"""Live tensor storages, counted once each: a dispatch mode sees them born, finalizers see them die.
+
+Every op's outputs (and any input not seen before) are registered by their storage, keyed
+by the storage's C++ identity, so views never count twice. A ``weakref.finalize`` on the
+storage removes it when its last user lets go. Storages that are resized in place (fsdp2's
+unsharded buffers are resized to 0 bytes on reshard and back on unshard, which no dispatch
+mode sees) are re-read whenever the total is asked for.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["storage_key", "plain_tensors", "LiveStorages"]
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data (a DTensor's local tensor, recursively)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = (getattr(t, name) for name in names)
+    return [plain for x in inner if isinstance(x, torch.Tensor) for plain in plain_tensors(x)]
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """Identity of ``t``'s storage (shared by all its views), or None if it has none."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # sparse, nested, functional wrappers
+        return None
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the storages alive now and at the peak, updated op by op.
+
+    Args:
+        on_peak: called with no arguments each time the total reaches a new peak, after the
+            op that did it (callers snapshot their own categories there).
+        resizable: returns the storages whose size may change in place; re-read on every op.
+    """
+
+    def __init__(self, on_peak: Callable[[], None] | None = None,
+                 resizable: Callable[[], Iterable[torch.UntypedStorage]] | None = None) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}  # storage key -> bytes when last read
+        self.refs: dict[int, weakref.ref] = {}
+        self.total = 0
+        self.peak = 0
+        self._on_peak = on_peak
+        self._resizable = resizable
+        self.count_meta = True
+        # Storages born while ``tag()`` was true (the tracker's "inside forward or backward").
+        self.tag: Callable[[], bool] | None = None
+        self.tagged: set[int] = set()
+
+    def add(self, t: torch.Tensor) -> int | None:
+        """Register the storages behind ``t`` if new; returns the last key (None: no storage)."""
+        key = None
+        for plain in plain_tensors(t):
+            key = storage_key(plain)
+            if key is None or key in self.sizes or plain.device.type == "meta" and not self.count_meta:
+                continue
+            storage = plain.untyped_storage()
+            nbytes = storage.nbytes()
+            self.sizes[key] = nbytes
+            self.refs[key] = weakref.ref(storage)
+            self.total += nbytes
+            if self.tag is not None and self.tag():
+                self.tagged.add(key)
+            weakref.finalize(storage, self._free, key)
+        return key
+
+    def _free(self, key: int) -> None:
+        nbytes = self.sizes.pop(key, None)
+        self.refs.pop(key, None)
+        self.tagged.discard(key)
+        if nbytes is not None:
+            self.total -= nbytes
+
+    def refresh(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        for storage in storages:
+            key = storage._cdata
+            if key in self.sizes:
+                nbytes = storage.nbytes()
+                self.total += nbytes - self.sizes[key]
+                self.sizes[key] = nbytes
+
+    def check_peak(self) -> None:
+        if self._resizable is not None:
+            self.refresh(self._resizable())
+        if self.total > self.peak:
+            self.peak = self.total
+            if self._on_peak is not None:
+                self._on_peak()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        self.check_peak()
+        return out

@@ -1,0 +1,158 @@
+"""Memory tracker and planner: categories on a live FSDP world, accuracy, the plan command line."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp2
+from fsdp2.memory import MemoryTracker, estimate_memory
+from tests._dist import REPO_ROOT, run_on_ranks
+from tests._models import Transformer, lm_loss, make_batch
+
+DIM, LAYERS, BATCH, SEQ = 256, 2, 2, 16
+
+
+def _sharded_transformer() -> nn.Module:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Transformer(dim=DIM, n_layers=LAYERS)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _track_two_steps():
+    model = _sharded_transformer()
+    opt = torch.optim.AdamW(model.parameters())
+    reports = []
+    for step in range(2):
+        with MemoryTracker(model, opt) as tracker:
+            x, y = make_batch(dist.get_rank(), step, batch=BATCH, seq=SEQ)
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        reports.append(tracker.report)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return reports, full_bytes
+
+
+def test_tracker_categories_on_fsdp():
+    for reports, full_bytes in run_on_ranks(_track_two_steps, 2):
+        first, second = reports
+        # Each rank holds half of the parameters (plus padding), and AdamW two states of that size.
+        assert full_bytes / 2 <= second.current_by_category["sharded_params"] <= full_bytes / 2 * 1.01
+        assert first.peak_by_category["optimizer_state"] == 0  # created by the first step, after the peak
+        assert second.current_by_category["optimizer_state"] >= 2 * second.current_by_category["sharded_params"]
+        # zero_grad() freed the gradients and reshard freed the unsharded buffers.
+        assert second.current_by_category["gradients"] == 0
+        assert second.current_by_category["unsharded_params"] == 0
+        assert second.current_by_category["activations"] == 0
+        # At the peak (backward) full parameters, gradients and activations are all live.
+        assert second.peak_phase == "backward"
+        for category in ("unsharded_params", "gradients", "activations", "communication"):
+            assert second.peak_by_category[category] > 0, category
+        assert second.peak_bytes == sum(second.peak_by_category.values())
+        assert "root" in second.peak_unsharded_groups
+        assert "optimizer_state" in second.table() and "total" in second.table()
+
+
+_BIG = 2048  # 2048 x 2048 fp32 = 16 MiB per weight: large enough for RSS to see every tensor
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def _tracker_vs_rss():
+    # Fixed mmap threshold: freed large blocks go back to the OS, so RSS follows live memory.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
+    model = nn.Sequential(*(nn.Linear(_BIG, _BIG, bias=False) for _ in range(4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(256, _BIG)
+    for measured in (False, True):  # the first pass pages in code, thread stacks, allocator arenas
+        opt.zero_grad()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _peak_rss()
+        with MemoryTracker(model, opt) as tracker:
+            model(x).square().mean().backward()
+            opt.step()
+    rss_delta = _peak_rss() - base
+    held_at_entry = sum(p.untyped_storage().nbytes() for p in model.parameters()) + x.untyped_storage().nbytes()
+    return tracker.report.peak_bytes - held_at_entry, rss_delta
+
+
+def test_tracker_peak_matches_rss():
+    (tracked_growth, rss_growth), = run_on_ranks(_tracker_vs_rss, 1)
+    assert rss_growth > 32 * 2**20  # the measurement saw the gradients and activations
+    assert abs(tracked_growth - rss_growth) / rss_growth < 0.05, (tracked_growth, rss_growth)
+
+
+def _build_meta_transformer() -> nn.Module:
+    return Transformer(dim=DIM, n_layers=LAYERS, seed=None)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_planner_matches_tracker(world):
+    reports, _ = run_on_ranks(_track_two_steps, world)[0]
+    measured = reports[1]
+    est = estimate_memory(_build_meta_transformer, world=world, batch=BATCH, seq=SEQ)
+    assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < 0.15, (str(est), str(measured))
+    for category in ("sharded_params", "optimizer_state"):
+        assert est.peak_by_category[category] == pytest.approx(measured.peak_by_category[category], rel=0.01)
+
+
+def test_planner_counts_sharding_and_checkpointing():
+    base = dict(world=8, batch=2, seq=16)
+    fsdp = estimate_memory(_build_meta_transformer, **base)
+    hsdp = estimate_memory(_build_meta_transformer, dp_replicate=2, **base)
+    ac = estimate_memory(_build_meta_transformer, activation_checkpointing=True, **base)
+    assert hsdp.peak_by_category["sharded_params"] == pytest.approx(2 * fsdp.peak_by_category["sharded_params"], rel=0.02)
+    saved_ac = estimate_memory(_build_meta_transformer, activation_checkpointing=True, num_blocks=20, **base)
+    saved = estimate_memory(_build_meta_transformer, num_blocks=20, **base)
+    assert saved_ac.points["forward, loss"] < saved.points["forward, loss"]
+    assert ac.saved_activation_bytes_per_block <= fsdp.saved_activation_bytes_per_block
+
+
+def test_planner_rejects_impossible_layouts():
+    with pytest.raises(ValueError, match=r"world \(6\) must be divisible by dp_replicate \(1\) x tp \(4\)"):
+        estimate_memory(_build_meta_transformer, world=6, tp=4, batch=1, seq=16)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        estimate_memory(_build_meta_transformer, world=2, batch=1, seq=16, optimizer="lion")
+    with pytest.raises(ValueError, match=r"non-empty nn.ModuleList `.layers`"):
+        estimate_memory(lambda: nn.Linear(4, 4), world=2, batch=1, seq=16)
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp2.plan", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_plan_cli_405b_is_fast_and_says_whether_it_fits():
+    start = time.perf_counter()
+    out = _plan("--config", "llama3_405b", "--world", "64", "--tp", "8", "--gpu-memory", "80GiB")
+    assert time.perf_counter() - start < 10
+    assert out.returncode == 0, out.stderr
+    for text in ("126 blocks", "sharded_params", "activations", "peak at:", "does NOT fit in 80.00 GiB"):
+        assert text in out.stdout
+
+
+def test_plan_cli_errors():
+    out = _plan("--config", "llama3_7b", "--world", "8")
+    assert out.returncode == 2 and "invalid choice: 'llama3_7b'" in out.stderr
+    out = _plan("--config", "llama3_70b", "--world", "60", "--tp", "8")
+    assert out.returncode == 2 and "world (60) must be divisible by dp_replicate (1) x tp (8)" in out.stderr
+    out = _plan("--config", "llama3_70b", "--world", "64", "--tp", "16")
+    assert out.returncode == 2 and "tp (16) must divide the attention heads (64) and kv heads (8)" in out.stderr
+    out = _plan("--config", "llama3_8b", "--world", "8", "--gpu-memory", "lots")
+    assert out.returncode == 2 and "cannot read 'lots' as a size" in out.stderr
