@@ -149,10 +149,23 @@ class ParamGroup:
             self._buffer.untyped_storage().resize_(0)
 
     # ---- unshard / reshard --------------------------------------------------------------
+    def _aliases_shards(self) -> bool:
+        """World size 1 with nothing to cast or move: the shards already are the full tensors."""
+        return (self.world == 1 and self.dp.replicate_group is None and self.subgroup is None
+                and all(p.tp is None and p.param_dtype == p.orig_dtype and p.padded_local.device == self.device
+                        for p in self.params))
+
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (no-op if already gathered or in flight)."""
         if self.state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return  # a prefetch already issued it: gathering twice would waste a collective
+        if self.state is ShardState.SHARDED and self._aliases_shards():
+            _trace.emit("unshard", self.label)
+            for p in self.params:  # no collective and no copy: view the shard itself
+                p.bind_unsharded(p.padded_local, self._on_grad_ready)
+                p.to_unsharded()
+            self.state = ShardState.UNSHARDED
+            return
         if self.state is ShardState.PARTIAL:
             plan, send, group = self._plan(self.subgroup.size), self._partial_send, self.subgroup.group
             self._partial_send = None
@@ -248,6 +261,15 @@ class ParamGroup:
             self.reshard()
 
     def _reduce_gradients(self) -> None:
+        if self._aliases_shards():  # one rank: the gradient is the reduced gradient
+            _trace.emit("reduce_scatter", self.label)
+            factor = self.divide_factor
+            for p in self.params:
+                grad = p.take_unsharded_grad() if p.requires_grad else None
+                if grad is not None:
+                    grad = grad if factor in (None, 1) else grad / factor
+                    p.add_sharded_grad(grad.view(p.layout.local_shape))
+            return
         buckets: dict[torch.dtype, tuple[list[ShardedParam], list[torch.Tensor]]] = {}
         for p in self.params:
             grad = p.take_unsharded_grad() if p.requires_grad else None
