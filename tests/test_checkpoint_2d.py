@@ -26,31 +26,19 @@ import fsdp2.checkpoint as fsdp2_ckpt
 from fsdp2.checkpoint.__main__ import export
 from fsdp2 import fully_shard
 from tests._dist import run_on_ranks
+from tests.test_2d import Attention
+from tests.test_checkpoint import _assert_same
 from tests._models import Transformer, lm_loss, make_batch
 
 LAYOUTS = ["hsdp", "fsdp_tp"]
 
 
 # ---- models (a Llama-ish block whose projections tensor parallelism can split) -----------------
-class _Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int) -> None:
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # (batch, local heads, seq, head_dim): under TP each rank holds half of the heads
-        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
-
-
 class _Block(nn.Module):
     def __init__(self, dim: int = 16, n_heads: int = 4, hidden: int = 38) -> None:
         super().__init__()
         self.attn_norm, self.ffn_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = _Attention(dim, n_heads)
+        self.attn = Attention(dim, n_heads)
         self.w1, self.w2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,12 +124,6 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer, gather: bool = False) -
         for k, v in state.items():
             out[f"optim.{names[id(p)]}.{k}"] = get(v)
     return out
-
-
-def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
 
 
 def _model_only(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
