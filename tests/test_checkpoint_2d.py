@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+    StateDictOptions, get_model_state_dict, set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -27,7 +27,7 @@ from fsdp2.checkpoint.__main__ import export
 from fsdp2 import fully_shard
 from tests._dist import run_on_ranks
 from tests.test_2d import Attention
-from tests.test_checkpoint import _assert_same
+from tests.test_checkpoint import _assert_same, _dcp_load, _dcp_save
 from tests._models import Transformer, lm_loss, make_batch
 
 LAYOUTS = ["hsdp", "fsdp_tp"]
@@ -128,18 +128,6 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer, gather: bool = False) -
 
 def _model_only(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
-
-
-def _dcp_save(path: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-
-
-def _dcp_load(path: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    msd, osd = get_state_dict(model, opt)
-    sd = {"model": msd, "optim": osd}
-    dcp.load(sd, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
 def _helpers_load(path: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
