@@ -95,12 +95,14 @@ def copy_out(inflight: AllGatherInFlight, regions: Sequence[torch.Tensor]) -> No
     """
     plan = inflight.plan
     by_rank = inflight.output.view(plan.world, plan.slice_bytes)
+    sources, targets = [], []
+    for i, region in enumerate(regions):
+        lay, dtype = plan.layouts[i], plan.dtypes[i]
+        nbytes = lay.local_numel * dtype.itemsize
+        sources.append(by_rank[:, plan.offsets[i]:plan.offsets[i] + nbytes].view(dtype).unflatten(1, lay.local_shape))
+        targets.append(lay.chunks_view(region))
     with torch.no_grad():
-        for i, region in enumerate(regions):
-            lay, dtype = plan.layouts[i], plan.dtypes[i]
-            nbytes = lay.local_numel * dtype.itemsize
-            src = by_rank[:, plan.offsets[i]:plan.offsets[i] + nbytes].view(dtype)
-            lay.chunks_view(region).copy_(src.unflatten(1, lay.local_shape))
+        torch._foreach_copy_(targets, sources)
 
 
 @dataclass
@@ -167,19 +169,22 @@ def start_reduce_scatter(
     offsets, total = _offsets([p.layout.local_numel for p in params], align=False)
     send = torch.empty(world * total, dtype=dtype, device=device)
     by_rank = send.view(world, total)
+    targets, sources = [], []  # even shards: one foreach copy for all of them
     with torch.no_grad():
         for p, grad, off in zip(params, grads, offsets):
             lay = p.layout
             dst = by_rank[:, off:off + lay.local_numel].unflatten(1, lay.local_shape)
-            n = lay.shape[lay.dim]
-            if n == lay.chunk * world:
-                dst.copy_(lay.chunks_view(grad.contiguous()))
+            if lay.shape[lay.dim] == lay.chunk * world:
+                targets.append(dst)
+                sources.append(lay.chunks_view(grad.contiguous()))
             else:  # uneven: zero the padding, then copy each rank's true rows
                 dst.zero_()
                 for r in range(world):
                     rows = lay.rows(r)
                     if rows:
                         dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
+        if targets:
+            torch._foreach_copy_(targets, sources)
     op, pre, post = _reduce_op(dtype, world * target.replicate_world, target.divide_factor)
     if pre is not None and pre != 1:
         send.div_(pre)

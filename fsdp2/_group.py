@@ -99,11 +99,15 @@ class ParamGroup:
         self._buffer: torch.Tensor | None = None
         self._regions: list[torch.Tensor] = []
         self._plans: dict[int, GatherPlan] = {}
+        # The shards packed back to back in the all-gather's send layout (None when a
+        # cast or a device move makes a copy-in necessary anyway): see _pack_shards.
+        self._packed: torch.Tensor | None = None
         # Per-backward bookkeeping.
         self.backward_started = False
         self.post_backward_done = False
         self._grads_ready: set[int] = set()
         self._num_trainable = sum(p.requires_grad for p in params)
+        self._pack_shards()
 
     # ---- layout -------------------------------------------------------------------------
     def _plan(self, world: int) -> GatherPlan:
@@ -119,6 +123,41 @@ class ParamGroup:
         self._plans.clear()
         self._buffer, self._regions = None, []
         self._num_trainable = sum(p.requires_grad for p in self.params)
+        self._pack_shards()
+
+    def _pack_shards(self) -> None:
+        """Store the shards in one flat buffer laid out as this rank's all-gather slice.
+
+        The all-gather then sends that buffer as it is: no copy-in per step. Only
+        when every parameter is gathered in its own dtype from the compute device;
+        with a cast (mixed precision) or CPU offload the copy-in does real work.
+        """
+        self._packed = None
+        if self.world == 1 or not all(
+            p.param_dtype == p.orig_dtype and p.padded_local.device == self.device for p in self.params
+        ) or self.device.type == "meta":
+            return
+        plan = self._plan(self.world)
+        packed = torch.zeros(plan.slice_bytes, dtype=torch.uint8, device=self.device)
+        for i, p in enumerate(self.params):
+            p.adopt_padded_local(plan.slot(packed, i))
+        self._packed = packed
+
+    def _send_buffer(self, plan: GatherPlan) -> torch.Tensor:
+        """This rank's slice for the all-gather over ``plan.world`` ranks."""
+        packed = self._packed
+        if packed is not None:
+            slots = [plan.slot(packed, i) for i in range(len(self.params))]
+            stale = [(p, slot) for p, slot in zip(self.params, slots) if not p.lives_in(slot)]
+            for p, slot in stale:  # rebound since packing (param.data = ...): pack again
+                p.repad_from_local()
+                p.adopt_padded_local(slot)
+            return packed
+        send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
+        with torch.no_grad():
+            torch._foreach_copy_([plan.slot(send, i) for i in range(len(self.params))],
+                                 [p.padded_local for p in self.params], non_blocking=True)
+        return send
 
     def _alloc_unsharded(self) -> None:
         if self._buffer is None:
@@ -171,10 +210,7 @@ class ParamGroup:
             self._partial_send = None
         else:
             plan, group = self._plan(self.world), self.process_group
-            send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
-            with torch.no_grad():
-                for i, p in enumerate(self.params):
-                    plan.slot(send, i).copy_(p.padded_local, non_blocking=True)
+            send = self._send_buffer(plan)
         _trace.emit("unshard", self.label)
         with record_function(f"fsdp2::all_gather {self.label}"):
             self._gather = start_all_gather(send, plan, group, self.device)

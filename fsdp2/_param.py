@@ -233,9 +233,32 @@ class ShardedParam:
         self._register_on_modules(current)
         self.unsharded = None  # device or dtype may have changed: rebuild at next unshard
 
-    def all_gather_input(self) -> torch.Tensor:
-        """The flat local chunk to send, on the padded storage's device, original dtype."""
-        return self.padded_local.view(-1)
+    def adopt_padded_local(self, slot: torch.Tensor) -> None:
+        """Move the padded shard into ``slot`` (same shape and dtype) and keep it there.
+
+        The registered DTensor parameter stays the same object (the optimizer
+        holds it); only its local tensor becomes a view of ``slot``.
+        """
+        with torch.no_grad():
+            slot.copy_(self.padded_local)
+        self.padded_local = slot
+        _compat.set_dtensor_local(self.sharded, slot.narrow(self.layout.dim, 0, self.layout.rows(self.rank)))
+
+    def repad_from_local(self) -> None:
+        """Rebuild the padded shard from the DTensor's current local tensor."""
+        local = self.sharded._local_tensor
+        padded = torch.zeros(self.layout.local_shape, dtype=local.dtype, device=local.device)
+        with torch.no_grad():
+            padded.narrow(self.layout.dim, 0, self.layout.rows(self.rank)).copy_(local)
+        self.padded_local = padded
+
+    def lives_in(self, slot: torch.Tensor) -> bool:
+        """Whether the registered parameter's values are still stored in ``slot``.
+
+        False after something rebound the local data (e.g. ``param.data = ...``):
+        the group then packs the new values again.
+        """
+        return self.padded_local.data_ptr() == slot.data_ptr() == self.sharded._local_tensor.data_ptr()
 
     # ---- unsharded side -----------------------------------------------------------------
     def bind_unsharded(self, region: torch.Tensor, on_grad_ready: Callable[[ShardedParam], None]) -> None:
