@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from . import _compat, _trace
 from ._param import ShardedParam, ShardLayout
+from ._streams import Completion, streams_for
 
 __all__ = [
     "ALIGN", "GatherPlan", "AllGatherInFlight", "ReduceScatterInFlight",
@@ -70,22 +71,28 @@ class GatherPlan:
 
 
 class AllGatherInFlight(NamedTuple):
-    """An all-gather issued but maybe not finished; both buffers must outlive ``work``."""
+    """An all-gather issued but maybe not finished; both buffers must outlive ``done``."""
 
-    work: dist.Work | None
+    done: Completion
     send: torch.Tensor
     output: torch.Tensor
     plan: GatherPlan
 
 
 def start_all_gather(
-    send: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup, device: torch.device
+    send: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup, device: torch.device,
+    copied: Completion | None = None,
 ) -> AllGatherInFlight:
+    """Issue the all-gather of ``send`` (after ``copied``, the copy-in that filled it, if any)."""
+    streams = streams_for(device)
     if plan.world == 1:  # nothing to gather: the send buffer is the result
-        return AllGatherInFlight(None, send, send, plan)
-    output = torch.empty(plan.world * plan.slice_bytes, dtype=torch.uint8, device=device)
-    work = _compat.all_gather_flat(output, send, group=group, async_op=True)
-    return AllGatherInFlight(work, send, output, plan)
+        return AllGatherInFlight(copied or Completion(), send, send, plan)
+    with streams.side("all_gather"):
+        streams.after(copied)
+        output = torch.empty(plan.world * plan.slice_bytes, dtype=torch.uint8, device=device)
+        work = _compat.all_gather_flat(output, send, group=group, async_op=True)
+        done = streams.issued(work)
+    return AllGatherInFlight(done, send, output, plan)
 
 
 def copy_out(inflight: AllGatherInFlight, regions: Sequence[torch.Tensor]) -> None:
@@ -126,9 +133,14 @@ class ReduceTarget:
 
 
 class ReduceScatterInFlight(NamedTuple):
-    """One dtype bucket's reduce-scatter, finished by :func:`finish_reduce_scatter`."""
+    """One dtype bucket's reduce-scatter, finished by :func:`finish_reduce_scatter`.
 
-    work: dist.Work | None
+    ``grads`` (the unsharded gradients copied into ``input``) are held until then:
+    on CUDA the copy runs on the reduce-scatter stream while the compute stream
+    could otherwise reuse their memory.
+    """
+
+    done: Completion
     input: torch.Tensor
     output: torch.Tensor
     params: tuple[ShardedParam, ...]
@@ -136,6 +148,7 @@ class ReduceScatterInFlight(NamedTuple):
     op: dist.ReduceOp
     post_divide: float | None
     target: ReduceTarget
+    grads: tuple[torch.Tensor, ...]
 
 
 def _reduce_op(dtype: torch.dtype, world: int, factor: float) -> tuple[dist.ReduceOp, float | None, float | None]:
@@ -167,8 +180,26 @@ def start_reduce_scatter(
     """Copy full gradients into one rank-major buffer and issue the reduce-scatter."""
     world, group = target.world, target.group
     offsets, total = _offsets([p.layout.local_numel for p in params], align=False)
-    send = torch.empty(world * total, dtype=dtype, device=device)
-    by_rank = send.view(world, total)
+    op, pre, post = _reduce_op(dtype, world * target.replicate_world, target.divide_factor)
+    streams = streams_for(device)
+    with streams.side("reduce_scatter"):
+        send = torch.empty(world * total, dtype=dtype, device=device)
+        _copy_rank_major(send.view(world, total), params, grads, offsets)
+        if pre is not None and pre != 1:
+            send.div_(pre)
+        if world == 1:  # nothing to scatter: the send buffer is the result
+            output, work = send, None
+        else:
+            output = torch.empty(total, dtype=dtype, device=device)
+            work = _compat.reduce_scatter_flat(output, send, op=op, group=group, async_op=True)
+        done = streams.issued(work)
+    return ReduceScatterInFlight(done, send, output, tuple(params), tuple(offsets), op, post, target, tuple(grads))
+
+
+def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grads: Sequence[torch.Tensor],
+                     offsets: Sequence[int]) -> None:
+    """Copy each full gradient's chunk ``r`` into row ``r`` of ``by_rank`` (world, total)."""
+    world = by_rank.shape[0]
     targets, sources = [], []  # even shards: one foreach copy for all of them
     with torch.no_grad():
         for p, grad, off in zip(params, grads, offsets):
@@ -185,21 +216,11 @@ def start_reduce_scatter(
                         dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
         if targets:
             torch._foreach_copy_(targets, sources)
-    op, pre, post = _reduce_op(dtype, world * target.replicate_world, target.divide_factor)
-    if pre is not None and pre != 1:
-        send.div_(pre)
-    if world == 1:  # nothing to scatter: the send buffer is the result
-        output, work = send, None
-    else:
-        output = torch.empty(total, dtype=dtype, device=device)
-        work = _compat.reduce_scatter_flat(output, send, op=op, group=group, async_op=True)
-    return ReduceScatterInFlight(work, send, output, tuple(params), tuple(offsets), op, post, target)
 
 
 def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
     """Wait, all-reduce across replicas (HSDP), add each rank's chunk into the sharded ``.grad``."""
-    if inflight.work is not None:
-        inflight.work.wait()
+    inflight.done.wait()
     out, target = inflight.output, inflight.target
     if target.replicate_group is not None:
         earlier = target.partial.pop(out.dtype, None)

@@ -23,6 +23,7 @@ from ._collectives import (
 )
 from ._mesh import DataParallelMesh
 from ._param import ShardedParam
+from ._streams import Completion, streams_for
 
 
 __all__ = ["ShardState", "ParamGroup", "ReduceQueue"]
@@ -143,8 +144,8 @@ class ParamGroup:
             p.adopt_padded_local(plan.slot(packed, i))
         self._packed = packed
 
-    def _send_buffer(self, plan: GatherPlan) -> torch.Tensor:
-        """This rank's slice for the all-gather over ``plan.world`` ranks."""
+    def _send_buffer(self, plan: GatherPlan) -> tuple[torch.Tensor, Completion | None]:
+        """This rank's slice for the all-gather over ``plan.world`` ranks, and its copy-in."""
         packed = self._packed
         if packed is not None:
             slots = [plan.slot(packed, i) for i in range(len(self.params))]
@@ -152,12 +153,15 @@ class ParamGroup:
             for p, slot in stale:  # rebound since packing (param.data = ...): pack again
                 p.repad_from_local()
                 p.adopt_padded_local(slot)
-            return packed
-        send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
-        with torch.no_grad():
-            torch._foreach_copy_([plan.slot(send, i) for i in range(len(self.params))],
-                                 [p.padded_local for p in self.params], non_blocking=True)
-        return send
+            return packed, None
+        streams = streams_for(self.device)
+        with streams.side("copy_in"):
+            send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
+            with torch.no_grad():
+                torch._foreach_copy_([plan.slot(send, i) for i in range(len(self.params))],
+                                     [p.padded_local for p in self.params], non_blocking=True)
+            copied = streams.issued(None)
+        return send, copied
 
     def _alloc_unsharded(self) -> None:
         if self._buffer is None:
@@ -207,13 +211,13 @@ class ParamGroup:
             return
         if self.state is ShardState.PARTIAL:
             plan, send, group = self._plan(self.subgroup.size), self._partial_send, self.subgroup.group
-            self._partial_send = None
+            self._partial_send, copied = None, None
         else:
             plan, group = self._plan(self.world), self.process_group
-            send = self._send_buffer(plan)
+            send, copied = self._send_buffer(plan)
         _trace.emit("unshard", self.label)
         with record_function(f"fsdp2::all_gather {self.label}"):
-            self._gather = start_all_gather(send, plan, group, self.device)
+            self._gather = start_all_gather(send, plan, group, self.device, copied)
         self.state = ShardState.GATHERING
         if not async_op:
             self.wait_for_unshard()
@@ -226,8 +230,7 @@ class ParamGroup:
             return
         gather = self._gather
         with record_function(f"fsdp2::all_gather_wait {self.label}"):
-            if gather.work is not None:
-                gather.work.wait()
+            gather.done.wait()
             # The buffer and its parameter views outlive this forward: if the first unshard
             # runs under inference_mode they must still not be inference tensors.
             with torch.inference_mode(False):
@@ -344,8 +347,7 @@ class ParamGroup:
     def reset(self) -> None:
         """Return to a clean sharded state after an exception mid-iteration."""
         if self._gather is not None:
-            if self._gather.work is not None:
-                self._gather.work.wait()
+            self._gather.done.wait()
             self._gather = None
             self.state = ShardState.SHARDED  # modules still hold the shards while gathering
         self.reshard()

@@ -156,6 +156,26 @@ class FSDPModule:
         for state in self._states_below(recurse):
             state.implicit_prefetch = enabled
 
+    def set_prefetch_limit(self, limit: int | None) -> None:
+        """Cap how many groups may be gathered ahead of their use at once.
+
+        Applies to implicit and explicit prefetches alike under this module's
+        root: a prefetch beyond the cap is skipped and that group is gathered
+        when forward or backward reaches it. ``None`` (default): no cap (the
+        implicit schedule prefetches one group ahead; explicit
+        ``set_modules_to_*_prefetch`` lists are honoured in full). ``0``: no
+        prefetching at all. Bounds the unsharded-parameter memory at the
+        current group plus ``limit`` prefetched ones (plus groups kept
+        unsharded on purpose, such as a root that does not reshard after
+        forward). Not in torch's FSDP2.
+        """
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"set_prefetch_limit: limit must be None or an int >= 0, got {limit!r}")
+        for below in self._states_below(recurse=True):
+            below.prefetch_limit = limit
+            if below.ctx is not None:
+                below.ctx.prefetch_limit = limit
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:

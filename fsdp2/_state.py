@@ -57,6 +57,21 @@ class RootContext:
         self.reduce_queue = ReduceQueue()
         self.is_last_backward = True
         self.in_forward = False
+        # Groups gathered ahead of their use and not yet used, and the cap on how many
+        # (None: no cap beyond the schedule's own; see FSDPModule.set_prefetch_limit).
+        self.prefetched: set[ParamGroup] = set()
+        self.prefetch_limit: int | None = None
+
+    def prefetch(self, targets: list[ParamGroup]) -> None:
+        """Issue the all-gathers of ``targets`` now, within the prefetch limit."""
+        self.prefetched = {g for g in self.prefetched if g.state in (ShardState.GATHERING, ShardState.UNSHARDED)}
+        for group in targets:
+            if group.state in (ShardState.GATHERING, ShardState.UNSHARDED):
+                continue  # already gathered (or on its way)
+            if self.prefetch_limit is not None and len(self.prefetched) >= self.prefetch_limit:
+                return  # the rest gathers when reached
+            group.unshard(async_op=True)
+            self.prefetched.add(group)
 
 
 def get_state(module: nn.Module) -> ModuleState | None:
@@ -79,6 +94,7 @@ class ModuleState:
         # Implicit prefetch: forward gathers the group that ran next last iteration,
         # backward the group that ran before this one (see set_implicit_prefetch).
         self.implicit_prefetch = True
+        self.prefetch_limit: int | None = None  # the root's becomes its RootContext's
         self._modules_to_run: set[nn.Module] = set()
         self._handles: list[Any] = []
         for module in modules:
@@ -118,6 +134,7 @@ class ModuleState:
                     "outermost module"
                 )
         ctx = RootContext(states)
+        ctx.prefetch_limit = self.prefetch_limit
         for state in states:
             state.is_root = state is self
             state.ctx = ctx
@@ -152,9 +169,9 @@ class ModuleState:
                 group.wait_for_unshard()
             else:
                 self.training_state = TrainingState.FORWARD
+                ctx.prefetched.discard(group)  # in use from now on
                 group.unshard(async_op=True)
-                for target in self._forward_prefetch_targets():
-                    target.unshard(async_op=True)  # in flight while this group computes
+                ctx.prefetch(self._forward_prefetch_targets())  # in flight while this group computes
                 group.wait_for_unshard()
                 if group not in ctx.forward_order:
                     ctx.forward_order.append(group)
@@ -206,9 +223,9 @@ class ModuleState:
             _compat.queue_end_of_backward_callback(self._end_of_backward)
         self.training_state = TrainingState.BACKWARD
         group = self.group
+        ctx.prefetched.discard(group)
         group.pre_backward()
-        for target in self._backward_prefetch_targets():
-            target.unshard(async_op=True)
+        ctx.prefetch(self._backward_prefetch_targets())
 
     def _forward_prefetch_targets(self) -> list[ParamGroup]:
         """Explicit targets, else the group that ran after this one last iteration."""

@@ -86,3 +86,45 @@ def test_cuda_parity_and_prefetch_schedule():
     # Implicit forward prefetch on CUDA too: the next block's all-gather is issued before
     # the previous block is freed (the all-gather runs on NCCL's stream meanwhile).
     assert fwd.index("unshard layers.1") < fwd.index("reshard layers.0"), fwd
+
+
+def _cuda_all_gather_overlaps_compute() -> dict:
+    """Block 0 computes for a long time; block 1's prefetched all-gather must finish meanwhile."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+    from fsdp2._streams import streams_for
+    from tests._models import Transformer, make_batch
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = Transformer().to(device)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    inputs, targets = make_batch(dist.get_rank(), 0, device=device)
+    model(inputs).sum().backward()  # first iteration: learns the order for implicit prefetch
+    seen = {}
+
+    def slow_then_check(module, args, output):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the compute stream
+        # Wait for the compute stream only: the all-gather stream is not waited on.
+        torch.cuda.current_stream().synchronize()
+        gather = model.layers[1]._fsdp_state().group._gather
+        seen["in_flight_or_done"] = gather is not None
+        seen["done_during_compute"] = gather is not None and gather.done.event is not None and gather.done.event.query()
+
+    handle = model.layers[0].register_forward_hook(slow_then_check)
+    model(inputs).sum().backward()
+    handle.remove()
+    torch.cuda.synchronize()
+    streams = streams_for(device)
+    seen["side_streams"] = len({streams.copy_in, streams.all_gather, streams.reduce_scatter,
+                                torch.cuda.current_stream()}) == 4
+    return seen
+
+
+@needs_two_gpus
+def test_cuda_prefetched_all_gather_overlaps_compute_on_its_own_stream():
+    for seen in _launch("_cuda_all_gather_overlaps_compute"):
+        assert seen == {"in_flight_or_done": True, "done_during_compute": True, "side_streams": True}

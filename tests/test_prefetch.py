@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -205,3 +206,55 @@ def test_sync_unshard_holds_full_params_and_reshard_restores_dtensors():
         assert out["others_types"] == ["DTensor"]
         assert out["resharded_same_objects"]
         assert out["after_wait_types"] == ["Parameter"]
+
+
+def _peak_blocks_gathered(events: list[str]) -> int:
+    live: set[str] = set()
+    peak = 0
+    for event in events:
+        kind, label = event.split(" ", 1)
+        if kind == "unshard":
+            live.add(label)
+        elif kind == "reshard":
+            live.discard(label)
+        peak = max(peak, len(live - {"root"}))
+    return peak
+
+
+def _two_ahead_with_limit(limit: int | None) -> int:
+    """Explicit lists ask for two blocks ahead in both directions; returns the peak gathered."""
+    models: list[Transformer] = []
+
+    def shard(m: Transformer) -> None:
+        models.append(_shard(m))
+        layers = list(m.layers)
+        for i, block in enumerate(layers):
+            block.set_modules_to_forward_prefetch(layers[i + 1:i + 3])
+            block.set_modules_to_backward_prefetch(layers[max(0, i - 2):i][::-1])
+        if limit is not None:
+            m.set_prefetch_limit(limit)
+
+    train_parity(Transformer, shard)  # the cap only delays gathers: training is unchanged
+    fwd, bwd = _one_step_schedule(models[0])
+    return _peak_blocks_gathered(fwd + bwd)
+
+
+def test_prefetch_limit_caps_blocks_gathered_ahead():
+    peaks = {limit: run_on_ranks(_two_ahead_with_limit, 2, limit) for limit in (None, 1, 0)}
+    # No cap: the block computing plus the two asked for; a cap of 1: plus one; 0: alone.
+    assert peaks == {None: [3, 3], 1: [2, 2], 0: [1, 1]}
+
+
+def _bad_prefetch_limit(limit) -> str:
+    model = _shard(Transformer())
+    try:
+        model.set_prefetch_limit(limit)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True])
+def test_prefetch_limit_rejects_bad_values(limit):
+    for message in run_on_ranks(_bad_prefetch_limit, 2, limit):
+        assert message == f"set_prefetch_limit: limit must be None or an int >= 0, got {limit!r}"

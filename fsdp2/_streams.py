@@ -1,0 +1,108 @@
+"""Where each stage of the schedule runs, and how a later stage waits for an earlier one.
+
+The schedule (``_group.py``) is written once. It issues a stage inside
+``streams.side(kind)`` and gets back a :class:`Completion`; whoever needs the
+result calls ``Completion.wait()``.
+
+* **CPU (gloo)**: there is one stream, the calling thread. ``side()`` does
+  nothing; collectives run ``async_op=True`` on gloo's threads and ``wait()``
+  blocks the host on the work handle.
+* **CUDA (NCCL)**: copy-in, all-gather and reduce-scatter each run on their own
+  stream, so the next group's all-gather overlaps the current group's compute.
+  ``wait()`` only makes the compute stream wait on an event: the host never
+  blocks.
+
+Memory safety on CUDA without ``Tensor.record_stream``: the caching allocator
+hands a freed block to the next allocation *on the stream that allocated it*.
+Every side-stream stage starts by waiting on the compute stream as it is at
+issue time, so a block that a side stream allocated, the compute stream used
+and the host then dropped can only be reused by work ordered after that use.
+Blocks allocated on the compute stream and read by a side stream (unsharded
+gradients read by the reduce-scatter's copy-in) are kept alive by the in-flight
+record until the compute stream has waited on the side stream's completion.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Completion", "Streams", "streams_for"]
+
+
+class Completion:
+    """The end of one issued stage: a work handle (CPU) or an event on a side stream (CUDA)."""
+
+    __slots__ = ("work", "event")
+
+    def __init__(self, work: dist.Work | None = None, event: torch.cuda.Event | None = None) -> None:
+        self.work = work
+        self.event = event
+
+    def wait(self) -> None:
+        """Order the caller after the stage: block the host (CPU) or the current stream (CUDA)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+            self.event = None
+
+    @property
+    def pending(self) -> bool:
+        return self.work is not None or self.event is not None
+
+
+class Streams:
+    """The side streams of one device (none on CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            # High priority: communication should not queue behind compute kernels.
+            self.copy_in = torch.cuda.Stream(device, priority=-1)
+            self.all_gather = torch.cuda.Stream(device, priority=-1)
+            self.reduce_scatter = torch.cuda.Stream(device, priority=-1)
+
+    def side(self, kind: str) -> ContextManager[None]:
+        """Run the enclosed stage on stream ``kind`` ("copy_in", "all_gather", "reduce_scatter")."""
+        if not self.cuda:
+            return nullcontext()
+        return self._on_side_stream(getattr(self, kind))
+
+    @contextmanager
+    def _on_side_stream(self, stream: torch.cuda.Stream) -> Iterator[None]:
+        # First wait for everything the compute stream issued so far: the inputs are
+        # ready, and blocks freed by the host are no longer in use (module docstring).
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield
+
+    def after(self, completion: Completion | None) -> None:
+        """Inside ``side()``: make the side stream wait for an earlier stage (e.g. copy-in)."""
+        if completion is not None and completion.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(completion.event)
+
+    def issued(self, work: dist.Work | None) -> Completion:
+        """Inside ``side()``: the completion of the collective (or copies) just issued."""
+        if not self.cuda:
+            return Completion(work=work)
+        if work is not None:
+            work.wait()  # NCCL: the side stream (not the host) waits for the collective
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return Completion(event=event)
+
+
+_STREAMS: dict[torch.device, Streams] = {}
+
+
+def streams_for(device: torch.device) -> Streams:
+    """One set of side streams per device per process, shared by every group."""
+    if device not in _STREAMS:
+        _STREAMS[device] = Streams(device)
+    return _STREAMS[device]
