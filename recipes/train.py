@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -169,7 +170,11 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, scheduler: 
     skipped = not math.isfinite(grad_norm)
     if not skipped:
         optimizer.step()
-    scheduler.step()  # also when skipped: the learning rate stays a function of the step number
+    with warnings.catch_warnings():
+        # When the first steps are skipped, torch warns that the scheduler steps before the
+        # optimizer ever did; here that is on purpose.
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+        scheduler.step()  # also when skipped: the learning rate stays a function of the step number
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum, grad_norm, lr, skipped)
 

@@ -39,6 +39,7 @@ import fsdp2.checkpoint as fsdp2_ckpt
 from recipes.checkpoint import Checkpointer
 from recipes.config import parse_args
 from recipes.llama.model import Transformer
+from recipes.metrics import MetricsWriter
 from recipes.llama.parallelize import ParallelDims, check_layout
 from recipes.train import build_optimizer, lr_schedule, train
 from tests._dist import run_on_ranks
@@ -151,6 +152,19 @@ def test_sigkilled_rank_restarts_and_resumes_exactly(tmp_path):
     _assert_equal_weights(_weights(crashed / "ckpt" / final), _weights(reference / "ckpt" / final))
     # Only complete checkpoints remain (a save the kill interrupted was cleaned up), the newest 2.
     assert sorted(p.name for p in (crashed / "ckpt").iterdir()) == [f"step-{STEPS - EVERY:08d}", final]
+
+
+def test_metrics_file_after_a_crash_keeps_each_step_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 7)]
+    path.write_text("\n".join(lines) + "\n" + lines[-1][:9])  # the crash cut the last write short
+    writer = MetricsWriter(path, resume_step=4)  # the newest checkpoint is at step 4
+    assert path.read_text() == "".join(line + "\n" for line in lines[:4])
+    writer.write({"step": 5, "loss": 0.2})
+    assert [r["step"] for r in _records(path)] == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary file left
+    MetricsWriter(path, resume_step=0)  # no checkpoint: the run starts over
+    assert path.read_text() == ""
 
 
 # ---- atomic checkpoints: interrupted saves, corruption, keep-last-K ---------------------------
