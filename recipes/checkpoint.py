@@ -5,22 +5,34 @@ Layout under ``--checkpoint-dir``::
     step-00000100/             a complete checkpoint (DCP: one file per rank, .metadata,
     step-00000200/             and fsdp2_complete.json, written last)
     step-00000300.tmp-<id>/    being written (or left by a crash): never loaded
+    step-00000000.del-<id>/    being pruned (or left by a crash): never loaded
 
 Each checkpoint is one :func:`fsdp2.checkpoint.save`: every rank writes its own shards into
 a temporary directory, and only once all have finished does rank 0 add the completion
-marker and rename it into place, so a crash at any moment leaves the previous checkpoints
-intact. It holds the model and optimizer (sharded DTensors, so it loads at another world
-size or layout too) and, as ``extra``, the LR scheduler and the step. The data position is
-the step: batches are a function of it (see ``data.get_batch``).
+marker (which lists every file and its size) and rename it into place, so a crash at any
+moment leaves the previous checkpoints intact. It holds the model and optimizer (sharded
+DTensors, so it loads at another world size or layout too) and, as ``extra``, the LR
+scheduler, the step and the skipped-step counters. The data position is the step: batches
+are a function of it (see ``data.get_batch``).
+
+Resuming picks the newest checkpoint that passes :func:`fsdp2.checkpoint.verify`; one that
+fails (a file deleted or truncated after the save) is skipped with a warning naming it and
+what is wrong, and the next newest is used. Pruning renames a checkpoint out of the
+``step-N`` namespace before deleting it, so a crash mid-delete never leaves a half-deleted
+checkpoint that looks complete; leftovers of interrupted saves and prunes are removed when
+the next run starts.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import re
 import shutil
+import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,11 +44,27 @@ __all__ = ["Checkpointer", "check_export", "export_model"]
 
 logger = logging.getLogger(__name__)
 _COMPLETE = re.compile(r"^step-(\d+)$")
+_LEFTOVER = re.compile(r"^(step-\d+)\.(tmp|old|del)-\w+$")  # see the layout above and fsdp2.checkpoint.save
 _MARKER = "fsdp2_complete.json"  # written last by fsdp2.checkpoint.save (docs/checkpointing.md)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _from_rank0(value: Any) -> Any:
+    """``value`` as rank 0 has it, on every rank (itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class Checkpointer:
     """Saves and finds checkpoints in one directory; every method is collective.
+
+    Works without a process group too (one process is rank 0).
 
     Args:
         root: the checkpoint directory (created on first save).
@@ -48,31 +76,42 @@ class Checkpointer:
         self.keep = keep
 
     def latest(self) -> tuple[int, Path] | None:
-        """(step, path) of the newest complete checkpoint, as rank 0 sees it, or None."""
-        found: list[tuple[int, Path] | None] = [None]
-        if dist.get_rank() == 0:
-            steps = self._complete_steps()
-            found[0] = (steps[-1], self._dir(steps[-1])) if steps else None
-        dist.broadcast_object_list(found, src=0)  # every rank must resume from the same step
-        return found[0]
+        """(step, path) of the newest sound checkpoint, as rank 0 sees it, or None.
+
+        Rank 0 first removes what interrupted saves and prunes left behind, then
+        checks the checkpoints newest first with :func:`fsdp2.checkpoint.verify`,
+        warning about (and passing over) each one that fails. Every rank gets
+        rank 0's answer: all must resume from the same step.
+        """
+        found = None
+        if _rank() == 0:
+            self._clean_leftovers()
+            for step in reversed(self._complete_steps()):
+                problems = ckpt.verify(self._dir(step))
+                if not problems:
+                    found = (step, self._dir(step))
+                    break
+                logger.warning("skipping corrupted checkpoint %s: %s", self._dir(step), "; ".join(problems))
+        return _from_rank0(found)
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: torch.optim.lr_scheduler.LRScheduler) -> Path:
+             scheduler: torch.optim.lr_scheduler.LRScheduler, *, extra: dict[str, Any] | None = None) -> Path:
+        """Save at ``step`` (``extra``: more small state, e.g. counters), then prune to ``keep``."""
         final = self._dir(step)
-        if dist.get_rank() == 0:  # before save's first collective, so before any rank writes
+        if _rank() == 0:  # before save's first collective, so before any rank writes
             final.parent.mkdir(parents=True, exist_ok=True)
         # Atomic: the directory appears, complete, only after every rank has written its shards.
-        ckpt.save(final, model, optimizer, extra={"step": step, "scheduler": scheduler.state_dict()})
-        if dist.get_rank() == 0:
+        ckpt.save(final, model, optimizer, extra={**(extra or {}), "step": step, "scheduler": scheduler.state_dict()})
+        if _rank() == 0:
             self._prune()
         return final
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
-        """Restore model, optimizer and scheduler from ``path``; returns the step it was saved at."""
+             scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+        """Restore model, optimizer and scheduler from ``path``; returns its extra state (``["step"]``...)."""
         extra = ckpt.load(path, model, optimizer)
         scheduler.load_state_dict(extra["scheduler"])
-        return extra["step"]
+        return extra
 
     def _dir(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
@@ -90,7 +129,28 @@ class Checkpointer:
     def _prune(self) -> None:
         if self.keep:
             for step in self._complete_steps()[: -self.keep]:
-                shutil.rmtree(self._dir(step), ignore_errors=True)
+                # Out of the step-N namespace first (atomic), then delete: a crash in the middle
+                # of rmtree must not leave a marker over missing shards.
+                doomed = self.root / f"{self._dir(step).name}.del-{uuid.uuid4().hex[:12]}"
+                os.rename(self._dir(step), doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+
+    def _clean_leftovers(self) -> None:
+        """Remove the temporary directories of saves and prunes a crash interrupted (rank 0, no save running)."""
+        if not self.root.is_dir():
+            return
+        for entry in sorted(self.root.iterdir()):
+            match = _LEFTOVER.match(entry.name)
+            if not match:
+                continue
+            name, kind = match.groups()
+            if kind == "old" and (entry / _MARKER).is_file() and not (self.root / name).exists():
+                # Died between moving a checkpoint aside and renaming its replacement in.
+                os.rename(entry, self.root / name)
+                logger.warning("restored %s from %s, left by an interrupted save", name, entry.name)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
+                logger.info("removed %s, left by an interrupted save or prune", entry)
 
 
 def check_export(path: str | Path) -> None:

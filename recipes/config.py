@@ -26,7 +26,7 @@ from .llama.model import ModelArgs
 
 __all__ = [
     "ConfigError", "JobConfig", "TrainingConfig", "ParallelismConfig", "DataConfig",
-    "CheckpointConfig", "MetricsConfig", "DEFAULT_CONFIG", "parse_args", "load_config", "describe",
+    "CheckpointConfig", "MetricsConfig", "FaultsConfig", "DEFAULT_CONFIG", "parse_args", "load_config", "describe",
 ]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.toml"
@@ -61,10 +61,12 @@ class TrainingConfig:
     activation_checkpoint: bool = False  # recompute each block's activations in backward
     compile: bool = False  # torch.compile each block
     seed: int = 0  # initial weights and data order
+    max_skipped_steps: int = 10  # stop once this many steps in a row had a non-finite grad norm; 0: never
 
     def __post_init__(self) -> None:
         _positive("training", self, "steps", "batch_size", "seq_len", "grad_accum", "lr")
-        _positive("training", self, "warmup_steps", "weight_decay", "max_grad_norm", allow_zero=True)
+        _positive("training", self, "warmup_steps", "weight_decay", "max_grad_norm", "max_skipped_steps",
+                  allow_zero=True)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"training.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
 
@@ -97,11 +99,26 @@ class CheckpointConfig:
 class MetricsConfig:
     log_every: int = 10  # print (and record) every N steps, plus the first and the last
     file: str | None = None  # one JSON object per logged step; a PNG loss curve is written next to it
+    plot: bool = True  # draw that PNG at the end (needs matplotlib)
     sample_tokens: int = 0  # at the end, generate this many bytes from a prompt (greedy) and print them
 
     def __post_init__(self) -> None:
         _positive("metrics", self, "log_every")
         _positive("metrics", self, "sample_tokens", allow_zero=True)
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection, for testing the recipe's guards; leave empty for real runs."""
+
+    nan_loss_at_steps: list[int] = field(default_factory=list)  # multiply the loss by NaN at these steps
+    nan_loss_rank: int = -1  # ... on this rank only; -1: on every rank
+
+    def __post_init__(self) -> None:
+        if any(s <= 0 for s in self.nan_loss_at_steps):
+            raise ConfigError(f"faults.nan_loss_at_steps must hold steps >= 1, got {self.nan_loss_at_steps!r}")
+        if self.nan_loss_rank < -1:
+            raise ConfigError(f"faults.nan_loss_rank must be a rank or -1 (every rank), got {self.nan_loss_rank!r}")
 
 
 @dataclass
@@ -112,6 +129,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def __post_init__(self) -> None:
         if self.training.seq_len > self.model.max_seq_len:
@@ -146,6 +164,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join("none" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0]).removeprefix('an ').removeprefix('a ')}s (e.g. 3,5)"
     return {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string"}.get(tp, str(tp))
 
 
@@ -174,6 +194,15 @@ def _convert(value: Any, tp: Any, key: str, source: str, *, from_cli: bool) -> A
         if value not in typing.get_args(tp):
             raise bad()
         return value
+    if origin is list:
+        # TOML gives a list; the command line a comma-separated string ("3,5", "[3, 5]", "" for none).
+        items = [v.strip() for v in value.strip().strip("[]").split(",") if v.strip()] if from_cli else value
+        if not isinstance(items, list):
+            raise bad()
+        try:
+            return [_convert(v, typing.get_args(tp)[0], key, source, from_cli=from_cli) for v in items]
+        except ConfigError:
+            raise bad() from None
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -312,6 +341,7 @@ def describe(config: JobConfig | None = None) -> str:
         obj = getattr(config, section)
         for name, tp in _field_types(type(obj)).items():
             value = getattr(obj, name)
-            text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            text = ("none" if value is None else str(value).lower() if isinstance(value, bool)
+                    else ",".join(map(str, value)) if isinstance(value, list) else str(value))
             lines.append(f"  {f'--{section}.{name}={text}':<42} {_type_name(tp)}")
     return "\n".join(lines)

@@ -43,7 +43,11 @@ class MetricsWriter:
     """Appends one JSON object per logged step to ``path`` (rank 0 only).
 
     On resume the records after the resumed step (logged by the interrupted run but not
-    covered by its checkpoint) are dropped, so the file reads as one uninterrupted run.
+    covered by its checkpoint) are dropped, so the file reads as one uninterrupted run: each
+    step once, in order. A line cut short by a crash mid-write is dropped too (it is always
+    after the resumed step: a step is recorded before it is checkpointed). The file is
+    rewritten atomically (a temporary file renamed over it), so a crash while resuming loses
+    nothing either.
     """
 
     def __init__(self, path: str | Path, *, resume_step: int) -> None:
@@ -52,12 +56,23 @@ class MetricsWriter:
         kept = []
         if resume_step > 0 and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+                    if (record := _parse(line)) is not None and record["step"] <= resume_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    """A metrics line's record; None for a blank or cut-off line."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "step" in record else None
 
 
 def plot_loss(metrics_path: str | Path) -> Path | None:

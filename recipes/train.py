@@ -7,7 +7,15 @@ standard library's own source files, on 2 CPU ranks (gloo) or on GPUs (NCCL) whe
 is available. Short flags: --dp-shard N, --dp-replicate N, --tp N (-1 = infer from the
 world size), --steps N, --data PATH, --checkpoint-dir DIR, --checkpoint-every N,
 --metrics-file PATH. A run given a checkpoint directory that holds a complete checkpoint
-resumes from it. Every key (--help lists them) can be overridden as --section.key=value.
+resumes from it (the newest one that passes verification). Every key (--help lists them)
+can be overridden as --section.key=value.
+
+Faults: under `torchrun --max-restarts K` a crashed or killed rank makes torchrun restart
+every rank, and the run resumes from the newest checkpoint, exactly: the losses and the
+final weights equal an uninterrupted run's. A step whose gradient norm is not finite is
+skipped (no optimizer step; the learning-rate schedule advances), warned about and recorded
+as "skipped" in the metrics; training.max_skipped_steps of them in a row stop the run.
+The [faults] keys inject bad batches to test that guard.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 if __package__ in (None, ""):  # run as a script (torchrun recipes/train.py): make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         if rank0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if rank0 and (problem := restart_store_problem()):
+        print(f"warning: {problem}", file=sys.stderr)
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -65,6 +77,20 @@ def main(argv: list[str] | None = None) -> None:
         train(config, dims, device)
     finally:
         dist.destroy_process_group()
+
+
+def restart_store_problem() -> str | None:
+    """Why torchrun's restarts would fail to reconnect the ranks, or None.
+
+    torch >= 2.5 lets the workers share torchrun's rendezvous store by default, and that store
+    outlives a restart: the restarted workers read the previous attempt's addresses from it and
+    their process group fails to connect (pytorch/pytorch#135712), using up the restarts.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (f"torchrun --max-restarts {restarts} with the shared rendezvous store: restarted ranks may fail "
+                "to connect (pytorch/pytorch#135712); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    return None
 
 
 def log(*args: object) -> None:
@@ -104,10 +130,21 @@ def lr_schedule(optimizer: torch.optim.Optimizer, t: TrainingConfig) -> torch.op
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # this rank's loss (mean over its micro-batches), not yet averaged over ranks
+    grad_norm: float  # the global gradient norm before clipping, identical on every rank
+    lr: float  # the learning rate this step used (or would have used, if skipped)
+    skipped: bool  # the gradient norm was not finite: no optimizer step was taken
+
+
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                corpus: torch.Tensor, step: int, dp_rank: int, t: TrainingConfig,
-               device: torch.device) -> tuple[torch.Tensor, float, float]:
-    """One optimizer step over ``t.grad_accum`` micro-batches; returns (this rank's loss, grad norm, lr)."""
+               device: torch.device, *, poison: bool = False) -> StepResult:
+    """One optimizer step over ``t.grad_accum`` micro-batches, or none if the gradients are not finite.
+
+    ``poison`` multiplies the loss by NaN (``faults.nan_loss_at_steps``: a bad batch on demand,
+    to test the skip).
+    """
     loss_sum = torch.zeros((), device=device)
     # Every micro-batch's backward reduce-scatters its gradients, which accumulate on the
     # sharded .grad; dividing each loss by grad_accum makes the sum the mean.
@@ -117,17 +154,63 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, scheduler: 
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         logits = model(inputs)  # (batch, seq, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / t.grad_accum
+        if poison:
+            loss = loss * float("nan")
         loss.backward()
         loss_sum += loss.detach()
     # The norm of the full gradient, identical on every rank. fsdp2's clip_grad_norm_, not
     # torch's: under FSDP x TP some gradients live on the dp mesh and some on the (dp, tp)
     # mesh, and torch's cannot combine norms across meshes.
-    grad_norm = fsdp2.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
+    grad_norm = fsdp2.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf")).item()
     lr = scheduler.get_last_lr()[0]  # the rate this step uses
-    optimizer.step()
-    scheduler.step()
+    # A bad batch: a non-finite loss on any rank makes its gradients, and so the global norm,
+    # non-finite. The norm is the same on every rank, so all of them skip together with no
+    # extra collective. The gradients are dropped below; the weights and AdamW's moments and
+    # step count stay as they were.
+    skipped = not math.isfinite(grad_norm)
+    if not skipped:
+        optimizer.step()
+    with warnings.catch_warnings():
+        # When the first steps are skipped, torch warns that the scheduler steps before the
+        # optimizer ever did; here that is on purpose.
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+        scheduler.step()  # also when skipped: the learning rate stays a function of the step number
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm.item(), lr
+    return StepResult(loss_sum, grad_norm, lr, skipped)
+
+
+class SkipGuard:
+    """Counts skipped steps and stops the run after ``limit`` in a row (0: never).
+
+    Its counters go into every checkpoint, so a resumed run stops where the uninterrupted
+    one would have.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.total, self.in_a_row = limit, 0, 0
+
+    def update(self, step: int, skipped: bool) -> None:
+        self.total += skipped
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if skipped:
+            limit = f"the run stops at {self.limit}" if self.limit else "no limit"
+            log(f"warning: step {step}: the gradient norm is not finite; skipped the optimizer step "
+                f"({self.in_a_row} in a row, {limit}: training.max_skipped_steps)")
+
+    def check(self, step: int) -> None:
+        """Raise once ``limit`` steps in a row were skipped (every rank: the decision is global)."""
+        if self.limit and self.in_a_row >= self.limit:
+            raise RuntimeError(
+                f"steps {step - self.in_a_row + 1}-{step}: {self.in_a_row} steps in a row had a non-finite "
+                f"gradient norm and were skipped (training.max_skipped_steps={self.limit}). The run is diverging "
+                "or the data is bad: resume from an earlier checkpoint with a lower training.lr, or check the "
+                "data of these steps; raise training.max_skipped_steps (0: no limit) to skip more")
+
+    def state_dict(self) -> dict[str, int]:
+        return {"total": self.total, "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.total, self.in_a_row = state["total"], state["in_a_row"]
 
 
 class Progress:
@@ -146,8 +229,9 @@ class Progress:
     def step_done(self) -> None:
         self.window_steps += 1
 
-    def log(self, step: int, loss: torch.Tensor, grad_norm: float, lr: float) -> None:
-        """Collective: average the loss over ranks, gather memory, print and record."""
+    def log(self, step: int, result: StepResult, skipped_total: int, *, record: bool = True) -> None:
+        """Collective: average the loss over ranks, gather memory, print and (if ``record``) record."""
+        loss, grad_norm, lr = result.loss, result.grad_norm, result.lr
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         self.losses.append(loss.item())
         memory = gather_memory_mb(self.device)
@@ -156,12 +240,14 @@ class Progress:
         eta = (now - self.loop_start) / (step - self.start) * (self.total - step)
         record = {"step": step, "loss": self.losses[-1], "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_s, "tokens": self.tokens_per_step * step,
-                  "elapsed_s": now - self.loop_start, "eta_s": eta, "memory_mb": memory}
-        if self.writer is not None:
+                  "elapsed_s": now - self.loop_start, "eta_s": eta, "memory_mb": memory,
+                  "skipped": result.skipped, "skipped_steps": skipped_total}
+        if self.writer is not None and record:
             self.writer.write(record)
         log(f"step {step:>{len(str(self.total))}}/{self.total}  loss {self.losses[-1]:.4f}  lr {lr:.2e}  "
             f"gnorm {grad_norm:.2f}  {tokens_per_s:,.0f} tok/s  "
-            f"mem {'/'.join(f'{m:.0f}' for m in memory)} MiB  eta {format_duration(eta)}")
+            f"mem {'/'.join(f'{m:.0f}' for m in memory)} MiB  eta {format_duration(eta)}"
+            + ("  (skipped)" if result.skipped else ""))
         self.window_start, self.window_steps = now, 0
 
     def summary(self) -> str:
@@ -202,20 +288,25 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     tokens_per_step = log_setup(config, dims, model, corpus)
 
     checkpointer = Checkpointer(ckpt.dir, keep=ckpt.keep) if ckpt.dir else None
-    start = 0
-    if checkpointer is not None and (found := checkpointer.latest()) is not None:
-        start = checkpointer.load(found[1], model, optimizer, scheduler)
-        log(f"resumed from {found[1]} at step {start}")
+    guard = SkipGuard(t.max_skipped_steps)
+    start = resume(checkpointer, model, optimizer, scheduler, guard)
 
     progress = Progress(config, tokens_per_step, start, device)
     dp_rank = dims.dp_rank(dist.get_rank())
+    faults = config.faults
     for step in range(start + 1, t.steps + 1):
-        loss, grad_norm, lr = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device)
+        poison = step in faults.nan_loss_at_steps and faults.nan_loss_rank in (-1, dist.get_rank())
+        result = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device, poison=poison)
+        guard.update(step, result.skipped)
         progress.step_done()
-        if step % config.metrics.log_every == 0 or step == start + 1 or step == t.steps:
-            progress.log(step, loss, grad_norm, lr)
+        # Recorded: the steps an uninterrupted run records (so a resumed run's file reads as one
+        # run), and every skipped step. Printed also: the first step after a resume.
+        recorded = step % config.metrics.log_every == 0 or step in (1, t.steps) or result.skipped
+        if recorded or step == start + 1:
+            progress.log(step, result, guard.total, record=recorded)
+        guard.check(step)
         if checkpointer is not None and (step == t.steps or (ckpt.every and step % ckpt.every == 0)):
-            checkpointer.save(step, model, optimizer, scheduler)
+            checkpointer.save(step, model, optimizer, scheduler, extra={"skips": guard.state_dict()})
     log(progress.summary())
 
     if ckpt.export:
@@ -224,11 +315,25 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     if config.metrics.sample_tokens:
         sample = generate(model, "def ", config.metrics.sample_tokens, device, seed=t.seed, multiple_of=dims.tp)
         log("sample (temperature 0.8):\n" + sample)
-    if progress.writer is not None:
+    if progress.writer is not None and config.metrics.plot:
         png = plot_loss(progress.writer.path)
         log(f"metrics: {progress.writer.path}" + (f", loss curve: {png}" if png else
                                                   " (matplotlib not installed: no loss curve; pip install matplotlib)"))
     return start
+
+
+def resume(checkpointer: Checkpointer | None, model: Transformer, optimizer: torch.optim.Optimizer,
+           scheduler: torch.optim.lr_scheduler.LRScheduler, guard: SkipGuard) -> int:
+    """Collective: load the newest sound checkpoint, if any; returns its step (0: start afresh)."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts:
+        log(f"torchrun restart {restarts}: resuming from the newest checkpoint")
+    if checkpointer is None or (found := checkpointer.latest()) is None:
+        return 0
+    extra = checkpointer.load(found[1], model, optimizer, scheduler)
+    guard.load_state_dict(extra.get("skips", {"total": 0, "in_a_row": 0}))  # older checkpoints have none
+    log(f"resumed from {found[1]} at step {extra['step']}")
+    return extra["step"]
 
 
 @torch.no_grad()

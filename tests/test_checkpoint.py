@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_state_dict, set_model_state_dict, set_optimizer_state_dict, set_state_dict,
 )
@@ -239,14 +238,21 @@ def test_helpers_never_load_an_incomplete_checkpoint(tmp_path, caplog):
         fsdp2_ckpt.save(path, model)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         fsdp2_ckpt.load(tmp_path / "nowhere", fresh)
-    # A truncated data file is an error, not silently wrong weights.
+    # A truncated data file is an error, not silently wrong weights: the marker's file list catches
+    # it before DCP reads anything; without that list (a version 1 marker), DCP's own index does.
     fsdp2_ckpt.save(tmp_path / "good", model)
     data = next((tmp_path / "good").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    with pytest.raises(CheckpointException, match="(?s)corrupted"):
+    with pytest.raises(fsdp2_ckpt.CorruptCheckpointError, match=rf"{data.name} is \d+ bytes but was saved with"):
         fsdp2_ckpt.load(tmp_path / "good", fresh)
+    marker = json.loads((tmp_path / "good" / "fsdp2_complete.json").read_text())
+    del marker["files"]
+    (tmp_path / "good" / "fsdp2_complete.json").write_text(json.dumps(marker | {"version": 1}))
+    with pytest.raises(fsdp2_ckpt.CorruptCheckpointError, match=rf"{data.name} is \d+ bytes but .metadata needs"):
+        fsdp2_ckpt.load(tmp_path / "good", fresh)
+    fsdp2_ckpt.save(tmp_path / "model_only", model)
     with pytest.raises(ValueError, match="saved without an optimizer"):
-        fsdp2_ckpt.load(path.with_name("good"), fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+        fsdp2_ckpt.load(tmp_path / "model_only", fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
 
 
 # ---- export_full / load_full / the command line ---------------------------------------------

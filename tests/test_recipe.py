@@ -434,5 +434,6 @@ def test_recipe_config_error_exits_cleanly(capsys):
     assert capsys.readouterr().err == (
         "error: unknown key 'training.lrr' (from --training.lrr=1); did you mean 'training.lr'? "
         "keys in [training]: steps, batch_size, seq_len, grad_accum, lr, min_lr_ratio, warmup_steps, "
-        "weight_decay, beta1, beta2, max_grad_norm, mixed_precision, activation_checkpoint, compile, seed\n"
+        "weight_decay, beta1, beta2, max_grad_norm, mixed_precision, activation_checkpoint, compile, seed, "
+        "max_skipped_steps\n"
     )

@@ -7,6 +7,11 @@ first and deleting it last. A save interrupted at any point leaves either the
 previous complete checkpoint at ``path`` or, in the instant between the two
 renames, at ``<path>.old-<id>``, which :func:`load` falls back to. A directory
 without the marker is never loaded.
+
+The marker also lists every file of the checkpoint with its size, so :func:`verify`
+(and :func:`load`, before reading anything) can tell a complete checkpoint from one
+damaged afterwards (a truncated copy, a deleted shard, a full disk during a copy)
+without reading the data: a few ``stat`` calls and DCP's small ``.metadata`` file.
 """
 
 from __future__ import annotations
@@ -30,12 +35,27 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-__all__ = ["MARKER", "save", "load", "find_complete", "single_process_ok"]
+__all__ = ["MARKER", "CorruptCheckpointError", "save", "load", "verify", "find_complete", "single_process_ok"]
 
 logger = logging.getLogger(__name__)
 
 MARKER = "fsdp2_complete.json"
 """Written last, by rank 0, into a checkpoint directory every rank finished writing."""
+
+_MARKER_VERSION = 2  # 2: adds "files" (name -> size in bytes) and "bytes"; 1 had neither
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint directory whose completion marker exists but whose files do not match it.
+
+    The message names the directory and every missing, truncated or unreadable file;
+    ``problems`` holds them as a list.
+    """
+
+    def __init__(self, path: Path, problems: list[str]) -> None:
+        self.path, self.problems = path, problems
+        super().__init__(f"checkpoint {path} is corrupted: " + "; ".join(problems)
+                         + ". Load an older checkpoint, or save again from a good one")
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -75,9 +95,11 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if distributed:
         dist.barrier()  # every rank's files are closed before the marker says so
     if not distributed or dist.get_rank() == 0:
-        marker = {"format": "fsdp2.checkpoint", "version": 1, "optimizer": optimizer is not None,
-                  "extra": extra is not None, "world_size": dist.get_world_size() if distributed else 1}
-        _write_synced(tmp / MARKER, json.dumps(marker).encode())
+        files = _file_sizes(tmp)  # after the barrier: every rank's files are complete
+        marker = {"format": "fsdp2.checkpoint", "version": _MARKER_VERSION, "optimizer": optimizer is not None,
+                  "extra": extra is not None, "world_size": dist.get_world_size() if distributed else 1,
+                  "torch": torch.__version__, "files": files, "bytes": sum(files.values())}
+        _write_synced(tmp / MARKER, json.dumps(marker, indent=1).encode())
         old = path.with_name(f"{path.name}.old-{token[0]}")
         if path.exists():
             os.rename(path, old)
@@ -95,18 +117,34 @@ def load(path: str | os.PathLike, model: nn.Module,
     """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``); return ``extra``.
 
     Works on any number of ranks and any sharding (DCP reads the slices each
-    rank needs), including a plain model in a single process.
+    rank needs), including a plain model in a single process. Before reading
+    anything, rank 0 checks the checkpoint with :func:`verify` and tells the
+    other ranks, so every rank raises the same error (none is left waiting in
+    a collective).
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path`` (a directory
             without the completion marker is an interrupted save).
+        CorruptCheckpointError: the marker is there but a file it lists is
+            missing or has another size, or DCP's ``.metadata`` is unreadable
+            or points past the end of a file.
         ValueError: an optimizer was given but the checkpoint has none.
     """
-    path = find_complete(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    checked: list[Any] = [None]
+    if not distributed or dist.get_rank() == 0:
+        checked[0] = _check(path)
+    if distributed:
+        dist.broadcast_object_list(checked, src=0)
+    found, not_found, problems = checked[0]
+    if not_found is not None:
+        raise FileNotFoundError(not_found)
+    path = Path(found)
+    if problems:
+        raise CorruptCheckpointError(path, problems)
     marker = json.loads((path / MARKER).read_text())
     if optimizer is not None and not marker["optimizer"]:
         raise ValueError(f"checkpoint {path} was saved without an optimizer; call load(path, model)")
-    distributed = dist.is_available() and dist.is_initialized()
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -135,6 +173,82 @@ def find_complete(path: str | os.PathLike) -> Path:
             return old
     why = "has no completion marker (an interrupted or foreign save)" if path.exists() else "does not exist"
     raise FileNotFoundError(f"no complete fsdp2 checkpoint at {path}: the directory {why}")
+
+
+def verify(path: str | os.PathLike) -> list[str]:
+    """The problems that make ``path`` unusable as a checkpoint; an empty list if it is sound.
+
+    Cheap (no tensor data is read): the completion marker must be there and
+    parse; every file it lists must exist with the size it recorded; DCP's
+    ``.metadata`` must unpickle and every byte range it points to must lie
+    inside an existing file. Checkpoints saved before the marker listed its
+    files (version 1) get the ``.metadata`` checks only. Local, no collective.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path} does not exist or is not a directory"]
+    if not (path / MARKER).is_file():
+        return [f"{path} has no completion marker {MARKER} (an interrupted or foreign save)"]
+    try:
+        marker = json.loads((path / MARKER).read_text())
+        listed = {str(name): int(size) for name, size in marker.get("files", {}).items()}
+    except (OSError, ValueError, AttributeError) as e:
+        return [f"{MARKER} is unreadable ({e})"]
+    problems: dict[str, str] = {}  # file -> what is wrong with it; one problem per file
+    for name, size in sorted(listed.items()):
+        actual = _size(path / name)
+        if actual is None:
+            problems[name] = f"{name} is missing"
+        elif actual != size:
+            problems[name] = f"{name} is {actual} bytes but was saved with {size} (truncated or overwritten)"
+    if ".metadata" not in problems:
+        try:
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        except Exception as e:  # a damaged pickle raises anything from EOFError to UnpicklingError
+            problems[".metadata"] = f".metadata is unreadable ({type(e).__name__}: {e})"
+        else:
+            for name, end in _ends(metadata).items():
+                if name in problems:
+                    continue
+                actual = _size(path / name)
+                if actual is None:
+                    problems[name] = f"{name} is missing (.metadata points into it)"
+                elif actual < end:
+                    problems[name] = f"{name} is {actual} bytes but .metadata needs {end} (truncated)"
+    return list(problems.values())
+
+
+def _ends(metadata: Any) -> dict[str, int]:
+    """File -> the end of the last byte range DCP's index points to in it."""
+    ends: dict[str, int] = {}
+    # storage_data maps each tensor chunk to (relative_path, offset, length) for the filesystem
+    # storage; other storages keep other things there, which have nothing to check.
+    for info in metadata.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str):
+            ends[name] = max(ends.get(name, 0), info.offset + info.length)
+    return dict(sorted(ends.items()))
+
+
+def _size(file: Path) -> int | None:
+    try:
+        return file.stat().st_size if file.is_file() else None
+    except OSError:
+        return None
+
+
+def _check(path: str | os.PathLike) -> tuple[str | None, str | None, list[str]]:
+    """(the complete checkpoint to load, why there is none, what is wrong with it), picklable."""
+    try:
+        found = find_complete(path)
+    except FileNotFoundError as e:
+        return None, str(e), []
+    return str(found), None, verify(found)
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    """Every file under ``root`` (relative POSIX path) with its size in bytes."""
+    return {f.relative_to(root).as_posix(): f.stat().st_size for f in sorted(root.rglob("*")) if f.is_file()}
 
 
 @contextmanager
