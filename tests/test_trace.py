@@ -119,3 +119,57 @@ keep: all_gather=4 reduce_scatter=4""")
                 peak = max(peak, len(live - {"root"}))
             self.assertLessEqual(peak, 2, events)
             self.assertEqual(peak, 2, events)  # and prefetching really overlaps two groups
+
+
+
+def _forward_with_instrumented_compute() -> list[str]:
+    """Steady-state forward events, with each block's compute and the all-gathers in flight during it."""
+    from fsdp2._group import ShardState
+
+    model = Transformer()
+    for block in model.layers:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    blocks = list(model.layers)
+    log: list[str] = []  # the list record_schedule is filling: compute events go in between
+
+    def in_flight() -> str:
+        gathering = [f"layers.{i}" for i, b in enumerate(blocks)
+                     if b._fsdp_state().group.state is ShardState.GATHERING]
+        return ", ".join(gathering) or "nothing"
+
+    for i, block in enumerate(blocks):
+        # Registered after fully_shard: the pre-hook runs once the block's own parameters are
+        # gathered, the (prepended) post-hook before the block reshards.
+        block.register_forward_pre_hook(lambda *_, i=i: log.append(
+            f"compute layers.{i} begins; all-gathers in flight: {in_flight()}"))
+        block.register_forward_hook(lambda *_, i=i: log.append(f"compute layers.{i} ends"), prepend=True)
+    for step in range(2):  # the second forward prefetches in the first one's order
+        inputs, targets = make_batch(dist.get_rank(), step)
+        with fsdp2.record_schedule() as events:
+            log = events
+            loss = lm_loss(model(inputs), targets)
+        loss.backward()
+    return list(log)
+
+
+class TestOverlap(expecttest.TestCase):
+    def test_next_all_gather_is_in_flight_while_a_block_computes(self):
+        per_rank = run_on_ranks(_forward_with_instrumented_compute, 2)
+        assert per_rank[0] == per_rank[1], per_rank
+        # Each block computes while the next block's all-gather is issued and not yet waited
+        # for; the last block overlaps nothing (the root's rest is already gathered).
+        self.assertExpectedInline("\n".join(per_rank[0]), """\
+unshard root
+unshard layers.0
+unshard layers.1
+compute layers.0 begins; all-gathers in flight: layers.1
+compute layers.0 ends
+reshard layers.0
+unshard layers.2
+compute layers.1 begins; all-gathers in flight: layers.2
+compute layers.1 ends
+reshard layers.1
+compute layers.2 begins; all-gathers in flight: nothing
+compute layers.2 ends
+reshard layers.2""")
