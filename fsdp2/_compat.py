@@ -74,3 +74,21 @@ def strided_shard(dim: int, split_factor: int):
     """
     from torch.distributed.tensor.placement_types import _StridedShard
     return _StridedShard(dim, split_factor=split_factor)
+
+
+def prepend_post_accumulate_grad_hook(param, hook):
+    """``param.register_post_accumulate_grad_hook(hook)``, but run before the hooks already there.
+
+    The memory tracker must see a gradient before fsdp2's own hook hands the last gradient
+    of a group to its reduce-scatter (which drops ``.grad``). Tensors keep these hooks in
+    the private ordered dict ``_post_accumulate_grad_hooks`` (torch 2.6 to 2.13).
+    """
+    handle = param.register_post_accumulate_grad_hook(hook)
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if hooks is not None and handle.id in hooks:
+        # Re-insert, not move_to_end: the engine walks the underlying dict's own order.
+        items = dict(hooks)
+        hooks.clear()
+        hooks[handle.id] = items.pop(handle.id)
+        hooks.update(items)
+    return handle

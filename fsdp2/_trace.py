@@ -9,9 +9,9 @@ recorder is active.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
-__all__ = ["record_schedule"]
+__all__ = ["record_schedule", "on_event"]
 
 # Active recorders. A list, not a context variable: autograd may run backward
 # hooks on its own device threads, which do not inherit context variables.
@@ -32,4 +32,34 @@ def record_schedule() -> Iterator[list[str]]:
     try:
         yield log
     finally:
-        _ACTIVE.remove(log)
+        _remove(log)
+
+
+class _Callback(list):
+    """A log that hands each event to a function instead of keeping it."""
+
+    def __init__(self, fn: Callable[[str], None]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def append(self, event: str) -> None:
+        self.fn(event)
+
+
+@contextlib.contextmanager
+def on_event(fn: Callable[[str], None]) -> Iterator[None]:
+    """Call ``fn(event)`` at each schedule event (the memory tracker looks at buffers then)."""
+    log = _Callback(fn)
+    _ACTIVE.append(log)
+    try:
+        yield
+    finally:
+        _remove(log)
+
+
+def _remove(log: list) -> None:
+    """Drop ``log`` by identity (``list.remove`` compares by value: two empty logs are equal)."""
+    for i, active in enumerate(_ACTIVE):
+        if active is log:
+            del _ACTIVE[i]
+            return

@@ -3,7 +3,7 @@
     python -m fsdp2.plan --config llama3_70b --world 64 --tp 8 --param-dtype bf16 --gpu-memory 80GiB
     python -m fsdp2.plan --config llama3_8b --world 8 --compare
 
-Builds one block on fake tensors (no memory, no process group), measures its activations
+Builds two blocks on fake tensors (no memory, no process group), measures its activations
 and counts everything else from shapes; see docs/memory.md.
 """
 
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 def _estimate(args: argparse.Namespace, *, dp_replicate: int, tp: int, reshard: bool, ac: bool):
     shape = CONFIGS[args.config]
     return estimate_memory(
-        lambda: LlamaModel(shape, n_blocks=1), world=args.world, batch=args.batch, seq=args.seq,
+        lambda: LlamaModel(shape, n_blocks=min(2, shape.n_layers)), world=args.world, batch=args.batch, seq=args.seq,
         dp_replicate=dp_replicate, tp=tp, param_dtype=DTYPES[args.param_dtype],
         reduce_dtype=DTYPES[args.reduce_dtype], reshard_after_forward=reshard,
         activation_checkpointing=ac, optimizer=args.optimizer, num_blocks=shape.n_layers,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
-import time
+import expecttest
 
 import pytest
 import torch
@@ -102,14 +102,30 @@ def _build_meta_transformer() -> nn.Module:
     return Transformer(dim=DIM, n_layers=LAYERS, seed=None)
 
 
-@pytest.mark.parametrize("world", [2])
-def test_planner_matches_tracker(world):
-    reports, _ = run_on_ranks(_track_two_steps, world)[0]
-    measured = reports[1]
-    est = estimate_memory(_build_meta_transformer, world=world, batch=BATCH, seq=SEQ)
-    assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < 0.15, (str(est), str(measured))
-    for category in ("sharded_params", "optimizer_state"):
-        assert est.peak_by_category[category] == pytest.approx(measured.peak_by_category[category], rel=0.01)
+# The recipe's model, small: the planner-vs-tracker sweep of benchmarks/memory.py, two cases.
+_RECIPE = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, max_seq_len=64)
+_RECIPE_BATCH, _RECIPE_SEQ = 2, 64
+
+
+def _track_recipe(case: dict):
+    from benchmarks.memory import track
+    from recipes.llama.model import ModelArgs
+
+    return track(ModelArgs(**_RECIPE), case, _RECIPE_BATCH, _RECIPE_SEQ)
+
+
+@pytest.mark.parametrize("world,param_dtype,reshard,ac", [(2, "bf16", True, True), (4, "fp32", False, False)])
+def test_planner_matches_tracker_on_recipe_model(world, param_dtype, reshard, ac):
+    from benchmarks.memory import compare, plan
+    from recipes.llama.model import ModelArgs
+
+    case = {"param_dtype": param_dtype, "reshard_after_forward": reshard, "activation_checkpointing": ac}
+    measured = run_on_ranks(_track_recipe, world, case)[0]
+    est = plan(ModelArgs(**_RECIPE), case, world, _RECIPE_BATCH, _RECIPE_SEQ)
+    rows = compare(measured, est)
+    # Peak within 10%, each category within 15% (under 1% of the peak: within 1% of the peak).
+    assert all(row["ok"] for row in rows.values()), (str(measured), str(est), rows)
+    assert measured.peak_phase == "backward" and est.peak_point.startswith("backward")
 
 
 def test_planner_counts_sharding_and_checkpointing():
@@ -120,7 +136,9 @@ def test_planner_counts_sharding_and_checkpointing():
     assert hsdp.peak_by_category["sharded_params"] == pytest.approx(2 * fsdp.peak_by_category["sharded_params"], rel=0.02)
     saved_ac = estimate_memory(_build_meta_transformer, activation_checkpointing=True, num_blocks=20, **base)
     saved = estimate_memory(_build_meta_transformer, num_blocks=20, **base)
-    assert saved_ac.points["forward, loss"] < saved.points["forward, loss"]
+    assert saved_ac.points["loss"] < saved.points["loss"]
+    # 18 more blocks keep 18 more blocks' activations at the end of forward.
+    assert saved.points["loss"] - fsdp.points["loss"] > 18 * DIM * BATCH * SEQ * 4
     assert ac.saved_activation_bytes_per_block <= fsdp.saved_activation_bytes_per_block
 
 
@@ -129,6 +147,10 @@ def test_planner_rejects_impossible_layouts():
         estimate_memory(_build_meta_transformer, world=6, tp=4, batch=1, seq=16)
     with pytest.raises(ValueError, match="optimizer must be one of"):
         estimate_memory(_build_meta_transformer, world=2, batch=1, seq=16, optimizer="lion")
+    with pytest.raises(ValueError, match=r"num_blocks \(8\) needs a model built with at least 2"):
+        estimate_memory(lambda: Transformer(dim=DIM, n_layers=1, seed=None), world=2, batch=1, seq=16, num_blocks=8)
+    with pytest.raises(ValueError, match="backend must be 'nccl' or 'gloo'"):
+        estimate_memory(_build_meta_transformer, world=2, batch=1, seq=16, backend="mpi")
     with pytest.raises(ValueError, match=r"non-empty nn.ModuleList `.layers`"):
         estimate_memory(lambda: nn.Linear(4, 4), world=2, batch=1, seq=16)
 
@@ -138,10 +160,9 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_plan_cli_405b_is_fast_and_says_whether_it_fits():
-    start = time.perf_counter()
+def test_plan_cli_405b_says_whether_it_fits():
+    # (Its run time, ~5 s of CPU for the 405B config, is reported in docs/memory.md, not asserted.)
     out = _plan("--config", "llama3_405b", "--world", "64", "--tp", "8", "--gpu-memory", "80GiB")
-    assert time.perf_counter() - start < 10
     assert out.returncode == 0, out.stderr
     for text in ("126 blocks", "sharded_params", "activations", "peak at:", "does NOT fit in 80.00 GiB"):
         assert text in out.stdout
@@ -156,3 +177,56 @@ def test_plan_cli_errors():
     assert out.returncode == 2 and "tp (16) must divide the attention heads (64) and kv heads (8)" in out.stderr
     out = _plan("--config", "llama3_8b", "--world", "8", "--gpu-memory", "lots")
     assert out.returncode == 2 and "cannot read 'lots' as a size" in out.stderr
+
+
+class TestPinned(expecttest.TestCase):
+    def test_plan_cli_output(self):
+        out = _plan("--config", "llama3_8b", "--world", "8", "--seq", "1024", "--gpu-memory", "80GiB")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertExpectedInline(out.stdout, """\
+llama3_8b: layout: world 8 = dp_replicate 1 x dp_shard 8 x tp 1; 32 blocks; batch 1 x seq 1024; param bfloat16; reshard_after_forward=True; activation_checkpointing=False
+category          per rank at peak
+----------------  ----------------
+sharded_params            3.74 GiB
+unsharded_params          1.96 GiB
+gradients                 5.11 GiB
+optimizer_state           7.48 GiB
+activations                    8 B
+communication             5.32 GiB
+other                     4.01 MiB
+total                    23.60 GiB
+peak at: backward, layers.0
+saved by autograd per block: 216.13 MiB
+communication per step per rank: 50.64 GiB
+fits in 80.00 GiB (30%)
+""")
+
+    def test_toy_planner_by_hand(self):
+        """Two 64 x 64 fp32 linear blocks on 2 ranks, no root parameters, loss = sum."""
+
+        class Toy(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layers = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(2))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                for layer in self.layers:
+                    x = layer(x)
+                return x
+
+        est = estimate_memory(Toy, world=2, batch=4, seq=1, make_inputs=lambda b, s: torch.zeros(b, 64),
+                              loss_fn=lambda out, _x: out.sum())
+        weight = 64 * 64 * 4  # 16 KiB per block, fp32
+        by_hand = {
+            "sharded_params": 2 * weight // 2,  # each rank keeps 32 of the 64 rows of both
+            "optimizer_state": 2 * (2 * weight // 2) + 2 * 4,  # AdamW: 2 states + a 4-byte step each
+            "unsharded_params": weight,  # layers.1, gathered; resharded only after its reduce-scatter
+            # layers.0 being gathered (send 8 KiB + output 16 KiB) and layers.1's reduce-scatter
+            # (send: the full gradient 16 KiB, output 8 KiB).
+            "communication": (weight // 2 + weight) + (weight + weight // 2),
+            "gradients": weight,  # layers.1's full gradient, copied into its reduce-scatter
+            "other": 4 * 64 * 4,  # the input
+        }
+        for category, nbytes in by_hand.items():
+            self.assertEqual(est.peak_by_category[category], nbytes, category)
+        self.assertExpectedInline(str(est.peak_by_category), """{'sharded_params': 16384, 'unsharded_params': 16384, 'gradients': 16384, 'optimizer_state': 32776, 'activations': 8, 'communication': 49152, 'other': 1024}""")

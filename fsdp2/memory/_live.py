@@ -52,14 +52,19 @@ class LiveStorages(TorchDispatchMode):
         self.refs: dict[int, weakref.ref] = {}
         self.total = 0
         self.peak = 0
+        # Bytes not held by any storage this mode sees (the planner's simulated fsdp2 buffers).
+        self.offset = 0
         self._on_peak = on_peak
         self._resizable = resizable
         self.count_meta = True
-        # Storages born while ``tag()`` was true (the tracker's "inside forward or backward").
-        self.tag: Callable[[], bool] | None = None
-        self.tagged: set[int] = set()
+        # A category for storages at birth (the tracker's "activations" inside an iteration),
+        # or set later by callers; forgotten when the storage dies (its key may be reused).
+        # ``tag(first_seen_as_input)``: True when an op took the storage as an input before
+        # any op this mode saw made it (a buffer a collective allocated out of sight).
+        self.tag: Callable[[bool], str | None] | None = None
+        self.labels: dict[int, str] = {}
 
-    def add(self, t: torch.Tensor) -> int | None:
+    def add(self, t: torch.Tensor, as_input: bool = False) -> int | None:
         """Register the storages behind ``t`` if new; returns the last key (None: no storage)."""
         key = None
         for plain in plain_tensors(t):
@@ -71,15 +76,16 @@ class LiveStorages(TorchDispatchMode):
             self.sizes[key] = nbytes
             self.refs[key] = weakref.ref(storage)
             self.total += nbytes
-            if self.tag is not None and self.tag():
-                self.tagged.add(key)
+            label = self.tag(as_input) if self.tag is not None else None
+            if label is not None:
+                self.labels[key] = label
             weakref.finalize(storage, self._free, key)
         return key
 
     def _free(self, key: int) -> None:
         nbytes = self.sizes.pop(key, None)
         self.refs.pop(key, None)
-        self.tagged.discard(key)
+        self.labels.pop(key, None)
         if nbytes is not None:
             self.total -= nbytes
 
@@ -94,8 +100,8 @@ class LiveStorages(TorchDispatchMode):
     def check_peak(self) -> None:
         if self._resizable is not None:
             self.refresh(self._resizable())
-        if self.total > self.peak:
-            self.peak = self.total
+        if self.total + self.offset > self.peak:
+            self.peak = self.total + self.offset
             if self._on_peak is not None:
                 self._on_peak()
 
@@ -103,7 +109,7 @@ class LiveStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
-                self.add(t)
+                self.add(t, as_input=True)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.add(t)

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .._compat import in_backward
 from ._live import LiveStorages, storage_key
 from ._tracker import CATEGORIES, format_bytes, format_table
 
@@ -76,6 +77,7 @@ class _Group:
     slice: int = 0  # all-gather send buffer
     reduce: int = 0  # full gradients in reduce dtype (reduce-scatter send buffer)
     tensors: int = 0
+    same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
 
 
 def _add_param(group: _Group, name: str, p: torch.Tensor, tp: int, shard: int,
@@ -95,46 +97,255 @@ def _add_param(group: _Group, name: str, p: torch.Tensor, tp: int, shard: int,
     group.slice += aligned(chunk * rest * pdtype.itemsize)
     group.reduce += chunk * shard * rest * (reduce_dtype if p.dtype.is_floating_point else p.dtype).itemsize
     group.tensors += 1
+    group.same_grad_dtype &= not p.dtype.is_floating_point or reduce_dtype == p.dtype
+
+
+class _Timeline(LiveStorages):
+    """Live fake storages plus fsdp2's simulated buffers, by category, op by op.
+
+    The fake model's parameters, buffers and tokens are the baseline (``offset`` starts at
+    minus their bytes): fsdp2's real parameter memory is simulated, in ``extra``. Storages
+    labelled "gradients" are the fake unsharded gradients; every other fake storage is an
+    activation. ``where`` names the point of the step; ``points`` keeps each point's peak.
+    """
+
+    def __init__(self, tp: int) -> None:
+        super().__init__(on_peak=self._snapshot)
+        self.tp = tp
+        self.extra = {c: 0 for c in CATEGORIES}
+        self.where = "forward, root"
+        self.points: dict[str, int] = {}
+        self.peak_by_category: dict[str, int] = {}
+        self.peak_point = ""
+
+    def add_bytes(self, category: str, nbytes: int) -> None:
+        self.extra[category] += nbytes
+        self.offset += nbytes
+        self.check_peak()
+
+    def categories(self) -> dict[str, int]:
+        grads = sum(self.sizes.get(k, 0) for k, label in self.labels.items() if label == "gradients")
+        acts = self.total + self.offset - sum(self.extra.values()) - grads
+        out = dict(self.extra)
+        # tp > 1 on a full-width model: this rank computes 1/tp of every split layer.
+        out["gradients"] += grads // self.tp
+        out["activations"] += acts // self.tp
+        return out
+
+    def _where(self) -> str:
+        # The loss's own backward runs before the root's pre-backward hook.
+        return "backward, loss" if self.where == "loss" and in_backward() else self.where
+
+    def check_peak(self) -> None:
+        now = sum(self.categories().values()) if self.tp > 1 else self.total + self.offset
+        where = self._where()
+        if now > self.points.get(where, -1):
+            self.points[where] = now
+        if now > self.peak:
+            self.peak = now
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        self.peak_by_category, self.peak_point = self.categories(), self._where()
+
+
+class _Schedule:
+    """fsdp2's buffer lifetimes on one rank, replayed from hooks on the fake model.
+
+    Mirrors the steady state of ``_state.py`` / ``_group.py`` (second and later steps):
+    forward gathers a group, prefetches the next one in forward order, frees the gather
+    buffers once copied out and reshards after forward per policy (the root keeps its
+    parameters unless ``root_reshard``); backward gathers a group again if needed,
+    prefetches the one before it, and once all of its gradients landed copies them into a
+    reduce-scatter (full gradients in reduce dtype, plus 1/shard output), frees the full
+    gradients and reshards; at most one reduce-scatter stays in flight, the output of a
+    finished one becomes the sharded gradients. Change this class with those files.
+    """
+
+    def __init__(self, line: _Timeline, sizes: dict[str, _Group], order: list[str], *, shard: int,
+                 alias: bool, reshard: bool, root_reshard: bool, grad_accum: int, gloo: bool) -> None:
+        self.line, self.sizes, self.order = line, sizes, order
+        self.gloo = gloo
+        self.shard, self.alias, self.grad_accum = shard, alias, grad_accum
+        self.reshard_after_forward = {name: reshard for name in order}
+        self.reshard_after_forward["root"] = root_reshard
+        self.state = {name: "sharded" for name in order}
+        self.pending: list[str] = []
+        self.reduced: set[str] = set()
+
+    def _gather_bytes(self, name: str) -> int:
+        g = self.sizes[name]
+        return 0 if self.alias else g.slice * (1 + (self.shard > 1))
+
+    def unshard(self, name: str) -> None:
+        if self.state[name] == "sharded":
+            self.state[name] = "gathering"
+            self.line.add_bytes("communication", self._gather_bytes(name))
+
+    def wait(self, name: str) -> None:
+        self.unshard(name)
+        if self.state[name] == "gathering":
+            self.state[name] = "unsharded"
+            self.line.add_bytes("unsharded_params", 0 if self.alias else self.sizes[name].unsharded)
+            self.line.add_bytes("communication", -self._gather_bytes(name))
+
+    def reshard(self, name: str) -> None:
+        if self.state[name] == "gathering":  # its buffers are in use by the collective
+            self.wait(name)
+        if self.state[name] == "unsharded":
+            self.state[name] = "sharded"
+            self.line.add_bytes("unsharded_params", 0 if self.alias else -self.sizes[name].unsharded)
+
+    def pre_forward(self, name: str) -> None:
+        self.line.where = f"forward, {name}"
+        self.unshard(name)
+        index = self.order.index(name)
+        if index + 1 < len(self.order):
+            self.unshard(self.order[index + 1])
+        self.wait(name)
+
+    def post_forward(self, name: str) -> None:
+        if self.reshard_after_forward[name]:
+            self.reshard(name)
+
+    def pre_backward(self, name: str) -> None:
+        self.line.where = f"backward, {name}"
+        self.wait(name)
+        index = self.order.index(name)
+        target = self.order[-1] if name == "root" else self.order[index - 1] if index > 0 else None
+        if target is not None and target != name and target not in self.reduced:
+            self.unshard(target)
+
+    def _rs_bytes(self, name: str) -> tuple[int, int]:
+        """(send, output) of a group's reduce-scatter; one buffer when nothing is scattered."""
+        send = 0 if self.alias else self.sizes[name].reduce
+        return send, send // self.shard if self.shard > 1 else 0
+
+    def post_backward(self, name: str, drop_grads: Callable[[], None]) -> None:
+        self.reduced.add(name)
+        send, out = self._rs_bytes(name)
+        self.line.add_bytes("communication", send + out)  # the full gradients are copied in
+        if self.alias:  # one rank: the full gradients are the sharded ones, kept as they are
+            self.line.add_bytes("communication", -send - out)
+        else:
+            self.pending.append(name)
+            while len(self.pending) > 1:
+                self.finish(self.pending.pop(0))
+            drop_grads()  # only now: the reducing function holds them until it returns
+        self.reshard(name)
+
+    def finish(self, name: str) -> None:
+        """The reduce-scatter's output becomes the sharded gradients (a view of it).
+
+        gloo's reduce-scatter holds a full-size copy of its input, which ops (and so the
+        tracker) see once it is waited on, until the finished collective is dropped.
+        """
+        send, out = self._rs_bytes(name)
+        copy = send if self.gloo and self.shard > 1 else 0
+        self.line.add_bytes("communication", copy)
+        g = self.sizes[name]
+        if self.grad_accum > 1:  # added into the sharded gradients of earlier micro-batches
+            self.line.add_bytes("communication", -out)
+        elif g.same_grad_dtype and out:  # the gradients are views of the output: it changes category
+            self.line.extra["communication"] -= out
+            self.line.extra["gradients"] += out
+        else:  # a copy in the parameters' dtype (or, on one rank, the send buffer's)
+            self.line.add_bytes("gradients", g.sharded)
+            self.line.add_bytes("communication", -out)
+        self.line.add_bytes("communication", -send - copy)
+
+    def end_backward(self) -> None:
+        self.line.where = "end of backward"
+        for name in reversed(self.order):
+            self.reshard(name)
+        while self.pending:
+            self.finish(self.pending.pop(0))
 
 
 @dataclass
-class _Activations:
-    fwd_peak: int
-    bwd_peak: int
+class _Run:
     per_block: int  # live bytes one block adds in forward (its saved tensors and output)
     saved_per_block: int  # what autograd saved inside one block
-    root_grads_early: set[str]  # root parameters whose gradients exist before the blocks' backward
 
 
-def _measure_activations(model: nn.Module, batch: int, seq: int, dtype: torch.dtype,
-                         activation_checkpointing: bool, loss_fn: Callable) -> _Activations:
-    """One forward+backward on fake tensors; bytes above the parameters, op by op."""
+def _install_hooks(model: nn.Module, sched: _Schedule, line: _Timeline, activation_checkpointing: bool,
+                   extra_blocks: int, block: _Group, reshard: bool) -> tuple[list[int], dict[int, int]]:
+    """Hooks that drive ``sched`` from the fake model's forward and backward."""
     blocks = model.layers
+    names = {blocks[i]: f"layers.{i}" for i in range(len(blocks))}
+    names[model] = "root"
     if activation_checkpointing:
         from torch.utils.checkpoint import checkpoint
 
-        for block in blocks:
-            block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
-    params = dict(model.named_parameters())
-    live = LiveStorages()
-    for t in [*params.values(), *model.buffers()]:
-        live.add(t)
-    base = live.total
-    param_keys = {storage_key(p) for p in params.values()}
-    early: set[str] = set()
-    seen_grads: list[str] = []
-    def drop_grad(name: str) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            seen_grads.append(name)
-            p.grad = None  # gradients are fsdp2's, counted from shapes: drop them as they land
-        return hook
+        for b in blocks:
+            b.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(b.forward)
 
-    for name, p in params.items():
-        p.register_post_accumulate_grad_hook(drop_grad(name))
-    blocks[-1].register_full_backward_pre_hook(lambda *_: early.update(seen_grads))
+    def pre_forward(module: nn.Module, *_: object) -> None:
+        if not in_backward():
+            sched.pre_forward(names[module])
+        if module is blocks[0]:
+            marks.append(line.total)
+
+    def post_forward(module: nn.Module, _args: object, output: torch.Tensor) -> None:
+        name = names[module]
+        if module is blocks[0]:
+            marks.append(line.total)
+        if in_backward():
+            return
+        sched.post_forward(name)
+        if module is blocks[0] and extra_blocks:  # the blocks not built run here, after block 0
+            line.add_bytes("activations", extra_blocks * (marks[1] - marks[0]) // line.tp)
+            line.add_bytes("unsharded_params", 0 if reshard else extra_blocks * block.unsharded)
+        if module is model:
+            line.where = "loss"
+        grads = [t for t in (output if isinstance(output, tuple) else (output,)) if t.requires_grad]
+        torch.autograd.graph.register_multi_grad_hook(grads, lambda _g: pre_backward(name), mode="any")
+
+    def pre_backward(name: str) -> None:
+        if name == "layers.0" and extra_blocks:  # their backward ran: gradients sharded, rest freed
+            line.add_bytes("activations", -(extra_blocks * (marks[1] - marks[0]) // line.tp))
+            line.add_bytes("unsharded_params", 0 if reshard else -extra_blocks * block.unsharded)
+            line.add_bytes("gradients", extra_blocks * block.sharded)
+        sched.pre_backward(name)
+
     marks: list[int] = []
-    blocks[0].register_forward_pre_hook(lambda *_: marks.append(live.total))
-    blocks[0].register_forward_hook(lambda *_: marks.append(live.total))
+    for module in [model, *blocks]:
+        module.register_forward_pre_hook(pre_forward)
+        module.register_forward_hook(post_forward)
+    ready: dict[str, list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        group = name.split(".")[0] + "." + name.split(".")[1] if name.startswith("layers.") else "root"
+        ready.setdefault(group, [])
+        p.register_post_accumulate_grad_hook(_grad_hook(group, ready, model, sched, line))
+    saved: dict[int, int] = {}
+    return marks, saved
+
+
+def _grad_hook(group: str, ready: dict[str, list[torch.Tensor]], model: nn.Module, sched: _Schedule,
+               line: _Timeline) -> Callable[[torch.Tensor], None]:
+    members = [p for name, p in model.named_parameters() if p.requires_grad and (
+        name.startswith(group + ".") if group != "root" else not name.startswith("layers."))]
+
+    def hook(p: torch.Tensor) -> None:
+        key = storage_key(p.grad)
+        if key in line.sizes:
+            line.labels[key] = "gradients"
+        ready[group].append(p)
+        if len(ready[group]) == len(members):
+            def drop() -> None:
+                for q in members:
+                    q.grad = None
+            sched.post_backward(group, drop)
+            line.check_peak()
+    return hook
+
+
+def _simulate(model: nn.Module, sched: _Schedule, line: _Timeline, *, batch: int, seq: int,
+              activation_checkpointing: bool, extra_blocks: int, block: _Group, reshard: bool,
+              loss_fn: Callable, make_inputs: Callable[[int, int], torch.Tensor]) -> _Run:
+    """One forward, loss and backward of the fake model under the schedule."""
+    marks, _ = _install_hooks(model, sched, line, activation_checkpointing, extra_blocks, block, reshard)
+    param_keys = {storage_key(p) for p in model.parameters()}
     saved: dict[int, int] = {}
     in_block = [False]
 
@@ -144,21 +355,26 @@ def _measure_activations(model: nn.Module, batch: int, seq: int, dtype: torch.dt
             saved[key] = t.untyped_storage().nbytes()
         return t
 
-    blocks[0].register_forward_pre_hook(lambda *_: in_block.__setitem__(0, True))
-    blocks[0].register_forward_hook(lambda *_: in_block.__setitem__(0, False))
-    tokens = torch.zeros(batch, seq, dtype=torch.long)
-    with live, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    model.layers[0].register_forward_pre_hook(lambda *_: in_block.__setitem__(0, True))
+    model.layers[0].register_forward_hook(lambda *_: in_block.__setitem__(0, False))
+    tokens = make_inputs(batch, seq)
+    line.extra["other"] += tokens.untyped_storage().nbytes()
+    for t in [*model.parameters(), *model.buffers(), tokens]:
+        line.add(t)
+    line.offset = sum(line.extra.values()) - line.total  # the fake parameters are not fsdp2's memory
+    with line, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = loss_fn(model(tokens), tokens)
-        fwd_peak = live.peak
-        live.peak = live.total
         loss.backward()
-        bwd_peak = live.peak
-    return _Activations(fwd_peak - base, bwd_peak - base, marks[1] - marks[0], sum(saved.values()),
-                        {n for n in early if not n.startswith("layers.")})
+        sched.end_backward()
+    return _Run(marks[1] - marks[0], sum(saved.values()))
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _tokens(batch: int, seq: int) -> torch.Tensor:
+    return torch.zeros(batch, seq, dtype=torch.long)
 
 
 def _check_layout(world: int, dp_replicate: int, tp: int) -> int:
@@ -184,104 +400,124 @@ def estimate_memory(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    root_reshard_after_forward: bool = False,
     activation_checkpointing: bool = False,
     optimizer: str = "adamw",
+    grad_accum: int = 1,
     num_blocks: int | None = None,
     gpu_memory: int | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _lm_loss,
+    make_inputs: Callable[[int, int], torch.Tensor] = _tokens,
+    backend: str = "nccl",
 ) -> MemoryEstimate:
     """Predict one rank's peak memory for training ``model`` with fsdp2 on a layout.
 
     The model is sharded as the recipe does: each of ``model.layers`` is one group, the root
-    takes the rest (kept unsharded after forward). ``batch`` is per data-parallel rank.
+    takes the rest. One forward, loss and backward run on fake tensors (nothing allocated);
+    hooks replay fsdp2's buffer schedule around them (see ``_Schedule``), and the peak and
+    its split into categories are read op by op, as ``MemoryTracker`` does on a real run.
+    ``batch`` is sequences per data-parallel rank.
 
     Args:
         model: a module on the meta device (not modified), or a function building one.
-            Its forward takes int64 tokens ``(batch, seq)``; it must have ``.layers``.
+            It must have its blocks in an ``nn.ModuleList`` ``.layers``.
         world: total ranks; ``dp_replicate`` replicas x shard ranks x ``tp``.
         param_dtype, reduce_dtype: as ``MixedPrecisionPolicy`` (None: the parameters' dtype).
-        reshard_after_forward: for the blocks (the root always keeps its parameters).
+        reshard_after_forward: for the blocks; ``root_reshard_after_forward`` for the root
+            (fsdp2's default keeps the root's parameters, backward needs them first).
         activation_checkpointing: each block recomputes its forward in backward.
         optimizer: "adamw"/"adam" (2 states), "sgd_momentum" (1), "sgd" (0).
-        num_blocks: blocks of the real model when ``model`` was built with fewer identical ones.
+        grad_accum: micro-batches per step; above 1 the sharded gradients of the earlier
+            ones are live during the last one's forward and backward.
+        num_blocks: blocks of the real model when ``model`` was built with fewer identical
+            ones (at least 2 built); the missing ones are simulated as copies of block 0.
         gpu_memory: bytes available per rank, to say whether it fits.
-        loss_fn: ``(logits, targets) -> loss``; default cross-entropy in fp32.
+        loss_fn: ``(output, inputs) -> loss``; default cross-entropy in fp32 on the tokens.
+        make_inputs: ``(batch, seq) -> input`` on the current (fake) device; default int64
+            tokens.
+        backend: "nccl" or "gloo" (whose reduce-scatter holds a full-size copy of its input
+            until it is finished).
     """
     shard = _check_layout(world, dp_replicate, tp)
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
     if isinstance(model, nn.Module):
         model = copy.deepcopy(model)  # outside the fake mode: the copy's meta tensors stay real meta
     # Non-fake inputs allowed: to_empty() of a meta module reads its (real) meta tensors.
     with FakeTensorMode(allow_non_fake_inputs=True):
-        if isinstance(model, nn.Module):
-            model = model.to_empty(device="cpu")
-        else:
-            model = model()
+        model = model.to_empty(device="cpu") if isinstance(model, nn.Module) else model()
         if not isinstance(getattr(model, "layers", None), nn.ModuleList) or len(model.layers) == 0:
             raise ValueError("estimate_memory needs a model whose blocks are in a non-empty nn.ModuleList `.layers`")
+        n_built = len(model.layers)
+        n_blocks = num_blocks or n_built
+        if n_blocks < n_built or (n_blocks > n_built and n_built < 2):
+            raise ValueError(f"num_blocks ({num_blocks}) needs a model built with at least 2 and at most "
+                             f"num_blocks blocks; it has {n_built}")
         if tp > 1:
             _check_tp(model, tp)
         orig_dtype = next(model.parameters()).dtype
         pdtype = param_dtype or orig_dtype
         rdtype = reduce_dtype or pdtype
-        n_built = len(model.layers)
-        n_blocks = num_blocks or n_built
-        root, block = _Group(), _Group()
+        sizes = {"root": _Group()}
         for name, p in model.named_parameters():
-            if name.startswith("layers."):
-                if name.startswith("layers.0."):
-                    _add_param(block, name, p, tp, shard, pdtype, rdtype)
-            else:
-                _add_param(root, name, p, tp, shard, pdtype, rdtype)
+            group = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+            _add_param(sizes.setdefault(group, _Group()), name, p, tp, shard, pdtype, rdtype)
+        block, root = sizes["layers.0"], sizes["root"]
+        constants = _constants(model, sizes, n_blocks - n_built, optimizer, grad_accum)
         if pdtype != orig_dtype:  # as MixedPrecisionPolicy: the unsharded parameters in param_dtype
             for module in model.modules():
                 for name, p in module._parameters.items():
                     if p is not None and p.dtype.is_floating_point:
                         module._parameters[name] = nn.Parameter(p.detach().to(pdtype), p.requires_grad)
-        act = _measure_activations(model, batch, seq, pdtype, activation_checkpointing, loss_fn)
-        early_root = _Group()
-        for name, p in model.named_parameters():
-            if name in act.root_grads_early:
-                _add_param(early_root, name, p, tp, shard, pdtype, rdtype)
-    extra = (n_blocks - n_built) * act.per_block
-    fwd_act = (act.fwd_peak + extra) // tp
-    bwd_act = (act.bwd_peak + extra) // tp
-    per_block_act = act.per_block // tp
-
-    sharded = root.sharded + n_blocks * block.sharded
-    states = OPTIMIZER_STATES[optimizer] * sharded + (root.tensors + n_blocks * block.tensors) * 4
-    blocks_unsharded = block.unsharded * (1 if reshard_after_forward else n_blocks)
-    gather = block.slice + block.slice * shard  # send + output of the prefetch
-    points = {
-        "forward, loss": dict(sharded_params=sharded, optimizer_state=states,
-                              unsharded_params=root.unsharded + (0 if reshard_after_forward else blocks_unsharded),
-                              activations=fwd_act),
-        "backward, last block": dict(sharded_params=sharded, optimizer_state=states,
-                                     unsharded_params=root.unsharded + blocks_unsharded,
-                                     gradients=early_root.unsharded + block.unsharded,
-                                     communication=gather if reshard_after_forward else 0,
-                                     activations=bwd_act),
-        "backward, second-to-last block": dict(
-            sharded_params=sharded, optimizer_state=states,
-            unsharded_params=root.unsharded + blocks_unsharded,
-            gradients=early_root.unsharded + block.unsharded + block.sharded,
-            communication=(gather if reshard_after_forward else 0) + block.reduce + block.reduce // shard,
-            activations=max(bwd_act - per_block_act, 0)),
-        "optimizer step": dict(sharded_params=sharded, optimizer_state=states, gradients=sharded,
-                               other=sharded if optimizer != "sgd" else 0),
-    }
-    totals = {name: sum(cats.values()) for name, cats in points.items()}
-    peak_point = max(totals, key=totals.get)
-    by_cat = {c: points[peak_point].get(c, 0) for c in CATEGORIES}
+        line = _Timeline(tp)
+        alias = shard == 1 and dp_replicate == 1 and tp == 1 and pdtype == orig_dtype
+        sched = _Schedule(line, sizes, ["root", *(f"layers.{i}" for i in range(n_built))], shard=shard,
+                          alias=alias, reshard=reshard_after_forward, root_reshard=root_reshard_after_forward,
+                          grad_accum=grad_accum, gloo=backend == "gloo")
+        for category, nbytes in constants.items():
+            line.extra[category] += nbytes
+        run = _simulate(model, sched, line, batch=batch, seq=seq, activation_checkpointing=activation_checkpointing,
+                        extra_blocks=n_blocks - n_built, block=block, reshard=reshard_after_forward,
+                        loss_fn=loss_fn, make_inputs=make_inputs)
+        model_dim = _model_dim(model)
+    step = _optimizer_step(constants, optimizer)
+    line.points["optimizer step"] = sum(step.values())
+    if sum(step.values()) > line.peak:
+        line.peak, line.peak_by_category, line.peak_point = sum(step.values()), step, "optimizer step"
     layout = (f"world {world} = dp_replicate {dp_replicate} x dp_shard {shard} x tp {tp}; "
               f"{n_blocks} blocks; batch {batch} x seq {seq}; param {str(pdtype).removeprefix('torch.')}; "
               f"reshard_after_forward={reshard_after_forward}; activation_checkpointing={activation_checkpointing}")
     comm = _comm_bytes(root, block, n_blocks, shard, dp_replicate, tp, reshard_after_forward,
-                       activation_checkpointing, batch, seq, model_dim=_model_dim(model), act_itemsize=pdtype.itemsize)
-    notes = ["activations under tp>1 are the single-rank measurement divided by tp"] if tp > 1 else []
-    return MemoryEstimate(totals[peak_point], by_cat, peak_point, totals, layout, comm,
-                          act.saved_per_block, gpu_memory, notes)
+                       activation_checkpointing, batch, seq, model_dim=model_dim, act_itemsize=pdtype.itemsize)
+    notes = ["activations and unsharded gradients under tp>1 are the full-width measurement divided by tp"
+             ] if tp > 1 else []
+    return MemoryEstimate(line.peak, {c: line.peak_by_category.get(c, 0) for c in CATEGORIES}, line.peak_point,
+                          dict(line.points), layout, comm, run.saved_per_block // tp, gpu_memory, notes)
+
+
+def _constants(model: nn.Module, sizes: dict[str, _Group], extra_blocks: int, optimizer: str,
+               grad_accum: int) -> dict[str, int]:
+    """Bytes live for the whole step: shards, optimizer state, buffers and inputs (other)."""
+    groups = [*sizes.values(), *[sizes["layers.0"]] * extra_blocks]
+    sharded = sum(g.sharded for g in groups)
+    # AdamW's states are zeros_like the sharded parameters, plus a 4-byte step per tensor.
+    states = OPTIMIZER_STATES[optimizer] * sharded + (sum(g.tensors for g in groups) * 4 if optimizer != "sgd" else 0)
+    other = sum(b.untyped_storage().nbytes() for b in model.buffers())  # the inputs: added by _simulate
+    return dict(sharded_params=sharded, optimizer_state=states, other=other,
+                gradients=sharded if grad_accum > 1 else 0)
+
+
+def _optimizer_step(constants: dict[str, int], optimizer: str) -> dict[str, int]:
+    """The optimizer step: shards, their gradients, states, and foreach temporaries (other)."""
+    sharded = constants["sharded_params"]
+    out = {c: 0 for c in CATEGORIES}
+    out.update(sharded_params=sharded, optimizer_state=constants["optimizer_state"], gradients=sharded,
+               other=constants["other"] + (sharded if optimizer != "sgd" else 0))  # (inputs freed by then)
+    return out
 
 
 def _model_dim(model: nn.Module) -> int:
