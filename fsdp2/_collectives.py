@@ -193,7 +193,10 @@ def start_reduce_scatter(
             output = torch.empty(total, dtype=dtype, device=device)
             work = _compat.reduce_scatter_flat(output, send, op=op, group=group, async_op=True)
         done = streams.issued(work)
-    return ReduceScatterInFlight(done, send, output, tuple(params), tuple(offsets), op, post, target, tuple(grads))
+    # CUDA: the copy-in ran on the reduce-scatter stream; hold the full gradients until the
+    # compute stream waited on it. CPU: copied already, free them now.
+    held = tuple(grads) if streams.cuda else ()
+    return ReduceScatterInFlight(done, send, output, tuple(params), tuple(offsets), op, post, target, held)
 
 
 def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grads: Sequence[torch.Tensor],

@@ -78,6 +78,7 @@ class _Group:
     reduce: int = 0  # full gradients in reduce dtype (reduce-scatter send buffer)
     tensors: int = 0
     same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
+    packed: bool = True  # no cast: the shards are the all-gather's send buffer (no copy-in)
 
 
 def _add_param(group: _Group, name: str, p: torch.Tensor, tp: int, shard: int,
@@ -98,6 +99,7 @@ def _add_param(group: _Group, name: str, p: torch.Tensor, tp: int, shard: int,
     group.reduce += chunk * shard * rest * (reduce_dtype if p.dtype.is_floating_point else p.dtype).itemsize
     group.tensors += 1
     group.same_grad_dtype &= not p.dtype.is_floating_point or reduce_dtype == p.dtype
+    group.packed &= pdtype == p.dtype
 
 
 class _Timeline(LiveStorages):
@@ -174,8 +176,13 @@ class _Schedule:
         self.reduced: set[str] = set()
 
     def _gather_bytes(self, name: str) -> int:
+        """The send slice (none when the packed shards are sent) and the gathered output."""
         g = self.sizes[name]
-        return 0 if self.alias else g.slice * (1 + (self.shard > 1))
+        if self.alias:
+            return 0
+        if self.shard == 1:  # no collective: the (copied-in) send buffer is the output
+            return g.slice
+        return (0 if g.packed else g.slice) + self.shard * g.slice
 
     def unshard(self, name: str) -> None:
         if self.state[name] == "sharded":

@@ -94,7 +94,9 @@ def _group_storages(group: ParamGroup) -> dict[str, list[torch.Tensor]]:
         grads += [p.sharded.grad, p.accumulated_grad, p.unsharded.grad if p.unsharded is not None else None]
     comm = [group._partial_send, *group._partial_reduce.values()]
     if group._gather is not None:
-        comm += [group._gather.send, group._gather.output]
+        comm.append(group._gather.output)
+        if group._gather.send is not group._packed:  # packed shards are sent as they are
+            comm.append(group._gather.send)
     mine = {id(p) for p in group.params}
     for inflight in group.reduce_queue._pending:  # shared by the groups: keep this group's
         if inflight.params and id(inflight.params[0]) in mine:
