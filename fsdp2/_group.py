@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import _trace
+from . import _checks, _trace
 from ._collectives import (
     ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, ReduceTarget, copy_out,
     finish_reduce_scatter, start_all_gather, start_reduce_scatter,
@@ -59,6 +59,13 @@ class ReduceQueue:
         while self._pending:
             finish_reduce_scatter(self._pending.popleft())
 
+    def discard(self) -> None:
+        """Wait for the reduce-scatters in flight (their buffers must outlive them) but drop the results."""
+        while self._pending:
+            work = self._pending.popleft().work
+            if work is not None:
+                work.wait()
+
 
 class SubGroup:
     """The smaller process group an int ``reshard_after_forward`` reshards to."""
@@ -86,6 +93,9 @@ class ParamGroup:
         self.subgroup = subgroup
         self.label = type(params[0].locations[0][0]).__name__  # the FQN once lazy init knows the root
         self.reduce_queue = ReduceQueue()  # replaced by the root's shared queue at lazy init
+        self.root = None  # the root's RootContext, set at lazy init (iteration, phase, checks)
+        self.check_finite = False  # set_check_finite_gradients
+        self._header_pg: dist.ProcessGroup | None = None  # all-gather in flight whose headers to check
         # Policies (reshard_after_forward is resolved at lazy init: None -> root keeps params).
         self.reshard_after_forward: bool | int | None = None
         self.reshard_after_backward = True
@@ -176,6 +186,7 @@ class ParamGroup:
                 for i, p in enumerate(self.params):
                     plan.slot(send, i).copy_(p.padded_local, non_blocking=True)
         _trace.emit("unshard", self.label)
+        _checks.before_all_gather(self, send, plan, group)
         with record_function(f"fsdp2::all_gather {self.label}"):
             self._gather = start_all_gather(send, plan, group, self.device)
         self.state = ShardState.GATHERING
@@ -190,8 +201,7 @@ class ParamGroup:
             return
         gather = self._gather
         with record_function(f"fsdp2::all_gather_wait {self.label}"):
-            if gather.work is not None:
-                gather.work.wait()
+            _checks.wait_all_gather(self, gather)  # errors name the group; compares the ranks' headers
             # The buffer and its parameter views outlive this forward: if the first unshard
             # runs under inference_mode they must still not be inference tensors.
             with torch.inference_mode(False):
@@ -269,6 +279,8 @@ class ParamGroup:
                 if grad is not None:
                     grad = grad if factor in (None, 1) else grad / factor
                     p.add_sharded_grad(grad.view(p.layout.local_shape))
+                    if self.check_finite:
+                        _checks.record_nonfinite(self.root, [p], [grad])
             return
         buckets: dict[torch.dtype, tuple[list[ShardedParam], list[torch.Tensor]]] = {}
         for p in self.params:
@@ -285,7 +297,7 @@ class ParamGroup:
             replicate_group=dp.replicate_group, replicate_world=dp.replicate_size,
             all_reduce=self.requires_all_reduce, partial=self._partial_reduce,
             divide_factor=float(self.divide_factor if self.divide_factor is not None else dp.world),
-            label=self.label,
+            label=self.label, root=self.root, check_finite=self.check_finite,
         )
         _trace.emit("reduce_scatter", self.label)
         with record_function(f"fsdp2::reduce_scatter {self.label}"):
@@ -311,6 +323,7 @@ class ParamGroup:
             if self._gather.work is not None:
                 self._gather.work.wait()
             self._gather = None
+            self._header_pg = None
             self.state = ShardState.SHARDED  # modules still hold the shards while gathering
         self.reshard()
         for p in self.params:
