@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from . import _debug
+from ._compat import root_mesh
 
 __all__ = [
-    "HEADER", "Diagnostics", "before_all_gather", "wait_all_gather", "record_nonfinite",
+    "HEADER", "Diagnostics", "check_rank_agreement", "before_all_gather", "wait_all_gather", "record_nonfinite",
     "raise_if_nonfinite",
 ]
 
@@ -91,8 +92,6 @@ def _mesh_str(mesh: Any) -> str:
     ``dp`` ranks of TP rank 0 are not those of TP rank 1); the mesh it was cut
     from is the same on every rank.
     """
-    from ._compat import root_mesh
-
     root = root_mesh(mesh)
     names = root.mesh_dim_names or tuple(f"axis{i}" for i in range(root.ndim))
     shape = ", ".join(f"{n}={k}" for n, k in zip(names, root.mesh.shape))

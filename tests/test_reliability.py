@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fsdp2 import fully_shard
+from fsdp2 import fully_shard, register_fsdp_forward_method
 from fsdp2._debug import set_debug
 from fsdp2._group import ShardState
 from fsdp2._state import get_state
@@ -344,6 +344,33 @@ def test_training_goes_on_after_an_exception(where, explicit_reset):
         else:
             assert len(warnings) == 1
             assert f"iteration 1 of FSDPTransformer was interrupted by an exception in {where}" in warnings[0]
+
+
+class _Embedder(Transformer):
+    def embed(self, tokens: torch.Tensor, fail: bool) -> torch.Tensor:
+        x = self.tok_emb(tokens)
+        if fail:
+            raise InjectedFailure("injected failure in embed")
+        return x
+
+
+def _registered_method_raises() -> list[str]:
+    """An extra forward method (register_fsdp_forward_method) that raises is recovered from too."""
+    model = _shard(_Embedder(n_layers=2))
+    register_fsdp_forward_method(model, "embed")
+    x, _ = make_batch(dist.get_rank(), 0)
+    with _Capture() as log:
+        model.embed(x, fail=False)
+        with pytest.raises(InjectedFailure):
+            model.embed(x, fail=True)
+        _step(model, 0)
+    _assert_clean(model)
+    return [m for m in log.messages if "interrupted" in m]
+
+
+def test_exception_in_registered_forward_method_is_recovered_from():
+    for warnings in run_on_ranks(_registered_method_raises, 2):
+        assert len(warnings) == 1 and "interrupted by an exception in forward" in warnings[0]
 
 
 def _legitimate_patterns() -> list[str]:
