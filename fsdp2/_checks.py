@@ -8,8 +8,9 @@
   across it. Raises ``ValueError`` on every rank, naming the first difference.
 * **All-gather headers** (every all-gather): each rank's slice starts with 16
   bytes saying which group it gathers, in which iteration and phase. If two
-  ranks' all-gathers matched up although they gather different things (a rank
-  skipped a forward, or ran one more), every rank raises ``RuntimeError``
+  ranks' all-gathers matched up although they gather different groups, or one
+  in forward and one in backward (a rank skipped a forward, or ran one more),
+  every rank raises ``RuntimeError``
   instead of silently computing with the wrong parameters. On CPU always; on
   CUDA only in debug mode (reading the headers synchronises the device).
 * **Finite gradients** (opt-in, ``FSDPModule.set_check_finite_gradients``):
@@ -189,16 +190,30 @@ def wait_all_gather(group: Any, gather: Any) -> None:
         return
     headers = gather.output.view(plan.world, plan.slice_bytes)[:, :HEADER].contiguous()
     rows = headers.view(torch.int32).cpu().tolist()  # (world, 4); a device sync on CUDA
-    if all(row == rows[0] for row in rows) or any(row[0] != _MAGIC for row in rows):
+    if any(row[0] != _MAGIC for row in rows):
+        return
+    keys = [_schedule_key(row) for row in rows]
+    if all(key == keys[0] for key in keys):
         return
     ranks = dist.get_process_group_ranks(pg)
-    odd = next(r for r, row in enumerate(rows) if row != rows[0])
+    odd = next(r for r, key in enumerate(keys) if key != keys[0])
     raise RuntimeError(
         f"fsdp2: all-gathers of different groups matched up: rank {ranks[odd]} is gathering "
         f"{_what(group, rows[odd])} while rank {ranks[0]} is gathering {_what(group, rows[0])}: "
         "ranks ran different forward/backward sequences (a rank skipped or added a forward or a "
         "backward?). Every rank must run the same forwards and backwards in the same order"
     )
+
+
+def _schedule_key(row: list[int]) -> tuple[int, int]:
+    """What must agree: the group, and forward vs backward.
+
+    Not the iteration: a forward that needed no collective on one rank only (all groups
+    kept unsharded) shifts the counts without breaking the pairing. An explicit
+    ``unshard()`` outside forward counts as forward (a manual prefetch).
+    """
+    _magic, _iteration, index, phase = row
+    return index, 0 if phase == 2 else phase
 
 
 def _what(group: Any, row: list[int]) -> str:
