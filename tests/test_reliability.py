@@ -15,6 +15,7 @@ timeout, so the pool's world group stays usable.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import logging
@@ -22,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import Iterator
 
 import pytest
 import torch
@@ -42,10 +44,19 @@ DIM, HEADS = 32, 4
 
 
 # ---- helpers (run inside ranks) ---------------------------------------------------------
-def _fresh_mesh(timeout_s: float) -> DeviceMesh:
-    """A 1-D mesh on a new process group: a collective left unmatched here spoils only it."""
+@contextlib.contextmanager
+def _fresh_mesh(timeout_s: float) -> Iterator[DeviceMesh]:
+    """A 1-D mesh on a new process group: a collective left unmatched here spoils only it.
+
+    It has an axis name of its own: DeviceMesh equality ignores the process group, so an
+    unnamed mesh on the world's ranks would equal the default mesh of later tests, and
+    DTensor's caches could hand them this (spoilt) group. Destroyed afterwards.
+    """
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
-    return DeviceMesh.from_group(group, "cpu")
+    try:
+        yield DeviceMesh.from_group(group, "cpu", mesh_dim_names=(f"fresh_{group.group_name}",))
+    finally:
+        dist.destroy_process_group(group)
 
 
 def _shard(model: nn.Module, **kwargs) -> nn.Module:
@@ -133,16 +144,17 @@ def test_disagreement_on_one_rank_of_a_2d_mesh_reaches_every_rank():
 def _skipped_forward() -> str:
     """Gradient accumulation over two micro-batches; rank 1 skips one micro-batch's forward."""
     rank = dist.get_rank()
-    model = _shard(Transformer(n_layers=3), mesh=_fresh_mesh(20))
-    with pytest.raises(RuntimeError, match="all-gathers of different groups matched up") as info:
-        for step in range(3):
-            losses = []
-            for micro in range(2):
-                if rank == 1 and step == 1 and micro == 0:
-                    continue
-                x, y = make_batch(rank, 2 * step + micro)
-                losses.append(lm_loss(model(x), y))
-            sum(losses).backward()
+    with _fresh_mesh(20) as mesh:
+        model = _shard(Transformer(n_layers=3), mesh=mesh)
+        with pytest.raises(RuntimeError, match="all-gathers of different groups matched up") as info:
+            for step in range(3):
+                losses = []
+                for micro in range(2):
+                    if rank == 1 and step == 1 and micro == 0:
+                        continue
+                    x, y = make_batch(rank, 2 * step + micro)
+                    losses.append(lm_loss(model(x), y))
+                sum(losses).backward()
     return str(info.value)
 
 
@@ -187,17 +199,18 @@ class InjectedFailure(RuntimeError):
 
 def _peer_raises_before_forward() -> str:
     rank = dist.get_rank()
-    model = _shard(Transformer(n_layers=2), mesh=_fresh_mesh(3))
-    x, y = make_batch(rank, 0)
-    lm_loss(model(x), y).backward()  # iteration 0 runs on both ranks
-    if rank == 1:
-        with pytest.raises(InjectedFailure, match="bad batch"):
-            raise InjectedFailure("bad batch")  # the user's own error: fsdp2 is not involved
-        return "InjectedFailure: bad batch"
-    with pytest.raises(RuntimeError, match="Timed out") as info:
-        model(x)  # iteration 1: the root's all-gather waits for rank 1 until the timeout
-    assert info.value.__cause__ is not None and "Timed out" in str(info.value.__cause__)
-    return str(info.value)
+    with _fresh_mesh(3) as mesh:
+        model = _shard(Transformer(n_layers=2), mesh=mesh)
+        x, y = make_batch(rank, 0)
+        lm_loss(model(x), y).backward()  # iteration 0 runs on both ranks
+        if rank == 1:
+            with pytest.raises(InjectedFailure, match="bad batch"):
+                raise InjectedFailure("bad batch")  # the user's own error: fsdp2 is not involved
+            return "InjectedFailure: bad batch"
+        with pytest.raises(RuntimeError, match="Timed out") as info:
+            model(x)  # iteration 1: the root's all-gather waits for rank 1 until the timeout
+        assert info.value.__cause__ is not None and "Timed out" in str(info.value.__cause__)
+        return str(info.value)
 
 
 def test_timeout_names_group_collective_iteration_and_phase():
