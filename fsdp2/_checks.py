@@ -100,7 +100,6 @@ def _mesh_str(mesh: Any) -> str:
     return f"{own}({shape}) on {mesh.device_type}, ranks {root.mesh.tolist()}"
 
 
-
 def _mesh_groups(groups: Sequence[Any]) -> list[dist.ProcessGroup]:
     """The process groups of every axis of the model's meshes (data-parallel and TP), once each."""
     meshes = []
@@ -135,7 +134,7 @@ def check_rank_agreement(diag: Diagnostics) -> None:
         if problem is None and len(set(digests)) > 1:
             problem = _first_difference(_gather(lines, pg), pg)
         elif len(set(digests)) > 1:
-            _gather(lines, pg)  # peers that found no difference yet still exchange details
+            _gather(lines, pg)  # this rank already has a verdict, but its peers need its lines
     for pg in diag.process_groups:  # the smallest message, so that every rank reports the same one
         verdicts = [v for v in _gather(problem, pg) if v is not None]
         problem = min(verdicts) if verdicts else None

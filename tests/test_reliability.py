@@ -123,7 +123,7 @@ def _disagree(variant: str, mesh_shape: tuple[int, ...], odd_rank: int) -> str:
     ("reshard_after_forward", r"rank 0 has group 0 \(reshard_after_forward=True, .*\), "
                               r"rank 1 has group 0 \(reshard_after_forward=False, "),
     ("groups", r"rank 0 has fully_shard groups \[0, 1\], rank 1 has fully_shard groups \[root, 0\]"),
-])
+], ids=["shape", "requires_grad", "reshard_after_forward", "groups"])
 def test_ranks_that_built_different_models_fail_at_first_forward(variant, expected):
     messages = run_on_ranks(_disagree, 2, variant, (2,), 1)
     assert messages[0] == messages[1]
