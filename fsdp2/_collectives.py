@@ -7,7 +7,8 @@ Reduce-scatter does arithmetic, so it runs once per reduce dtype present.
 
 Layouts (for ``R`` ranks, each contributing a slice of ``S`` bytes):
 
-* all-gather output, rank-major: ``[rank0: p0 p1 ...][rank1: p0 p1 ...]`` (collective's order)
+* all-gather output, rank-major: ``[rank0: hdr p0 p1 ...][rank1: hdr p0 p1 ...]`` (collective's
+  order); ``hdr`` is a 16-byte header naming what the rank gathers (checked in ``_checks.py``)
 * unsharded buffer, parameter-major: ``[p0: padded full][p1: padded full] ...``
   so that each unsharded parameter is a plain view of it.
 """
@@ -15,12 +16,12 @@ Layouts (for ``R`` ranks, each contributing a slice of ``S`` bytes):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _compat, _trace
+from . import _checks, _compat, _debug, _trace
 from ._param import ShardedParam, ShardLayout
 from ._streams import Completion, streams_for
 
@@ -50,14 +51,15 @@ class GatherPlan:
 
     layouts: tuple[ShardLayout, ...]
     dtypes: tuple[torch.dtype, ...]
-    offsets: tuple[int, ...]  # of each parameter inside a rank's slice
+    offsets: tuple[int, ...]  # of each parameter inside a rank's slice, after the header
     slice_bytes: int
 
     @classmethod
     def build(cls, layouts: Sequence[ShardLayout], dtypes: Sequence[torch.dtype]) -> GatherPlan:
         sizes = [lay.local_numel * dt.itemsize for lay, dt in zip(layouts, dtypes)]
         offsets, total = _offsets(sizes, align=True)
-        return cls(tuple(layouts), tuple(dtypes), tuple(offsets), max(total, ALIGN))
+        header = _checks.HEADER
+        return cls(tuple(layouts), tuple(dtypes), tuple(header + o for o in offsets), header + total)
 
     @property
     def world(self) -> int:
@@ -130,6 +132,8 @@ class ReduceTarget:
     partial: dict[torch.dtype, torch.Tensor]
     divide_factor: float
     label: str
+    root: Any = None  # the root's RootContext: iteration and phase for diagnostics
+    check_finite: bool = False  # record non-finite reduced gradients (set_check_finite_gradients)
 
 
 class ReduceScatterInFlight(NamedTuple):
@@ -191,6 +195,8 @@ def start_reduce_scatter(
             output, work = send, None
         else:
             output = torch.empty(total, dtype=dtype, device=device)
+            _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
+                                  target.root)
             work = _compat.reduce_scatter_flat(output, send, op=op, group=group, async_op=True)
         done = streams.issued(work)
     # CUDA: the copy-in ran on the reduce-scatter stream; hold the full gradients until the
@@ -223,8 +229,9 @@ def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grad
 
 def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
     """Wait, all-reduce across replicas (HSDP), add each rank's chunk into the sharded ``.grad``."""
-    inflight.done.wait()
     out, target = inflight.output, inflight.target
+    _debug.wait(inflight.done, "reduce_scatter", target.label,
+                f"{target.world} x {out.numel()} {out.dtype} elements", target.root)
     if target.replicate_group is not None:
         earlier = target.partial.pop(out.dtype, None)
         if earlier is not None:  # reduce-scattered while all-reduce was off
@@ -233,9 +240,15 @@ def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
             target.partial[out.dtype] = out
             return
         _trace.emit("all_reduce", target.label)
-        dist.all_reduce(out, op=inflight.op, group=target.replicate_group)
+        sizes = f"{out.numel()} elements over {target.replicate_world} replicas"
+        _debug.log_collective("all_reduce", target.label, target.replicate_group, sizes, out.dtype, target.root)
+        work = dist.all_reduce(out, op=inflight.op, group=target.replicate_group, async_op=True)
+        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
     if inflight.post_divide is not None and inflight.post_divide != 1:
         out.div_(inflight.post_divide)
-    for p, off in zip(inflight.params, inflight.offsets):
-        lay = p.layout
-        p.add_sharded_grad(out[off:off + lay.local_numel].view(lay.local_shape))
+    shards = [out[off:off + p.layout.local_numel].view(p.layout.local_shape)
+              for p, off in zip(inflight.params, inflight.offsets)]
+    if target.check_finite:
+        _checks.record_nonfinite(target.root, inflight.params, shards)
+    for p, shard in zip(inflight.params, shards):
+        p.add_sharded_grad(shard)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import _trace
+from . import _checks, _trace
 from ._collectives import (
     ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, ReduceTarget, copy_out,
     finish_reduce_scatter, start_all_gather, start_reduce_scatter,
@@ -60,6 +60,11 @@ class ReduceQueue:
         while self._pending:
             finish_reduce_scatter(self._pending.popleft())
 
+    def discard(self) -> None:
+        """Wait for the reduce-scatters in flight (their buffers must outlive them) but drop the results."""
+        while self._pending:
+            self._pending.popleft().done.wait()
+
 
 class SubGroup:
     """The smaller process group an int ``reshard_after_forward`` reshards to."""
@@ -87,6 +92,9 @@ class ParamGroup:
         self.subgroup = subgroup
         self.label = type(params[0].locations[0][0]).__name__  # the FQN once lazy init knows the root
         self.reduce_queue = ReduceQueue()  # replaced by the root's shared queue at lazy init
+        self.root = None  # the root's RootContext, set at lazy init (iteration, phase, checks)
+        self.check_finite = False  # set_check_finite_gradients
+        self._header_pg: dist.ProcessGroup | None = None  # all-gather in flight whose headers to check
         # Policies (reshard_after_forward is resolved at lazy init: None -> root keeps params).
         self.reshard_after_forward: bool | int | None = None
         self.reshard_after_backward = True
@@ -216,6 +224,7 @@ class ParamGroup:
             plan, group = self._plan(self.world), self.process_group
             send, copied = self._send_buffer(plan)
         _trace.emit("unshard", self.label)
+        _checks.before_all_gather(self, send, plan, group)
         with record_function(f"fsdp2::all_gather {self.label}"):
             self._gather = start_all_gather(send, plan, group, self.device, copied)
         self.state = ShardState.GATHERING
@@ -230,7 +239,7 @@ class ParamGroup:
             return
         gather = self._gather
         with record_function(f"fsdp2::all_gather_wait {self.label}"):
-            gather.done.wait()
+            _checks.wait_all_gather(self, gather)  # errors name the group; compares the ranks' headers
             # The buffer and its parameter views outlive this forward: if the first unshard
             # runs under inference_mode they must still not be inference tensors.
             with torch.inference_mode(False):
@@ -308,6 +317,8 @@ class ParamGroup:
                 if grad is not None:
                     grad = grad if factor in (None, 1) else grad / factor
                     p.add_sharded_grad(grad.view(p.layout.local_shape))
+                    if self.check_finite:
+                        _checks.record_nonfinite(self.root, [p], [grad])
             return
         buckets: dict[torch.dtype, tuple[list[ShardedParam], list[torch.Tensor]]] = {}
         for p in self.params:
@@ -324,7 +335,7 @@ class ParamGroup:
             replicate_group=dp.replicate_group, replicate_world=dp.replicate_size,
             all_reduce=self.requires_all_reduce, partial=self._partial_reduce,
             divide_factor=float(self.divide_factor if self.divide_factor is not None else dp.world),
-            label=self.label,
+            label=self.label, root=self.root, check_finite=self.check_finite,
         )
         _trace.emit("reduce_scatter", self.label)
         with record_function(f"fsdp2::reduce_scatter {self.label}"):
@@ -349,6 +360,7 @@ class ParamGroup:
         if self._gather is not None:
             self._gather.done.wait()
             self._gather = None
+            self._header_pg = None
             self.state = ShardState.SHARDED  # modules still hold the shards while gathering
         self.reshard()
         for p in self.params:

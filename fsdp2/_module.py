@@ -184,13 +184,31 @@ class FSDPModule:
             if state.group is not None:
                 state.group.divide_factor = float(factor)
 
+    def set_check_finite_gradients(self, enabled: bool = True, *, recurse: bool = True) -> None:
+        """Raise ``FloatingPointError`` on every rank when a reduced gradient is NaN or infinite.
+
+        Off by default. When on, each reduced gradient shard of the groups under this module
+        is checked as its reduce-scatter finishes; at the end of backward one small
+        all-reduce per mesh axis agrees on the first non-finite parameter (in the order
+        gradients were reduced) and every rank raises, naming it, the iteration and how
+        many elements were non-finite on which ranks. It raises after every reduction
+        finished, so the module stays usable: ``optimizer.zero_grad()`` and go on. Costs a
+        few small kernels per parameter, one all-reduce per backward and, on CUDA, a sync.
+        Not in torch's FSDP2.
+        """
+        _check_bool("enabled", enabled)
+        for state in self._states_below(recurse):
+            if state.group is not None:
+                state.group.check_finite = enabled
+
     def reset_iter_state(self) -> None:
         """Recover after an exception inside forward or backward.
 
         Waits for collectives in flight, reshards every group under the root,
         drops half-accumulated unsharded gradients and clears per-iteration
         state so the next forward starts clean. Sharded ``.grad`` values are
-        left to the caller (``optimizer.zero_grad()``).
+        left to the caller (``optimizer.zero_grad()``). The next root forward
+        does this by itself when it finds the previous iteration interrupted.
         """
         self._fsdp_state().reset_iter_state()
 
@@ -242,10 +260,19 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        state._recover_if_interrupted()
         if not state._modules_to_run:
             state._modules_to_run.add(module)
-        args, kwargs = state.pre_forward(args, kwargs)
-        output = method(*args, **kwargs)
+        try:
+            args, kwargs = state.pre_forward(args, kwargs)
+            output = method(*args, **kwargs)
+        except Exception:
+            # As forward hooks with always_call do: free the parameters, mark the iteration.
+            if module in state._modules_to_run:
+                state._modules_to_run.discard(module)
+                if not state._modules_to_run:
+                    state.post_forward(None)
+            raise
         if module in state._modules_to_run:
             state._modules_to_run.discard(module)
             if not state._modules_to_run:

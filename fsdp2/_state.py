@@ -18,13 +18,14 @@ Lifecycle of one training step (see docs/design.md):
 from __future__ import annotations
 
 import logging
+import sys
 from enum import Enum, auto
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from . import _compat
+from . import _checks, _compat
 from ._api import MixedPrecisionPolicy
 from ._group import ParamGroup, ReduceQueue, ShardState
 from ._state_dict import register_state_dict_hooks
@@ -61,6 +62,9 @@ class RootContext:
         # (None: no cap beyond the schedule's own; see FSDPModule.set_prefetch_limit).
         self.prefetched: set[ParamGroup] = set()
         self.prefetch_limit: int | None = None
+        self.iteration = -1  # root forwards started, from 0 (all-gather headers, error messages)
+        self.interrupted = False  # an exception left this iteration half-done (see _recover_if_interrupted)
+        self.diag: _checks.Diagnostics | None = None
 
     def prefetch(self, targets: list[ParamGroup]) -> None:
         """Issue the all-gathers of ``targets`` now, within the prefetch limit."""
@@ -142,8 +146,16 @@ class ModuleState:
                 group = state.group
                 group.label = ",".join(names.get(m, "?") or "root" for m in state.modules)
                 group.reduce_queue = ctx.reduce_queue
+                group.root = ctx
                 if state.auto_reshard_after_forward:
                     group.reshard_after_forward = not state.is_root
+        ctx.diag = _checks.Diagnostics(states, names)
+        try:
+            _checks.check_rank_agreement(ctx.diag)
+        except Exception:
+            for state in states:  # not initialised: the next forward checks again
+                state.is_root, state.ctx = None, None
+            raise
         logger.debug("fsdp2: lazy init with root %s and %d groups", type(root_module).__name__, len(states))
 
     def label(self) -> str:
@@ -151,6 +163,7 @@ class ModuleState:
 
     # ---- forward ------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._recover_if_interrupted()  # first: a reset clears _modules_to_run
         if not self._modules_to_run:
             self._modules_to_run.update(self.modules)
         return self.pre_forward(args, kwargs)
@@ -160,6 +173,7 @@ class ModuleState:
         ctx = self.ctx
         if self.is_root and not ctx.in_forward and not _compat.in_backward():
             ctx.in_forward = True
+            ctx.iteration += 1
             if ctx.forward_order:
                 ctx.last_forward_order = list(ctx.forward_order)
             ctx.forward_order.clear()
@@ -192,6 +206,35 @@ class ModuleState:
     def post_forward(self, output: Any) -> Any:
         if self.ctx is None:  # forward raised before lazy init finished
             return output
+        # Forward hooks registered with always_call also run when forward raised: then
+        # there is no output and the exception is being handled.
+        if output is None and sys.exc_info()[1] is not None:
+            self._post_forward_after_exception()
+            return output
+        try:
+            return self._post_forward(output)
+        except BaseException:
+            self.ctx.interrupted = True
+            raise
+
+    def _post_forward_after_exception(self) -> None:
+        """Forward raised: free what needs no collective; the next root forward resets the rest.
+
+        An all-gather still in flight is not waited for: after a failure the ranks'
+        collectives may no longer pair up, and waiting could hang instead of letting the
+        error reach the user.
+        """
+        if _compat.in_backward():  # recomputation: the backward fails too, and is reset
+            return
+        group = self.group
+        if group is not None and group.state is not ShardState.GATHERING:
+            group.reshard()
+        self.training_state = TrainingState.IDLE
+        if self.is_root:
+            self.ctx.in_forward = False
+            self.ctx.interrupted = True
+
+    def _post_forward(self, output: Any) -> Any:
         group = self.group
         if group is not None and not _compat.in_backward():
             grad_outputs = [t for t in iter_tensors(output) if t.requires_grad]
@@ -257,21 +300,55 @@ class ModuleState:
     def _end_of_backward(self) -> None:
         ctx = self.ctx
         ctx.callback_queued = False
-        # Last-run groups first: the order backward reached them, the same on every rank.
-        for state in reversed(ctx.states):
-            if state.group is not None:
-                state.group.end_backward()
-            state.training_state = TrainingState.IDLE
-        if ctx.is_last_backward:
-            ctx.reduce_queue.drain()
+        try:
+            # Last-run groups first: the order backward reached them, the same on every rank.
+            for state in reversed(ctx.states):
+                if state.group is not None:
+                    state.group.end_backward()
+                state.training_state = TrainingState.IDLE
+            if ctx.is_last_backward:
+                ctx.reduce_queue.drain()
+        except BaseException:
+            ctx.interrupted = True
+            raise
+        if ctx.is_last_backward:  # the iteration is complete: the module stays usable if this raises
+            _checks.raise_if_nonfinite(ctx)
 
     # ---- recovery -----------------------------------------------------------------------
-    def reset_iter_state(self) -> None:
+    def _recover_if_interrupted(self) -> None:
+        """At a new root forward: reset an iteration an exception left half-done.
+
+        Signs: the last root forward raised (or one of fsdp2's own steps after it), or a
+        backward queued its end-of-backward callback and never ran it (it raised; the engine
+        drops the callback). Two forwards before one backward (gradient accumulation) and
+        forwards re-run inside backward (activation checkpointing) are neither.
+        """
+        ctx = self.ctx
+        if not self.is_root or ctx is None or _compat.in_backward():
+            return
+        if not ctx.interrupted and not (ctx.callback_queued and not ctx.in_forward):
+            return
+        where = "backward" if ctx.callback_queued else "forward"
+        logger.warning(
+            "fsdp2: iteration %d of %s was interrupted by an exception in %s and reset_iter_state() "
+            "was not called; resetting it now: collectives in flight are waited for and their "
+            "results dropped, unsharded parameters and gradients freed",
+            ctx.iteration, type(self.modules[0]).__name__, where,
+        )
+        self.reset_iter_state(discard_reductions=True)
+
+    def reset_iter_state(self, discard_reductions: bool = False) -> None:
         states = self.ctx.states if self.ctx is not None else [self]
         if self.ctx is not None:
             self.ctx.callback_queued = False
             self.ctx.in_forward = False
-            self.ctx.reduce_queue.drain()
+            self.ctx.interrupted = False
+            if discard_reductions:  # the user may have zeroed .grad since: adding to it now would be wrong
+                self.ctx.reduce_queue.discard()
+            else:
+                self.ctx.reduce_queue.drain()
+            if self.ctx.diag is not None:
+                self.ctx.diag.nonfinite.clear()
         for state in states:
             if state.group is not None:
                 state.group.reset()

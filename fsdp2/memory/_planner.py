@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .._checks import HEADER
 from .._compat import in_backward
 from ._live import LiveStorages, storage_key
 from ._tracker import CATEGORIES, format_bytes, format_table
@@ -180,9 +181,10 @@ class _Schedule:
         g = self.sizes[name]
         if self.alias:
             return 0
+        slice_bytes = HEADER + g.slice  # each rank's slice starts with the schedule header
         if self.shard == 1:  # no collective: the (copied-in) send buffer is the output
-            return g.slice
-        return (0 if g.packed else g.slice) + self.shard * g.slice
+            return slice_bytes
+        return (0 if g.packed else slice_bytes) + self.shard * slice_bytes
 
     def unshard(self, name: str) -> None:
         if self.state[name] == "sharded":

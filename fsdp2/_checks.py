@@ -1,0 +1,266 @@
+"""Consistency checks between ranks: they turn silent mistakes and hangs into clear errors.
+
+* **Rank agreement** (once, at the root's lazy init): every rank that shares the
+  model must have built the same groups, parameters (FQN, global shape, dtype,
+  ``requires_grad``, shard dim) and meshes. Checked with ``all_gather_object``
+  over each axis of the model's own meshes (a hash first, the details only on
+  a mismatch); agreement along every axis of a connected mesh is agreement
+  across it. Raises ``ValueError`` on every rank, naming the first difference.
+* **All-gather headers** (every all-gather): each rank's slice starts with 16
+  bytes saying which group it gathers, in which iteration and phase. If two
+  ranks' all-gathers matched up although they gather different groups, or one
+  in forward and one in backward (a rank skipped a forward, or ran one more),
+  every rank raises ``RuntimeError``
+  instead of silently computing with the wrong parameters. On CPU always; on
+  CUDA only in debug mode (reading the headers synchronises the device).
+* **Finite gradients** (opt-in, ``FSDPModule.set_check_finite_gradients``):
+  each reduced gradient shard is checked; at the end of backward one small
+  all-reduce per mesh axis agrees on the first non-finite parameter and every
+  rank raises ``FloatingPointError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _debug
+from ._compat import root_mesh
+
+__all__ = [
+    "HEADER", "Diagnostics", "check_rank_agreement", "before_all_gather", "wait_all_gather", "record_nonfinite",
+    "raise_if_nonfinite",
+]
+
+HEADER = 16  # bytes at the start of each rank's all-gather slice (keeps 16-byte alignment)
+_MAGIC = 0x46534432  # "FSD2": a header written this iteration, not stale bytes
+
+
+class Diagnostics:
+    """What the checks need to know about one root's model, built at lazy init.
+
+    Args:
+        states: the root's ``ModuleState`` objects in registration order.
+        names: module -> its FQN under the root.
+    """
+
+    def __init__(self, states: Sequence[Any], names: dict[Any, str]) -> None:
+        self.groups = [s.group for s in states if s.group is not None]
+        self.index = {id(g): i for i, g in enumerate(self.groups)}
+        self.param_names = {
+            id(p): _join(names.get(p.locations[0][0], "?"), p.locations[0][1])
+            for g in self.groups for p in g.params
+        }
+        self.process_groups = _mesh_groups(self.groups)
+        self.nonfinite: list[tuple[str, torch.Tensor]] = []  # (FQN, count), in reduction order
+
+    def describe(self) -> list[str]:
+        """This rank's view of the model, one comparable line per group and parameter."""
+        lines = [f"fully_shard groups [{', '.join(g.label for g in self.groups)}]"]
+        for g in self.groups:
+            policy = g.reshard_after_forward
+            lines.append(f"group {g.label} (reshard_after_forward={policy}, mesh {_mesh_str(g.dp.mesh)})")
+            for p in g.params:
+                lines.append(_param_str(self.param_names[id(p)], p))
+        return lines
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _param_str(fqn: str, p: Any) -> str:
+    text = f"{fqn} {tuple(p.global_shape)} {str(p.orig_dtype).removeprefix('torch.')}"
+    if not p.requires_grad:
+        text += " requires_grad=False"
+    if p.layout.dim != 0:
+        text += f" Shard({p.layout.dim})"
+    if p.param_dtype != p.orig_dtype or p.reduce_dtype != p.param_dtype:
+        text += f" gathered as {p.param_dtype}, reduced in {p.reduce_dtype}"
+    if p.tp is not None:
+        text += f" tensor-parallel {tuple(p.tp[1])} on {_mesh_str(p.tp[0])}"
+    return text
+
+
+def _mesh_str(mesh: Any) -> str:
+    """Shape, axis names and rank layout: of the whole mesh this one was sliced from.
+
+    A sliced mesh's own rank layout differs between its slices by design (the
+    ``dp`` ranks of TP rank 0 are not those of TP rank 1); the mesh it was cut
+    from is the same on every rank.
+    """
+    root = root_mesh(mesh)
+    names = root.mesh_dim_names or tuple(f"axis{i}" for i in range(root.ndim))
+    shape = ", ".join(f"{n}={k}" for n, k in zip(names, root.mesh.shape))
+    own = f"{mesh.mesh_dim_names} of " if root is not mesh and mesh.mesh_dim_names else ""
+    return f"{own}({shape}) on {mesh.device_type}, ranks {root.mesh.tolist()}"
+
+
+def _mesh_groups(groups: Sequence[Any]) -> list[dist.ProcessGroup]:
+    """The process groups of every axis of the model's meshes (data-parallel and TP), once each."""
+    meshes = []
+    for g in groups:
+        meshes.append(g.dp.mesh)
+        meshes.extend(p.tp[0] for p in g.params if p.tp is not None)
+    seen, out = set(), []
+    for mesh in meshes:
+        for axis in range(mesh.ndim):
+            pg = mesh.get_group(axis)
+            ranks = tuple(dist.get_process_group_ranks(pg))
+            if len(ranks) > 1 and ranks not in seen:
+                seen.add(ranks)
+                out.append(pg)
+    return out
+
+
+# ---- rank agreement -------------------------------------------------------------------
+def check_rank_agreement(diag: Diagnostics) -> None:
+    """Raise ``ValueError`` on every rank if ranks sharing the model built it differently.
+
+    Ranks that disagree would issue collectives of different sizes or in a different
+    order: a hang, a backend error far from the cause, or silently wrong numbers.
+    """
+    lines = diag.describe()
+    digest = hashlib.sha256(pickle.dumps(lines)).hexdigest()
+    problem: str | None = None
+    # Pass 1 finds differences along each axis; pass 2 spreads the verdict along every
+    # axis again, so that a difference found along one axis reaches the whole mesh.
+    for pg in diag.process_groups:
+        digests = _gather(digest, pg)
+        if problem is None and len(set(digests)) > 1:
+            problem = _first_difference(_gather(lines, pg), pg)
+        elif len(set(digests)) > 1:
+            _gather(lines, pg)  # this rank already has a verdict, but its peers need its lines
+    for pg in diag.process_groups:  # the smallest message, so that every rank reports the same one
+        verdicts = [v for v in _gather(problem, pg) if v is not None]
+        problem = min(verdicts) if verdicts else None
+    if problem is not None:
+        raise ValueError(
+            f"fsdp2: ranks disagree on the sharded model: {problem}. Every rank must build the "
+            "same model and call fully_shard on the same modules with the same arguments and meshes"
+        )
+
+
+def _gather(obj: Any, pg: dist.ProcessGroup) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+def _first_difference(all_lines: list[list[str]], pg: dist.ProcessGroup) -> str:
+    ranks = dist.get_process_group_ranks(pg)
+    base = all_lines[0]
+    for rank, lines in zip(ranks[1:], all_lines[1:]):
+        for i in range(max(len(base), len(lines))):
+            a = base[i] if i < len(base) else "nothing more"
+            b = lines[i] if i < len(lines) else "nothing more"
+            if a != b:
+                return f"rank {ranks[0]} has {a}, rank {rank} has {b}"
+    return f"ranks {ranks} describe the model differently"  # unreachable: the digests differed
+
+
+# ---- all-gather headers ---------------------------------------------------------------
+def before_all_gather(group: Any, send: torch.Tensor, plan: Any, pg: dist.ProcessGroup) -> None:
+    """Stamp this rank's header into ``send`` (when it will be checked) and log in debug mode."""
+    root = group.root
+    iteration = root.iteration if root is not None else -1
+    phase = _debug.phase(root)
+    check = plan.world > 1 and (send.device.type == "cpu" or _debug.enabled())
+    if check:
+        index = root.diag.index.get(id(group), -1) if root is not None and root.diag is not None else -1
+        header = torch.tensor([_MAGIC, iteration, index, phase], dtype=torch.int32)
+        send[:HEADER].view(torch.int32).copy_(header, non_blocking=True)
+    group._header_pg = pg if check else None
+    _debug.log_collective("all_gather", group.label, pg, f"{plan.slice_bytes} bytes per rank",
+                          torch.uint8, root)
+
+
+def wait_all_gather(group: Any, gather: Any) -> None:
+    """Wait for ``group``'s all-gather (errors name it) and compare the ranks' headers."""
+    plan = gather.plan
+    _debug.wait(gather.done, "all_gather", group.label,
+                f"{plan.world} ranks x {plan.slice_bytes} bytes", group.root)
+    pg, group._header_pg = group._header_pg, None  # checked once, even if the check raises
+    if pg is None:
+        return
+    headers = gather.output.view(plan.world, plan.slice_bytes)[:, :HEADER].contiguous()
+    rows = headers.view(torch.int32).cpu().tolist()  # (world, 4); a device sync on CUDA
+    if any(row[0] != _MAGIC for row in rows):
+        return
+    keys = [_schedule_key(row) for row in rows]
+    if all(key == keys[0] for key in keys):
+        return
+    ranks = dist.get_process_group_ranks(pg)
+    odd = next(r for r, key in enumerate(keys) if key != keys[0])
+    raise RuntimeError(
+        f"fsdp2: all-gathers of different groups matched up: rank {ranks[odd]} is gathering "
+        f"{_what(group, rows[odd])} while rank {ranks[0]} is gathering {_what(group, rows[0])}: "
+        "ranks ran different forward/backward sequences (a rank skipped or added a forward or a "
+        "backward?). Every rank must run the same forwards and backwards in the same order"
+    )
+
+
+def _schedule_key(row: list[int]) -> tuple[int, int]:
+    """What must agree: the group, and forward vs backward.
+
+    Not the iteration: a forward that needed no collective on one rank only (all groups
+    kept unsharded) shifts the counts without breaking the pairing. An explicit
+    ``unshard()`` outside forward counts as forward (a manual prefetch).
+    """
+    _magic, _iteration, index, phase = row
+    return index, 0 if phase == 2 else phase
+
+
+def _what(group: Any, row: list[int]) -> str:
+    _magic, iteration, index, phase = row
+    root = group.root
+    labels = [g.label for g in root.diag.groups] if root is not None and root.diag is not None else []
+    label = labels[index] if 0 <= index < len(labels) else f"group #{index}"
+    where = _debug.PHASES[phase] if 0 <= phase < len(_debug.PHASES) else f"phase {phase}"
+    return f"{label} in {where} of iteration {iteration}"
+
+
+# ---- finite gradients -----------------------------------------------------------------
+def record_nonfinite(root: Any, params: Sequence[Any], shards: Sequence[torch.Tensor]) -> None:
+    """Count the non-finite elements of each reduced gradient shard (no sync; checked later)."""
+    if root is None or root.diag is None:
+        return
+    for p, shard in zip(params, shards):
+        count = shard.numel() - torch.isfinite(shard).sum()
+        root.diag.nonfinite.append((root.diag.param_names.get(id(p), "?"), count))
+
+
+def raise_if_nonfinite(root: Any) -> None:
+    """End of backward: agree across ranks on the first non-finite parameter; raise on every rank.
+
+    Called once every reduce-scatter has finished and the groups are back to their
+    end-of-backward state, so the module stays usable after the error.
+    """
+    diag = root.diag
+    records, diag.nonfinite = diag.nonfinite, []
+    if not records:  # no gradient was reduced (e.g. gradient sync off): the same on every rank
+        return
+    counts = torch.stack([c for _, c in records])
+    n = len(records)
+    positions = torch.arange(n, device=counts.device)
+    first = torch.where(counts > 0, positions, n).min().reshape(1)
+    for pg in diag.process_groups:
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=pg)
+    index = int(first.item())
+    if index == n:
+        return
+    by_rank = {dist.get_rank(): int(counts[index].item())}
+    for pg in diag.process_groups:
+        for other in _gather(by_rank, pg):
+            by_rank.update(other)
+    found = ", ".join(f"{c} on rank {r}" for r, c in sorted(by_rank.items()) if c > 0)
+    raise FloatingPointError(
+        f"fsdp2: non-finite gradient in iteration {root.iteration}: {records[index][0]} has "
+        f"non-finite elements ({found}); the first such parameter in the order gradients were "
+        "reduced (reverse forward order). The gradients were added to .grad: call "
+        "optimizer.zero_grad() and skip this optimizer step, then continue"
+    )
