@@ -24,7 +24,6 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,16 +32,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fsdp2.checkpoint as fsdp2_ckpt
 from recipes.checkpoint import Checkpointer
 from recipes.config import parse_args
 from recipes.llama.model import Transformer
 from recipes.metrics import MetricsWriter
-from recipes.llama.parallelize import ParallelDims, check_layout
-from recipes.train import build_optimizer, lr_schedule, train
+from recipes.train import build_optimizer, lr_schedule
 from tests._dist import run_on_ranks
+from tests.test_recipe import _train_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "recipes" / "train.py"
@@ -51,15 +49,6 @@ SMALL_MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--m
 BASE = [*SMALL_MODEL, "--training.batch_size=4", "--training.warmup_steps=2", "--training.lr=1e-2",
         "--metrics.log_every=1", "--metrics.sample_tokens=0", "--metrics.plot=false"]
 SEED = int(os.environ.get("FSDP2_FAULT_SEED", "0"))  # which rank and step the crash test kills
-
-
-def _train_on_ranks(argv: list[str]) -> int:
-    """What main() does after init_process_group, in the test's world; returns the resumed step."""
-    config = parse_args(argv)
-    p = config.parallelism
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, dist.get_world_size())
-    check_layout(dims, config)
-    return train(config, dims, torch.device("cpu"))
 
 
 def _records(path: Path) -> list[dict]:

@@ -8,7 +8,6 @@ send layout, so issuing an all-gather copies nothing; rebinding a parameter's da
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode

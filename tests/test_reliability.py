@@ -39,6 +39,7 @@ from fsdp2._state import get_state
 from tests._dist import REPO_ROOT, run_on_ranks
 from tests._models import MLP, Block, Transformer, lm_loss, make_batch
 from tests._parity import assert_params_match, average_grads
+from tests.test_module_behaviour import InjectedFailure, _RaiseInBackward
 
 DIM, HEADS = 32, 4
 
@@ -193,10 +194,6 @@ def test_headers_agree_on_every_all_gather_path(layout):
 
 
 # ---- 3. hang diagnostics and debug logging ----------------------------------------------
-class InjectedFailure(RuntimeError):
-    pass
-
-
 def _peer_raises_before_forward() -> str:
     rank = dist.get_rank()
     with _fresh_mesh(3) as mesh:
@@ -262,16 +259,6 @@ def test_fsdp2_debug_environment_variable_turns_debug_on_at_import():
 
 
 # ---- 4. automatic recovery after an exception ------------------------------------------
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise InjectedFailure("injected failure in backward")
-
-
 class _NanGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
