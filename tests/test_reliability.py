@@ -106,6 +106,8 @@ def _two_mlps(variant: str, odd: bool) -> nn.Sequential:
 def _disagree(variant: str, mesh_shape: tuple[int, ...], odd_rank: int) -> str:
     odd = dist.get_rank() == odd_rank
     names = ("dp_replicate", "dp_shard") if len(mesh_shape) == 2 else None
+    if odd and variant == "mesh":  # the same ranks, but a mesh built for another purpose
+        names = ("tp",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     model = _two_mlps(variant, odd)
     fully_shard(model[0], mesh=mesh, reshard_after_forward=not (odd and variant == "reshard_after_forward"))
@@ -124,7 +126,9 @@ def _disagree(variant: str, mesh_shape: tuple[int, ...], odd_rank: int) -> str:
     ("reshard_after_forward", r"rank 0 has group 0 \(reshard_after_forward=True, .*\), "
                               r"rank 1 has group 0 \(reshard_after_forward=False, "),
     ("groups", r"rank 0 has fully_shard groups \[0, 1\], rank 1 has fully_shard groups \[root, 0\]"),
-], ids=["shape", "requires_grad", "reshard_after_forward", "groups"])
+    ("mesh", r"rank 0 has group 0 \(reshard_after_forward=True, mesh \(axis0=2\) on cpu, ranks \[0, 1\]\), "
+             r"rank 1 has group 0 \(reshard_after_forward=True, mesh \(tp=2\) on cpu, ranks \[0, 1\]\)"),
+], ids=["shape", "requires_grad", "reshard_after_forward", "groups", "mesh"])
 def test_ranks_that_built_different_models_fail_at_first_forward(variant, expected):
     messages = run_on_ranks(_disagree, 2, variant, (2,), 1)
     assert messages[0] == messages[1]
