@@ -164,19 +164,20 @@ def _first_difference(all_lines: list[list[str]], pg: dist.ProcessGroup) -> str:
 
 
 # ---- all-gather headers ---------------------------------------------------------------
-def before_all_gather(group: Any, send: torch.Tensor, plan: Any, pg: dist.ProcessGroup) -> None:
-    """Stamp this rank's header into ``send`` (when it will be checked) and log in debug mode."""
+def before_all_gather(group: Any, plan: Any, pg: dist.ProcessGroup) -> torch.Tensor | None:
+    """This rank's 16-byte header for the coming all-gather (None when unchecked); logs in debug mode."""
     root = group.root
     iteration = root.iteration if root is not None else -1
     phase = _debug.phase(root)
-    check = plan.world > 1 and (send.device.type == "cpu" or _debug.enabled())
+    check = plan.world > 1 and (group.device.type == "cpu" or _debug.enabled())
+    header = None
     if check:
         index = root.diag.index.get(id(group), -1) if root is not None and root.diag is not None else -1
-        header = torch.tensor([_MAGIC, iteration, index, phase], dtype=torch.int32)
-        send[:HEADER].view(torch.int32).copy_(header, non_blocking=True)
+        header = torch.tensor([_MAGIC, iteration, index, phase], dtype=torch.int32).view(torch.uint8)
     group._header_pg = pg if check else None
     _debug.log_collective("all_gather", group.label, pg, f"{plan.slice_bytes} bytes per rank",
                           torch.uint8, root)
+    return header
 
 
 def wait_all_gather(group: Any, gather: Any) -> None:
@@ -187,8 +188,7 @@ def wait_all_gather(group: Any, gather: Any) -> None:
     pg, group._header_pg = group._header_pg, None  # checked once, even if the check raises
     if pg is None:
         return
-    headers = gather.output.view(plan.world, plan.slice_bytes)[:, :HEADER].contiguous()
-    rows = headers.view(torch.int32).cpu().tolist()  # (world, 4); a device sync on CUDA
+    rows = gather.headers.contiguous().view(torch.int32).cpu().tolist()  # (world, 4); a device sync on CUDA
     if any(row[0] != _MAGIC for row in rows):
         return
     keys = [_schedule_key(row) for row in rows]

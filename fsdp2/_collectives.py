@@ -1,4 +1,13 @@
-"""Flat collectives for a group: one all-gather of bytes, one reduce-scatter per dtype.
+"""A group's collectives: one all-gather of bytes, one reduce-scatter per dtype.
+
+Two transports share the schedule (``_group.py``) and these entry points:
+
+* **flat** (NCCL, any accelerator): one ``all_gather_into_tensor`` of every rank's
+  slice into a rank-major output, then one foreach copy-out into the unsharded
+  buffer; gradients are copied into a rank-major buffer for one
+  ``reduce_scatter_tensor``. Runs on side streams (``_streams.py``).
+* **exchange** (CPU, gloo): point-to-point messages straight from where each chunk
+  lives to where it is needed, no flat buffer in between (``_exchange.py``).
 
 All-gather moves bytes, so parameters of different dtypes (fp32 next to bf16,
 as LoRA adapters often are) travel in one collective; each parameter's bytes
@@ -7,8 +16,9 @@ Reduce-scatter does arithmetic, so it runs once per reduce dtype present.
 
 Layouts (for ``R`` ranks, each contributing a slice of ``S`` bytes):
 
-* all-gather output, rank-major: ``[rank0: hdr p0 p1 ...][rank1: hdr p0 p1 ...]`` (collective's
-  order); ``hdr`` is a 16-byte header naming what the rank gathers (checked in ``_checks.py``)
+* send slice and flat all-gather output, rank-major: ``[rank0: hdr p0 p1 ...][rank1: hdr p0 p1 ...]``;
+  ``hdr`` is a 16-byte header naming what the rank gathers (checked in ``_checks.py``;
+  the exchange sends it as a message of its own)
 * unsharded buffer, parameter-major: ``[p0: padded full][p1: padded full] ...``
   so that each unsharded parameter is a plain view of it.
 """
@@ -21,13 +31,15 @@ from typing import Any, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _checks, _compat, _debug, _trace
+from . import _checks, _compat, _debug, _exchange, _trace
+from ._checks import HEADER
 from ._param import ShardedParam, ShardLayout
 from ._streams import Completion, streams_for
 
 __all__ = [
-    "ALIGN", "GatherPlan", "AllGatherInFlight", "ReduceScatterInFlight",
-    "start_all_gather", "copy_out", "ReduceTarget", "start_reduce_scatter", "finish_reduce_scatter",
+    "ALIGN", "GatherPlan", "exchanges", "AllGatherInFlight", "ReduceScatterInFlight", "start_all_gather",
+    "exchange_all_gather", "finish_all_gather", "copy_out", "ReduceTarget", "start_reduce_scatter",
+    "finish_reduce_scatter",
 ]
 
 ALIGN = 16  # bytes; a multiple of every dtype's itemsize
@@ -58,8 +70,7 @@ class GatherPlan:
     def build(cls, layouts: Sequence[ShardLayout], dtypes: Sequence[torch.dtype]) -> GatherPlan:
         sizes = [lay.local_numel * dt.itemsize for lay, dt in zip(layouts, dtypes)]
         offsets, total = _offsets(sizes, align=True)
-        header = _checks.HEADER
-        return cls(tuple(layouts), tuple(dtypes), tuple(header + o for o in offsets), header + total)
+        return cls(tuple(layouts), tuple(dtypes), tuple(HEADER + o for o in offsets), HEADER + total)
 
     @property
     def world(self) -> int:
@@ -72,29 +83,81 @@ class GatherPlan:
         return buffer[self.offsets[i]:self.offsets[i] + nbytes].view(dtype).view(lay.local_shape)
 
 
+def exchanges(device: torch.device) -> bool:
+    """Whether collectives on ``device`` run as point-to-point exchanges (``_exchange.py``).
+
+    On CPU (gloo) they do: faster than gloo's flat collectives, and with no flat buffer
+    to copy through. On accelerators (NCCL) the flat collectives are the fast path.
+    """
+    return device.type == "cpu"
+
+
 class AllGatherInFlight(NamedTuple):
-    """An all-gather issued but maybe not finished; both buffers must outlive ``done``."""
+    """An all-gather issued but maybe not finished; finish it with :func:`finish_all_gather`.
+
+    Flat: ``output`` receives every rank's slice (rank-major), copied out at the end.
+    Exchange: the chunks land in the unsharded buffer itself; ``exchange`` has the rest.
+    Every tensor here must outlive ``done``.
+    """
 
     done: Completion
-    send: torch.Tensor
-    output: torch.Tensor
     plan: GatherPlan
+    headers: torch.Tensor  # (world, HEADER) bytes: every rank's schedule header, once done
+    send: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    exchange: _exchange.ExchangeAllGather | None = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The communication memory it holds (send buffers included, even when they are the shards)."""
+        if self.exchange is not None:
+            return self.exchange.buffers()
+        return [t for t in (self.send, self.output) if t is not None]
 
 
 def start_all_gather(
     send: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup, device: torch.device,
-    copied: Completion | None = None,
+    copied: Completion | None = None, header: torch.Tensor | None = None,
 ) -> AllGatherInFlight:
-    """Issue the all-gather of ``send`` (after ``copied``, the copy-in that filled it, if any)."""
+    """Issue the flat all-gather of ``send`` (after ``copied``, the copy-in that filled it, if any).
+
+    ``header``, if given, is stamped into the first 16 bytes of ``send`` first.
+    """
     streams = streams_for(device)
+    if header is not None:
+        send[:HEADER].copy_(header, non_blocking=True)
     if plan.world == 1:  # nothing to gather: the send buffer is the result
-        return AllGatherInFlight(copied or Completion(), send, send, plan)
+        return AllGatherInFlight(copied or Completion(), plan, send[None, :HEADER], send, send)
     with streams.side("all_gather"):
         streams.after(copied)
         output = torch.empty(plan.world * plan.slice_bytes, dtype=torch.uint8, device=device)
         work = _compat.all_gather_flat(output, send, group=group, async_op=True)
         done = streams.issued(work)
-    return AllGatherInFlight(done, send, output, plan)
+    headers = output.view(plan.world, plan.slice_bytes)[:, :HEADER]
+    return AllGatherInFlight(done, plan, headers, send, output)
+
+
+def exchange_all_gather(
+    sources: Sequence[torch.Tensor], plan: GatherPlan, group: dist.ProcessGroup,
+    regions: Sequence[torch.Tensor], header: torch.Tensor | None,
+) -> AllGatherInFlight:
+    """Issue the all-gather as an exchange straight into ``regions`` (the unsharded buffer).
+
+    ``sources``: this rank's shard of each parameter; ``regions[i]``: parameter ``i``'s
+    padded full tensor (typed, shaped ``padded_shape``).
+    """
+    if header is None:
+        header = torch.zeros(HEADER, dtype=torch.uint8)
+    chunks = [lay.chunks_view(region) for lay, region in zip(plan.layouts, regions)]
+    gather = _exchange.start_all_gather(sources, chunks, header.view(torch.uint8), group)
+    return AllGatherInFlight(Completion(work=gather.exchange), plan, gather.headers, exchange=gather)
+
+
+def finish_all_gather(inflight: AllGatherInFlight, regions: Sequence[torch.Tensor]) -> None:
+    """After the wait: put the gathered parameters in place in ``regions``."""
+    if inflight.exchange is not None:
+        inflight.exchange.finish()
+    else:
+        copy_out(inflight, regions)
 
 
 def copy_out(inflight: AllGatherInFlight, regions: Sequence[torch.Tensor]) -> None:
@@ -139,20 +202,28 @@ class ReduceTarget:
 class ReduceScatterInFlight(NamedTuple):
     """One dtype bucket's reduce-scatter, finished by :func:`finish_reduce_scatter`.
 
-    ``grads`` (the unsharded gradients copied into ``input``) are held until then:
-    on CUDA the copy runs on the reduce-scatter stream while the compute stream
-    could otherwise reuse their memory.
+    Flat: ``output`` is this rank's reduced chunk once ``done``; ``held`` keeps the send
+    buffer and, on CUDA, the unsharded gradients copied into it (the copy runs on the
+    reduce-scatter stream while the compute stream could otherwise reuse their memory).
+    Exchange: ``exchange`` sums the chunks received at the end and holds the gradients
+    it sends from.
     """
 
     done: Completion
-    input: torch.Tensor
-    output: torch.Tensor
     params: tuple[ShardedParam, ...]
     offsets: tuple[int, ...]
     op: dist.ReduceOp
     post_divide: float | None
     target: ReduceTarget
-    grads: tuple[torch.Tensor, ...]
+    output: torch.Tensor | None = None
+    held: tuple[torch.Tensor, ...] = ()
+    exchange: _exchange.ExchangeReduceScatter | None = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The communication memory it holds (not the unsharded gradients it reads)."""
+        if self.exchange is not None:
+            return self.exchange.buffers()
+        return [self.held[0], self.output]
 
 
 def _reduce_op(dtype: torch.dtype, world: int, factor: float) -> tuple[dist.ReduceOp, float | None, float | None]:
@@ -181,10 +252,15 @@ def start_reduce_scatter(
     target: ReduceTarget,
     device: torch.device,
 ) -> ReduceScatterInFlight:
-    """Copy full gradients into one rank-major buffer and issue the reduce-scatter."""
+    """Issue the reduce-scatter of the full gradients ``grads`` (an exchange on CPU)."""
     world, group = target.world, target.group
     offsets, total = _offsets([p.layout.local_numel for p in params], align=False)
     op, pre, post = _reduce_op(dtype, world * target.replicate_world, target.divide_factor)
+    if world > 1:
+        _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
+                              target.root)
+    if exchanges(device) and world > 1:
+        return _exchange_reduce_scatter(params, grads, dtype, target, offsets, total, op, pre, post)
     streams = streams_for(device)
     with streams.side("reduce_scatter"):
         send = torch.empty(world * total, dtype=dtype, device=device)
@@ -195,14 +271,39 @@ def start_reduce_scatter(
             output, work = send, None
         else:
             output = torch.empty(total, dtype=dtype, device=device)
-            _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
-                                  target.root)
             work = _compat.reduce_scatter_flat(output, send, op=op, group=group, async_op=True)
         done = streams.issued(work)
     # CUDA: the copy-in ran on the reduce-scatter stream; hold the full gradients until the
     # compute stream waited on it. CPU: copied already, free them now.
-    held = tuple(grads) if streams.cuda else ()
-    return ReduceScatterInFlight(done, send, output, tuple(params), tuple(offsets), op, post, target, held)
+    held = (send, *grads) if streams.cuda else (send,)
+    return ReduceScatterInFlight(done, tuple(params), tuple(offsets), op, post, target, output, held)
+
+
+def _exchange_reduce_scatter(
+    params: Sequence[ShardedParam], grads: Sequence[torch.Tensor], dtype: torch.dtype, target: ReduceTarget,
+    offsets: list[int], total: int, op: dist.ReduceOp, pre: float | None, post: float | None,
+) -> ReduceScatterInFlight:
+    """Send each gradient's chunks from where they are: copies only to cast or pad."""
+    world = target.world
+    full, copies = [], []
+    with torch.no_grad():
+        for p, grad in zip(params, grads):
+            lay = p.layout
+            if grad.dtype == dtype and grad.is_contiguous() and lay.shape[lay.dim] == lay.chunk * world:
+                full.append(grad)
+                continue
+            padded = torch.zeros(lay.padded_shape, dtype=dtype, device=grad.device)
+            padded.narrow(lay.dim, 0, lay.shape[lay.dim]).copy_(grad)
+            full.append(padded)
+            copies.append(padded)
+        if pre is not None and pre != 1:
+            torch._foreach_div_(full, pre)  # the taken gradients are fsdp2's own: in place is fine
+    if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division
+        post = float(world) * (post or 1.0)
+    chunks = [p.layout.chunks_view(t) for p, t in zip(params, full)]
+    rs = _exchange.start_reduce_scatter(chunks, full, copies, total, offsets, dtype, target.group)
+    return ReduceScatterInFlight(Completion(work=rs.exchange), tuple(params), tuple(offsets), op, post, target,
+                                 exchange=rs)
 
 
 def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grads: Sequence[torch.Tensor],
@@ -229,9 +330,13 @@ def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grad
 
 def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
     """Wait, all-reduce across replicas (HSDP), add each rank's chunk into the sharded ``.grad``."""
-    out, target = inflight.output, inflight.target
-    _debug.wait(inflight.done, "reduce_scatter", target.label,
-                f"{target.world} x {out.numel()} {out.dtype} elements", target.root)
+    target = inflight.target
+    numel = sum(p.layout.local_numel for p in inflight.params)
+    _debug.wait(inflight.done, "reduce_scatter", target.label, f"{target.world} x {numel} elements", target.root)
+    if inflight.exchange is not None:
+        out = inflight.exchange.reduced(inflight.offsets)
+    else:
+        out = inflight.output
     if target.replicate_group is not None:
         earlier = target.partial.pop(out.dtype, None)
         if earlier is not None:  # reduce-scattered while all-reduce was off

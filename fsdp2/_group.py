@@ -18,8 +18,8 @@ from torch.profiler import record_function
 
 from . import _checks, _trace
 from ._collectives import (
-    ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, ReduceTarget, copy_out,
-    finish_reduce_scatter, start_all_gather, start_reduce_scatter,
+    ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, ReduceTarget, exchange_all_gather, exchanges,
+    finish_all_gather, finish_reduce_scatter, start_all_gather, start_reduce_scatter,
 )
 from ._mesh import DataParallelMesh
 from ._param import ShardedParam
@@ -152,26 +152,38 @@ class ParamGroup:
             p.adopt_padded_local(plan.slot(packed, i))
         self._packed = packed
 
-    def _send_buffer(self, plan: GatherPlan) -> tuple[torch.Tensor, Completion | None]:
-        """This rank's slice for the all-gather over ``plan.world`` ranks, and its copy-in."""
+    def _shards(self, plan: GatherPlan) -> list[torch.Tensor]:
+        """Each parameter's padded shard, repacked first where the local data was rebound."""
         packed = self._packed
         if packed is not None:
-            slots = [plan.slot(packed, i) for i in range(len(self.params))]
-            stale = [(p, slot) for p, slot in zip(self.params, slots) if not p.lives_in(slot)]
-            for p, slot in stale:  # rebound since packing (param.data = ...): pack again
-                p.repad_from_local()
-                p.adopt_padded_local(slot)
-            return packed, None
+            for i, p in enumerate(self.params):
+                slot = plan.slot(packed, i)
+                if not p.lives_in(slot):  # rebound since packing (param.data = ...): pack again
+                    p.repad_from_local()
+                    p.adopt_padded_local(slot)
+        return [p.padded_local for p in self.params]
+
+    def _send_buffer(self, plan: GatherPlan) -> tuple[torch.Tensor, Completion | None]:
+        """This rank's slice for the flat all-gather over ``plan.world`` ranks, and its copy-in."""
+        shards = self._shards(plan)
+        if self._packed is not None:
+            return self._packed, None
         streams = streams_for(self.device)
         with streams.side("copy_in"):
             send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
-                torch._foreach_copy_([plan.slot(send, i) for i in range(len(self.params))],
-                                     [p.padded_local for p in self.params], non_blocking=True)
+                torch._foreach_copy_([plan.slot(send, i) for i in range(len(self.params))], shards,
+                                     non_blocking=True)
             copied = streams.issued(None)
         return send, copied
 
     def _alloc_unsharded(self) -> None:
+        # The buffer and its parameter views outlive this forward: if the first unshard
+        # runs under inference_mode they must still not be inference tensors.
+        with torch.inference_mode(False):
+            self._alloc_unsharded_buffer()
+
+    def _alloc_unsharded_buffer(self) -> None:
         if self._buffer is None:
             sizes = [p.layout.padded_shape.numel() * p.param_dtype.itemsize for p in self.params]
             starts, total = [], 0
@@ -217,16 +229,25 @@ class ParamGroup:
                 p.to_unsharded()
             self.state = ShardState.UNSHARDED
             return
-        if self.state is ShardState.PARTIAL:
-            plan, send, group = self._plan(self.subgroup.size), self._partial_send, self.subgroup.group
-            self._partial_send, copied = None, None
+        partial = self.state is ShardState.PARTIAL
+        if partial:
+            plan, group = self._plan(self.subgroup.size), self.subgroup.group
         else:
             plan, group = self._plan(self.world), self.process_group
-            send, copied = self._send_buffer(plan)
         _trace.emit("unshard", self.label)
-        _checks.before_all_gather(self, send, plan, group)
-        with record_function(f"fsdp2::all_gather {self.label}"):
-            self._gather = start_all_gather(send, plan, group, self.device, copied)
+        with record_function(f"fsdp2::all_gather {self.label}"), _trace.issuing("all_gather", self.label):
+            header = _checks.before_all_gather(self, plan, group)
+            if exchanges(self.device):  # CPU: the chunks arrive in the unsharded buffer itself
+                self._alloc_unsharded()
+                if partial:
+                    sources = [plan.slot(self._partial_send, i) for i in range(len(self.params))]
+                else:
+                    sources = self._shards(plan)
+                self._gather = exchange_all_gather(sources, plan, group, self._regions, header)
+            else:
+                send, copied = (self._partial_send, None) if partial else self._send_buffer(plan)
+                self._gather = start_all_gather(send, plan, group, self.device, copied, header)
+        self._partial_send = None
         self.state = ShardState.GATHERING
         if not async_op:
             self.wait_for_unshard()
@@ -240,11 +261,8 @@ class ParamGroup:
         gather = self._gather
         with record_function(f"fsdp2::all_gather_wait {self.label}"):
             _checks.wait_all_gather(self, gather)  # errors name the group; compares the ranks' headers
-            # The buffer and its parameter views outlive this forward: if the first unshard
-            # runs under inference_mode they must still not be inference tensors.
-            with torch.inference_mode(False):
-                self._alloc_unsharded()
-            copy_out(gather, self._regions)
+            self._alloc_unsharded()
+            finish_all_gather(gather, self._regions)
         self._gather = None  # only now: if the copy raised, reset() still finds the collective
         for p in self.params:
             p.to_unsharded()
@@ -338,7 +356,7 @@ class ParamGroup:
             label=self.label, root=self.root, check_finite=self.check_finite,
         )
         _trace.emit("reduce_scatter", self.label)
-        with record_function(f"fsdp2::reduce_scatter {self.label}"):
+        with record_function(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):
             inflight = [
                 start_reduce_scatter(params, grads, dtype, target, self.device)
                 for dtype, (params, grads) in buckets.items()
@@ -362,6 +380,7 @@ class ParamGroup:
             self._gather = None
             self._header_pg = None
             self.state = ShardState.SHARDED  # modules still hold the shards while gathering
+            self._free_unsharded()  # the exchange gathers into it
         self.reshard()
         for p in self.params:
             if p.unsharded is not None:

@@ -11,18 +11,34 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator
 
-__all__ = ["record_schedule", "on_event"]
+__all__ = ["record_schedule", "on_event", "issuing"]
 
 # Active recorders. A list, not a context variable: autograd may run backward
 # hooks on its own device threads, which do not inherit context variables.
 _ACTIVE: list[list[str]] = []
 
 
-def emit(kind: str, label: str) -> None:
+def emit(kind: str, label: str, *, scheduled: bool = True) -> None:
+    """Log ``"<kind> <label>"``; ``scheduled=False``: only for :func:`on_event` callbacks."""
     if _ACTIVE:
         event = f"{kind} {label}"
         for log in _ACTIVE:
-            log.append(event)
+            if scheduled or isinstance(log, _Callback):
+                log.append(event)
+
+
+@contextlib.contextmanager
+def issuing(kind: str, label: str) -> Iterator[None]:
+    """Brackets the issue of a collective with ``"begin <kind> <label>"`` / ``"end ..."`` events.
+
+    Seen by :func:`on_event` callbacks only (the memory tracker: what is allocated in
+    between is a communication buffer), not by :func:`record_schedule` logs.
+    """
+    emit(f"begin {kind}", label, scheduled=False)
+    try:
+        yield
+    finally:
+        emit(f"end {kind}", label, scheduled=False)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """Work the schedule must not do every step, and the fallbacks that keep it correct.
 
-Without a cast or a device move, a group's shards live packed in the all-gather's
-send layout, so issuing an all-gather copies nothing; rebinding a parameter's data
-(``torch.utils.swap_tensors``) must still be seen by the next all-gather.
+On CPU an all-gather copies this rank's chunk into the unsharded buffer and nothing else
+(the peers' chunks are received in place); rebinding a parameter's data
+(``torch.utils.swap_tensors``) must still be seen by the next all-gather, and optimizer
+updates of the (packed) shards too.
 """
 
 from __future__ import annotations
@@ -32,23 +33,25 @@ class _RecordCopies(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _copies_when_issuing_all_gather(param_dtype: torch.dtype | None) -> list[tuple[str, int]]:
+def _copies_of_one_all_gather(param_dtype: torch.dtype | None) -> tuple[list[tuple[str, int]], int]:
     torch.manual_seed(0)
     model = MLP(16)
     fsdp2.fully_shard(model, mp_policy=fsdp2.MixedPrecisionPolicy(param_dtype=param_dtype))
     with _RecordCopies() as mode:
         handle = model.unshard(async_op=True)
-    handle.wait()
+        handle.wait()
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # unsharded, param dtype
     model.reshard()
-    return mode.copies
+    return mode.copies, full_bytes
 
 
-def test_all_gather_input_needs_no_copy_without_a_cast():
-    without_cast, with_cast = run_on_ranks(_copies_when_issuing_all_gather, 2, None)[0], \
-        run_on_ranks(_copies_when_issuing_all_gather, 2, torch.bfloat16)[0]
-    # Only the 16-byte header (iteration, group, phase) is written into the send buffer.
-    assert without_cast == [("copy_", 16)]
-    assert sum(nbytes for _, nbytes in with_cast) > 16  # the bf16 cast is the copy-in: it still happens
+def test_all_gather_copies_only_this_ranks_chunk():
+    # On CPU the all-gather is an exchange: this rank's shards are copied (cast, with mixed
+    # precision) into its own chunk of the unsharded buffer, the peers' chunks are received
+    # in place. No copy-in buffer, no copy-out: 1/world of the bytes, plus the 16-byte header.
+    for param_dtype in (None, torch.bfloat16):
+        copies, full_bytes = run_on_ranks(_copies_of_one_all_gather, 2, param_dtype)[0]
+        assert copies == [("_foreach_copy_", full_bytes // 2), ("copy_", 16)], (param_dtype, copies, full_bytes)
 
 
 def _rebound_data_is_gathered() -> None:

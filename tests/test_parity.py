@@ -98,14 +98,14 @@ def test_mlp_root_only_matches_reference():
 
 
 # ---- 2. reshard_after_forward -------------------------------------------------------------
-def _reshard_after_forward(value):
+def _reshard_after_forward(value, tolerance=1e-5):
     events: list[tuple[list[str], list[str]]] = []
 
     def shard(model):
         _shard_blocks_then_root(model, reshard_after_forward=value)
         events.append(_step_events(model))
 
-    train_parity(Transformer, shard)
+    train_parity(Transformer, shard, atol=tolerance, rtol=tolerance)
     return events[0]
 
 
@@ -123,7 +123,10 @@ def test_reshard_after_forward_bool_or_none_matches_reference(value):
 
 
 def test_reshard_after_forward_int_reshards_to_subgroup_and_matches_reference():
-    forward, backward = run_on_ranks(_reshard_after_forward, 4, 2)[0]
+    # Four ranks: the reference's all-reduce and fsdp2's reduce-scatter add the four
+    # gradients in different orders (a few ulps apart, which AdamW's normalisation of
+    # near-zero gradients magnifies to ~1e-5); two ranks add in the same order.
+    forward, backward = run_on_ranks(_reshard_after_forward, 4, 2, 1e-4)[0]
     # Every group keeps 1/2 of its parameters after forward (pairs of ranks) ...
     assert sorted(e for e in forward if e.startswith("reshard")) == [
         "reshard_partial layers.0", "reshard_partial layers.1", "reshard_partial layers.2",

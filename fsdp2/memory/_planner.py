@@ -76,7 +76,8 @@ class _Group:
     sharded: int = 0  # original dtype
     unsharded: int = 0  # param dtype, padded and aligned (the unsharded buffer)
     slice: int = 0  # all-gather send buffer
-    reduce: int = 0  # full gradients in reduce dtype (reduce-scatter send buffer)
+    reduce: int = 0  # full gradients in reduce dtype, padded (the flat reduce-scatter's send buffer)
+    reduce_copies: int = 0  # of which the exchange copies (gradients cast to the reduce dtype or padded)
     tensors: int = 0
     same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
     packed: bool = True  # no cast: the shards are the all-gather's send buffer (no copy-in)
@@ -97,7 +98,10 @@ def _add_param(group: _Group, name: str, p: torch.Tensor, tp: int, shard: int,
     group.sharded += chunk * rest * p.dtype.itemsize
     group.unsharded += aligned(chunk * shard * rest * pdtype.itemsize)
     group.slice += aligned(chunk * rest * pdtype.itemsize)
-    group.reduce += chunk * shard * rest * (reduce_dtype if p.dtype.is_floating_point else p.dtype).itemsize
+    reduced = chunk * shard * rest * (reduce_dtype if p.dtype.is_floating_point else p.dtype).itemsize
+    group.reduce += reduced
+    if pdtype != reduce_dtype and p.dtype.is_floating_point or chunk * shard != rows:
+        group.reduce_copies += reduced
     group.tensors += 1
     group.same_grad_dtype &= not p.dtype.is_floating_point or reduce_dtype == p.dtype
     group.packed &= pdtype == p.dtype
@@ -156,13 +160,21 @@ class _Schedule:
     """fsdp2's buffer lifetimes on one rank, replayed from hooks on the fake model.
 
     Mirrors the steady state of ``_state.py`` / ``_group.py`` (second and later steps):
-    forward gathers a group, prefetches the next one in forward order, frees the gather
-    buffers once copied out and reshards after forward per policy (the root keeps its
-    parameters unless ``root_reshard``); backward gathers a group again if needed,
-    prefetches the one before it, and once all of its gradients landed copies them into a
-    reduce-scatter (full gradients in reduce dtype, plus 1/shard output), frees the full
-    gradients and reshards; at most one reduce-scatter stays in flight, the output of a
-    finished one becomes the sharded gradients. Change this class with those files.
+    forward gathers a group, prefetches the next one in forward order and reshards after
+    forward per policy (the root keeps its parameters unless ``root_reshard``); backward
+    gathers a group again if needed, prefetches the one before it, and once all of its
+    gradients landed reduce-scatters them and reshards; at most one reduce-scatter stays in
+    flight, the output of a finished one becomes the sharded gradients. Change this class
+    with those files and ``_collectives.py`` / ``_exchange.py``. The two transports:
+
+    * NCCL (flat): an all-gather fills a send slice (no copy when the shards are packed)
+      and a rank-major output, copied into the unsharded buffer at the wait; a
+      reduce-scatter copies the full gradients into a send buffer (reduce dtype), frees
+      them, and reduces into a 1/shard output.
+    * gloo (exchange): the unsharded buffer is allocated when the all-gather is issued
+      and received into directly (only the schedule headers are extra); a reduce-scatter
+      sends from the gradients themselves (copies only to cast or pad, which lets the
+      gradients go), receives one 1/shard row per peer and sums into the first.
     """
 
     def __init__(self, line: _Timeline, sizes: dict[str, _Group], order: list[str], *, shard: int,
@@ -173,29 +185,37 @@ class _Schedule:
         self.reshard_after_forward = {name: reshard for name in order}
         self.reshard_after_forward["root"] = root_reshard
         self.state = {name: "sharded" for name in order}
-        self.pending: list[str] = []
+        self.pending: list[tuple[str, Callable[[], None] | None]] = []  # reduce-scatters and grads held
         self.reduced: set[str] = set()
 
     def _gather_bytes(self, name: str) -> int:
-        """The send slice (none when the packed shards are sent) and the gathered output."""
+        """Communication buffers of a group's all-gather in flight."""
         g = self.sizes[name]
         if self.alias:
             return 0
+        if self.gloo:  # this rank's header and every rank's (the chunks land in the unsharded buffer)
+            return (self.shard + 1) * HEADER
         slice_bytes = HEADER + g.slice  # each rank's slice starts with the schedule header
         if self.shard == 1:  # no collective: the (copied-in) send buffer is the output
             return slice_bytes
         return (0 if g.packed else slice_bytes) + self.shard * slice_bytes
 
+    def _unsharded_bytes(self, name: str) -> int:
+        return 0 if self.alias else self.sizes[name].unsharded
+
     def unshard(self, name: str) -> None:
         if self.state[name] == "sharded":
             self.state[name] = "gathering"
             self.line.add_bytes("communication", self._gather_bytes(name))
+            if self.gloo:
+                self.line.add_bytes("unsharded_params", self._unsharded_bytes(name))
 
     def wait(self, name: str) -> None:
         self.unshard(name)
         if self.state[name] == "gathering":
             self.state[name] = "unsharded"
-            self.line.add_bytes("unsharded_params", 0 if self.alias else self.sizes[name].unsharded)
+            if not self.gloo:
+                self.line.add_bytes("unsharded_params", self._unsharded_bytes(name))
             self.line.add_bytes("communication", -self._gather_bytes(name))
 
     def reshard(self, name: str) -> None:
@@ -203,7 +223,7 @@ class _Schedule:
             self.wait(name)
         if self.state[name] == "unsharded":
             self.state[name] = "sharded"
-            self.line.add_bytes("unsharded_params", 0 if self.alias else -self.sizes[name].unsharded)
+            self.line.add_bytes("unsharded_params", -self._unsharded_bytes(name))
 
     def pre_forward(self, name: str) -> None:
         self.line.where = f"forward, {name}"
@@ -226,33 +246,40 @@ class _Schedule:
             self.unshard(target)
 
     def _rs_bytes(self, name: str) -> tuple[int, int]:
-        """(send, output) of a group's reduce-scatter; one buffer when nothing is scattered."""
-        send = 0 if self.alias else self.sizes[name].reduce
-        return send, send // self.shard if self.shard > 1 else 0
+        """(input, output) buffers of a group's reduce-scatter in flight; one when nothing is scattered.
+
+        Flat: the rank-major send buffer and the output. Exchange: the cast or padded
+        copies it sends from, and one received row per peer (the first becomes the output).
+        """
+        g = self.sizes[name]
+        if self.alias:
+            return g.reduce, 0
+        out = g.reduce // self.shard if self.shard > 1 else 0
+        if self.gloo and self.shard > 1:
+            return g.reduce_copies, (self.shard - 1) * out
+        return g.reduce, out
 
     def post_backward(self, name: str, drop_grads: Callable[[], None]) -> None:
         self.reduced.add(name)
-        send, out = self._rs_bytes(name)
-        self.line.add_bytes("communication", send + out)  # the full gradients are copied in
+        sent, received = self._rs_bytes(name)
+        self.line.add_bytes("communication", sent + received)
         if self.alias:  # one rank: the full gradients are the sharded ones, kept as they are
-            self.line.add_bytes("communication", -send - out)
+            self.line.add_bytes("communication", -sent - received)
         else:
-            self.pending.append(name)
+            # The exchange sends from the gradients themselves unless every one was copied.
+            held = self.gloo and self.shard > 1 and self.sizes[name].reduce_copies < self.sizes[name].reduce
+            self.pending.append((name, drop_grads if held else None))
             while len(self.pending) > 1:
-                self.finish(self.pending.pop(0))
-            drop_grads()  # only now: the reducing function holds them until it returns
+                self.finish(*self.pending.pop(0))
+            if not held:
+                drop_grads()  # only now: the reducing function holds them until it returns
         self.reshard(name)
 
-    def finish(self, name: str) -> None:
-        """The reduce-scatter's output becomes the sharded gradients (a view of it).
-
-        gloo's reduce-scatter holds a full-size copy of its input, which ops (and so the
-        tracker) see once it is waited on, until the finished collective is dropped.
-        """
-        send, out = self._rs_bytes(name)
-        copy = send if self.gloo and self.shard > 1 else 0
-        self.line.add_bytes("communication", copy)
+    def finish(self, name: str, drop_grads: Callable[[], None] | None) -> None:
+        """The reduce-scatter's output becomes the sharded gradients (a view of it)."""
+        sent, received = self._rs_bytes(name)
         g = self.sizes[name]
+        out = g.reduce // self.shard if self.shard > 1 else 0
         if self.grad_accum > 1:  # added into the sharded gradients of earlier micro-batches
             self.line.add_bytes("communication", -out)
         elif g.same_grad_dtype and out:  # the gradients are views of the output: it changes category
@@ -261,14 +288,16 @@ class _Schedule:
         else:  # a copy in the parameters' dtype (or, on one rank, the send buffer's)
             self.line.add_bytes("gradients", g.sharded)
             self.line.add_bytes("communication", -out)
-        self.line.add_bytes("communication", -send - copy)
+        self.line.add_bytes("communication", -(sent + received - out))
+        if drop_grads is not None:
+            drop_grads()
 
     def end_backward(self) -> None:
         self.line.where = "end of backward"
         for name in reversed(self.order):
             self.reshard(name)
         while self.pending:
-            self.finish(self.pending.pop(0))
+            self.finish(*self.pending.pop(0))
 
 
 @dataclass
@@ -444,8 +473,9 @@ def estimate_memory(
         loss_fn: ``(output, inputs) -> loss``; default cross-entropy in fp32 on the tokens.
         make_inputs: ``(batch, seq) -> input`` on the current (fake) device; default int64
             tokens.
-        backend: "nccl" or "gloo" (whose reduce-scatter holds a full-size copy of its input
-            until it is finished).
+        backend: "nccl" (flat collectives) or "gloo" (fsdp2's point-to-point exchanges:
+            all-gathers land in the unsharded buffer, reduce-scatters send from the
+            gradients), which hold different buffers.
     """
     shard = _check_layout(world, dp_replicate, tp)
     if optimizer not in OPTIMIZER_STATES:

@@ -93,14 +93,12 @@ def _group_storages(group: ParamGroup) -> dict[str, list[torch.Tensor]]:
     for p in group.params:
         grads += [p.sharded.grad, p.accumulated_grad, p.unsharded.grad if p.unsharded is not None else None]
     comm = [group._partial_send, *group._partial_reduce.values()]
-    if group._gather is not None:
-        comm.append(group._gather.output)
-        if group._gather.send is not group._packed:  # packed shards are sent as they are
-            comm.append(group._gather.send)
+    if group._gather is not None:  # packed shards are sent as they are: still sharded parameters
+        comm += [t for t in group._gather.buffers() if t is not group._packed]
     mine = {id(p) for p in group.params}
     for inflight in group.reduce_queue._pending:  # shared by the groups: keep this group's
         if inflight.params and id(inflight.params[0]) in mine:
-            comm += [inflight.input, inflight.output]
+            comm += inflight.buffers()
     found = {
         "sharded_params": [p.padded_local for p in group.params],
         "gradients": grads,
@@ -148,6 +146,7 @@ class MemoryTracker:
         self._forward_depth = 0
         self._in_iteration = False  # between the model's forward and the end of its backward
         self._saw_backward = False
+        self._issuing = False  # between fsdp2's "begin <collective>" and "end <collective>" events
         self._handles: list = []
         self._hooked: set[int] = set()
         self._peak: tuple[dict[str, int], str, dict[str, dict[str, int | str]]] = (
@@ -214,6 +213,7 @@ class MemoryTracker:
     def _birth_label(self, as_input: bool) -> str | None:
         """Category of a storage first seen now: activations inside an iteration.
 
+        One born while fsdp2 issues a collective is a communication buffer.
         One that first shows up as an op's input during backward was made where no
         dispatch mode sees (gloo's reduce-scatter keeps a full-size copy of its input and
         hands it to ops only when waited on): a communication buffer.
@@ -224,6 +224,8 @@ class MemoryTracker:
                 return "communication"
         elif self._saw_backward and not self._forward_depth:  # the backward has ended
             self._in_iteration = self._saw_backward = False
+        if self._issuing:
+            return "communication"
         return "activations" if self._forward_depth or self._in_iteration else None
 
     def _by_group(self) -> dict[str, dict[str, int | str]]:
@@ -235,7 +237,11 @@ class MemoryTracker:
                 out[g.label] = {"state": g.state.name, **sizes}
         return out
 
-    def _on_event(self, _event: str) -> None:
+    def _on_event(self, event: str) -> None:
+        if event.startswith("begin "):  # fsdp2 is issuing a collective: what it allocates is communication
+            self._issuing = True
+            return
+        self._issuing = False
         labels, sizes = self._live.labels, self._live.sizes
         for key, role in self._roles().items():
             if role == "communication" and key in sizes and labels.get(key) != "gradients":
