@@ -13,6 +13,10 @@
   every rank raises ``RuntimeError``
   instead of silently computing with the wrong parameters. On CPU always; on
   CUDA only in debug mode (reading the headers synchronises the device).
+* **Reduce-scatter headers** (CPU exchanges): 16 bytes saying which group and
+  which of its parameters the rank reduces travel ahead of the gradients. Ranks
+  that disagree (a branch that ran on some ranks only) raise ``RuntimeError``
+  naming the group, instead of summing mismatched chunks.
 * **Finite gradients** (opt-in, ``FSDPModule.set_check_finite_gradients``):
   each reduced gradient shard is checked; at the end of backward one small
   all-reduce per mesh axis agrees on the first non-finite parameter and every
@@ -32,12 +36,13 @@ from . import _debug
 from ._compat import root_mesh
 
 __all__ = [
-    "HEADER", "Diagnostics", "check_rank_agreement", "before_all_gather", "wait_all_gather", "record_nonfinite",
-    "raise_if_nonfinite",
+    "HEADER", "Diagnostics", "check_rank_agreement", "before_all_gather", "wait_all_gather", "reduce_header",
+    "check_reduce_headers", "record_nonfinite", "raise_if_nonfinite",
 ]
 
 HEADER = 16  # bytes at the start of each rank's all-gather slice (keeps 16-byte alignment)
 _MAGIC = 0x46534432  # "FSD2": a header written this iteration, not stale bytes
+_MAGIC_REDUCE = 0x46534452  # "FSDR": a reduce-scatter's header
 
 
 class Diagnostics:
@@ -181,14 +186,24 @@ def before_all_gather(group: Any, plan: Any, pg: dist.ProcessGroup) -> torch.Ten
 
 
 def wait_all_gather(group: Any, gather: Any) -> None:
-    """Wait for ``group``'s all-gather (errors name it) and compare the ranks' headers."""
+    """Wait for ``group``'s all-gather (errors name it) and compare the ranks' headers.
+
+    When the headers travel ahead of the data (the exchange), they are compared first.
+    """
     plan = gather.plan
-    _debug.wait(gather.done, "all_gather", group.label,
-                f"{plan.world} ranks x {plan.slice_bytes} bytes", group.root)
+    sizes = f"{plan.world} ranks x {plan.slice_bytes} bytes"
+    if gather.headers_done is not None:
+        _debug.wait(gather.headers_done, "all_gather", group.label, sizes, group.root)
+        _check_all_gather_headers(group, gather.headers)
+    _debug.wait(gather.done, "all_gather", group.label, sizes, group.root)
+    _check_all_gather_headers(group, gather.headers)
+
+
+def _check_all_gather_headers(group: Any, headers: torch.Tensor) -> None:
     pg, group._header_pg = group._header_pg, None  # checked once, even if the check raises
     if pg is None:
         return
-    rows = gather.headers.contiguous().view(torch.int32).cpu().tolist()  # (world, 4); a device sync on CUDA
+    rows = headers.contiguous().view(torch.int32).cpu().tolist()  # (world, 4); a device sync on CUDA
     if any(row[0] != _MAGIC for row in rows):
         return
     keys = [_schedule_key(row) for row in rows]
@@ -222,6 +237,43 @@ def _what(group: Any, row: list[int]) -> str:
     label = labels[index] if 0 <= index < len(labels) else f"group #{index}"
     where = _debug.PHASES[phase] if 0 <= phase < len(_debug.PHASES) else f"phase {phase}"
     return f"{label} in {where} of iteration {iteration}"
+
+
+# ---- reduce-scatter headers (exchange) ---------------------------------------------------
+def reduce_header(group: Any, params: Sequence[Any]) -> torch.Tensor:
+    """16 bytes naming what this rank reduces: the group, and which of its parameters.
+
+    ``[magic, group index, number of parameters, fingerprint of their indices]``.
+    """
+    root = group.root
+    index = root.diag.index.get(id(group), -1) if root is not None and root.diag is not None else -1
+    positions = {id(p): i for i, p in enumerate(group.params)}
+    fingerprint = 0
+    for p in params:
+        fingerprint = (fingerprint * 1_000_003 + positions[id(p)] + 1) % (2**31 - 1)
+    return torch.tensor([_MAGIC_REDUCE, index, len(params), fingerprint], dtype=torch.int32).view(torch.uint8)
+
+
+def check_reduce_headers(target: Any, headers: torch.Tensor) -> None:
+    """Raise on every rank whose peers reduce other gradients than it does (before summing them)."""
+    rows = headers.view(torch.int32).tolist()  # (world, 4)
+    if any(row[0] != _MAGIC_REDUCE for row in rows) or all(row == rows[0] for row in rows):
+        return
+    ranks = dist.get_process_group_ranks(target.group)
+    odd = next(r for r, row in enumerate(rows) if row != rows[0])
+    if rows[odd][1] != rows[0][1]:
+        raise RuntimeError(
+            f"fsdp2: reduce-scatters of different groups matched up: rank {ranks[odd]} reduces group "
+            f"#{rows[odd][1]} while rank {ranks[0]} reduces group #{rows[0][1]}: ranks ran different "
+            "backwards. Every rank must run the same forwards and backwards in the same order"
+        )
+    raise RuntimeError(
+        f"fsdp2: ranks disagree on which parameters of {target.label} received gradients: rank "
+        f"{ranks[odd]} reduces {rows[odd][2]} of them, rank {ranks[0]} reduces {rows[0][2]}"
+        f"{' (other ones)' if rows[odd][2] == rows[0][2] else ''}. A branch that runs on some ranks "
+        "only leaves its parameters without gradients there; run it on every rank (multiply its "
+        "output by zero where it is not wanted): see docs/troubleshooting.md"
+    )
 
 
 # ---- finite gradients -----------------------------------------------------------------

@@ -25,6 +25,7 @@ Layouts (for ``R`` ranks, each contributing a slice of ``S`` bytes):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
@@ -83,13 +84,21 @@ class GatherPlan:
         return buffer[self.offsets[i]:self.offsets[i] + nbytes].view(dtype).view(lay.local_shape)
 
 
+CPU_COLLECTIVES_ENV = "FSDP2_CPU_COLLECTIVES"
+
+
 def exchanges(device: torch.device) -> bool:
     """Whether collectives on ``device`` run as point-to-point exchanges (``_exchange.py``).
 
     On CPU (gloo) they do: faster than gloo's flat collectives, and with no flat buffer
     to copy through. On accelerators (NCCL) the flat collectives are the fast path.
+    ``FSDP2_CPU_COLLECTIVES=flat`` makes CPU groups built afterwards use the flat path too
+    (the one NCCL takes: it runs on gloo, so it is tested without a GPU).
     """
-    return device.type == "cpu"
+    choice = os.environ.get(CPU_COLLECTIVES_ENV, "exchange")
+    if choice not in ("exchange", "flat"):
+        raise ValueError(f"{CPU_COLLECTIVES_ENV}={choice!r}: use 'exchange' (the default) or 'flat'")
+    return device.type == "cpu" and choice == "exchange"
 
 
 class AllGatherInFlight(NamedTuple):
@@ -106,6 +115,7 @@ class AllGatherInFlight(NamedTuple):
     send: torch.Tensor | None = None
     output: torch.Tensor | None = None
     exchange: _exchange.ExchangeAllGather | None = None
+    headers_done: Completion | None = None  # exchange: the headers arrive first, checked before the rest
 
     def buffers(self) -> list[torch.Tensor]:
         """The communication memory it holds (send buffers included, even when they are the shards)."""
@@ -149,7 +159,8 @@ def exchange_all_gather(
         header = torch.zeros(HEADER, dtype=torch.uint8)
     chunks = [lay.chunks_view(region) for lay, region in zip(plan.layouts, regions)]
     gather = _exchange.start_all_gather(sources, chunks, header.view(torch.uint8), group)
-    return AllGatherInFlight(Completion(work=gather.exchange), plan, gather.headers, exchange=gather)
+    return AllGatherInFlight(Completion(work=gather.exchange), plan, gather.headers, exchange=gather,
+                             headers_done=Completion(work=gather.header_exchange))
 
 
 def finish_all_gather(inflight: AllGatherInFlight, regions: Sequence[torch.Tensor]) -> None:
@@ -197,6 +208,7 @@ class ReduceTarget:
     label: str
     root: Any = None  # the root's RootContext: iteration and phase for diagnostics
     check_finite: bool = False  # record non-finite reduced gradients (set_check_finite_gradients)
+    exchange: bool = False  # reduce by point-to-point exchange (CPU), not a flat collective
 
 
 class ReduceScatterInFlight(NamedTuple):
@@ -251,16 +263,23 @@ def start_reduce_scatter(
     dtype: torch.dtype,
     target: ReduceTarget,
     device: torch.device,
+    header: torch.Tensor | None = None,
 ) -> ReduceScatterInFlight:
-    """Issue the reduce-scatter of the full gradients ``grads`` (an exchange on CPU)."""
+    """Issue the reduce-scatter of the full gradients ``grads`` (an exchange on CPU).
+
+    ``header``: 16 bytes naming what this rank reduces (``_checks.reduce_header``); the
+    exchange sends it ahead of the data and the ranks compare theirs when finishing.
+    """
     world, group = target.world, target.group
     offsets, total = _offsets([p.layout.local_numel for p in params], align=False)
     op, pre, post = _reduce_op(dtype, world * target.replicate_world, target.divide_factor)
     if world > 1:
         _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
                               target.root)
-    if exchanges(device) and world > 1:
-        return _exchange_reduce_scatter(params, grads, dtype, target, offsets, total, op, pre, post)
+    if target.exchange and world > 1:
+        if header is None:
+            header = torch.zeros(HEADER, dtype=torch.uint8)
+        return _exchange_reduce_scatter(params, grads, dtype, target, offsets, total, op, pre, post, header)
     streams = streams_for(device)
     with streams.side("reduce_scatter"):
         send = torch.empty(world * total, dtype=dtype, device=device)
@@ -281,7 +300,7 @@ def start_reduce_scatter(
 
 def _exchange_reduce_scatter(
     params: Sequence[ShardedParam], grads: Sequence[torch.Tensor], dtype: torch.dtype, target: ReduceTarget,
-    offsets: list[int], total: int, op: dist.ReduceOp, pre: float | None, post: float | None,
+    offsets: list[int], total: int, op: dist.ReduceOp, pre: float | None, post: float | None, header: torch.Tensor,
 ) -> ReduceScatterInFlight:
     """Send each gradient's chunks from where they are: copies only to cast or pad."""
     world = target.world
@@ -301,7 +320,7 @@ def _exchange_reduce_scatter(
     if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division
         post = float(world) * (post or 1.0)
     chunks = [p.layout.chunks_view(t) for p, t in zip(params, full)]
-    rs = _exchange.start_reduce_scatter(chunks, full, copies, total, offsets, dtype, target.group)
+    rs = _exchange.start_reduce_scatter(chunks, full, copies, total, offsets, dtype, header, target.group)
     return ReduceScatterInFlight(Completion(work=rs.exchange), tuple(params), tuple(offsets), op, post, target,
                                  exchange=rs)
 
@@ -331,8 +350,11 @@ def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grad
 def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
     """Wait, all-reduce across replicas (HSDP), add each rank's chunk into the sharded ``.grad``."""
     target = inflight.target
-    numel = sum(p.layout.local_numel for p in inflight.params)
-    _debug.wait(inflight.done, "reduce_scatter", target.label, f"{target.world} x {numel} elements", target.root)
+    sizes = f"{target.world} x {sum(p.layout.local_numel for p in inflight.params)} elements"
+    if inflight.exchange is not None:  # the headers first: data that does not match may never come
+        _debug.wait(inflight.exchange.header_exchange, "reduce_scatter", target.label, sizes, target.root)
+        _checks.check_reduce_headers(target, inflight.exchange.headers)
+    _debug.wait(inflight.done, "reduce_scatter", target.label, sizes, target.root)
     if inflight.exchange is not None:
         out = inflight.exchange.reduced(inflight.offsets)
     else:

@@ -16,11 +16,14 @@ parameter, each one from where it lives to where it is needed:
   received straight into its place in the unsharded buffer. No output buffer and
   no copy-out (a chunk that is not contiguous there, ``Shard(d)`` with ``d != 0``,
   is received into a small staging tensor and copied at the end). A 16-byte
-  schedule header travels first (checked in ``_checks.py``).
+  schedule header travels first (checked in ``_checks.py``), so it can be
+  checked before waiting for data that may never come.
 * **reduce-scatter**: chunk ``q`` of each full gradient is sent to rank ``q`` as it
   is (no copy-in, unless a cast to the reduce dtype or padding is needed); the
   chunks received from the peers are summed with this rank's own chunks in rank
-  order (deterministic; with two ranks the same as any order), then averaged.
+  order (deterministic; with two ranks the same as any order), then averaged. A
+  16-byte header saying which gradients the rank reduces travels first (ranks
+  that disagree get a clear error instead of sums of mismatched chunks).
 
 Messages between two ranks are matched in the order they were posted, the same on
 every rank because every rank runs the same schedule; they use a tag of their own
@@ -69,6 +72,7 @@ def _post(pg: dist.ProcessGroup, sends: Sequence[torch.Tensor], recvs: Sequence[
 class ExchangeAllGather(NamedTuple):
     """An all-gather by exchange; the tensors here must outlive the exchange."""
 
+    header_exchange: Exchange  # the headers' messages, first from every peer: check before the rest
     exchange: Exchange
     headers: torch.Tensor  # (world, HEADER) bytes: every rank's schedule header, once done
     sent: tuple[torch.Tensor, ...]  # the header and the own chunks as sent (contiguous copies if needed)
@@ -102,9 +106,8 @@ def start_all_gather(
     own = [c[me] for c in chunks]
     with torch.no_grad():
         torch._foreach_copy_(own, list(sources))
-    sent = [header, *(t if t.is_contiguous() else t.contiguous() for t in own)]
-    headers = torch.empty(world, HEADER, dtype=torch.uint8)
-    headers[me].copy_(header)
+    sent = [t if t.is_contiguous() else t.contiguous() for t in own]
+    headers, header_works = _exchange_headers(header, pg)
     works: list[dist.Work] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     for peer in range(world):
@@ -118,14 +121,34 @@ def start_all_gather(
                 staged.append((place, got))
                 place = got
             places.append(place)
-        _post(pg, sent, [headers[peer], *places], peer, works)
-    return ExchangeAllGather(Exchange(works), headers, tuple(sent), tuple(staged))
+        _post(pg, sent, places, peer, works)
+    return ExchangeAllGather(Exchange(header_works), Exchange(works), headers, (header, *sent), tuple(staged))
+
+
+def _exchange_headers(header: torch.Tensor, pg: dist.ProcessGroup) -> tuple[torch.Tensor, list[dist.Work]]:
+    """Send this rank's 16-byte ``header`` to every peer and receive theirs, ahead of the data.
+
+    Returns ``(world, HEADER)`` bytes (row ``q``: rank ``q``'s header, once done) and the works.
+    Posted before any data, the headers are the first messages each peer gets from this
+    exchange: they can be checked before waiting for data that may never match.
+    """
+    me, world = pg.rank(), pg.size()
+    headers = torch.empty(world, HEADER, dtype=torch.uint8)
+    headers[me].copy_(header)
+    works: list[dist.Work] = []
+    for peer in range(world):
+        if peer != me:
+            _post(pg, [header], [headers[peer]], peer, works)
+    return headers, works
 
 
 class ExchangeReduceScatter(NamedTuple):
     """A reduce-scatter by exchange: what was sent, what arrives, and this rank's own chunks."""
 
+    header_exchange: Exchange  # the headers' messages, first from every peer: check before the rest
     exchange: Exchange
+    headers: torch.Tensor  # (world, HEADER) bytes: what every rank says it reduces
+    header: torch.Tensor
     rank: int
     received: tuple[torch.Tensor | None, ...]  # per group rank: its chunks (flat), None for this rank
     own: tuple[torch.Tensor, ...]  # this rank's chunk of each gradient (``local_shape``)
@@ -149,12 +172,12 @@ class ExchangeReduceScatter(NamedTuple):
         return total
 
     def buffers(self) -> list[torch.Tensor]:
-        return [*(row for row in self.received if row is not None), *self.copies]
+        return [self.headers, self.header, *(row for row in self.received if row is not None), *self.copies]
 
 
 def start_reduce_scatter(
     chunks: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], copies: Sequence[torch.Tensor],
-    total: int, offsets: Sequence[int], dtype: torch.dtype, pg: dist.ProcessGroup,
+    total: int, offsets: Sequence[int], dtype: torch.dtype, header: torch.Tensor, pg: dist.ProcessGroup,
 ) -> ExchangeReduceScatter:
     """Send chunk ``q`` of every gradient to rank ``q``; receive this rank's chunk from every peer.
 
@@ -163,9 +186,11 @@ def start_reduce_scatter(
         sent: the tensors ``chunks`` view, held until the exchange is done.
         copies: the copies among them fsdp2 made (communication memory).
         total, offsets: elements of this rank's flat result and each gradient's offset in it.
+        header: 16 bytes saying what this rank reduces, sent ahead of the data.
     """
     me, world = pg.rank(), pg.size()
     device = chunks[0].device if chunks else torch.device("cpu")
+    headers, header_works = _exchange_headers(header, pg)
     received: list[torch.Tensor | None] = [None] * world
     works: list[dist.Work] = []
     made = list(copies)
@@ -183,5 +208,5 @@ def start_reduce_scatter(
             outgoing.append(chunk)
         places = [row[off:off + c[peer].numel()] for c, off in zip(chunks, offsets)]
         _post(pg, outgoing, places, peer, works)
-    return ExchangeReduceScatter(Exchange(works), me, tuple(received), tuple(c[me] for c in chunks),
-                                 tuple(sent), tuple(made))
+    return ExchangeReduceScatter(Exchange(header_works), Exchange(works), headers, header, me, tuple(received),
+                                 tuple(c[me] for c in chunks), tuple(sent), tuple(made))

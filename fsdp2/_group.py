@@ -116,6 +116,7 @@ class ParamGroup:
         self.post_backward_done = False
         self._grads_ready: set[int] = set()
         self._num_trainable = sum(p.requires_grad for p in params)
+        self.exchange = exchanges(device)  # CPU: point-to-point exchanges instead of flat collectives
         self._pack_shards()
 
     # ---- layout -------------------------------------------------------------------------
@@ -237,7 +238,7 @@ class ParamGroup:
         _trace.emit("unshard", self.label)
         with record_function(f"fsdp2::all_gather {self.label}"), _trace.issuing("all_gather", self.label):
             header = _checks.before_all_gather(self, plan, group)
-            if exchanges(self.device):  # CPU: the chunks arrive in the unsharded buffer itself
+            if self.exchange:  # CPU: the chunks arrive in the unsharded buffer itself
                 self._alloc_unsharded()
                 if partial:
                     sources = [plan.slot(self._partial_send, i) for i in range(len(self.params))]
@@ -353,12 +354,13 @@ class ParamGroup:
             replicate_group=dp.replicate_group, replicate_world=dp.replicate_size,
             all_reduce=self.requires_all_reduce, partial=self._partial_reduce,
             divide_factor=float(self.divide_factor if self.divide_factor is not None else dp.world),
-            label=self.label, root=self.root, check_finite=self.check_finite,
+            label=self.label, root=self.root, check_finite=self.check_finite, exchange=self.exchange,
         )
         _trace.emit("reduce_scatter", self.label)
         with record_function(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):
             inflight = [
-                start_reduce_scatter(params, grads, dtype, target, self.device)
+                start_reduce_scatter(params, grads, dtype, target, self.device,
+                                     _checks.reduce_header(self, params) if self.exchange else None)
                 for dtype, (params, grads) in buckets.items()
             ]
         self.reduce_queue.submit(inflight)

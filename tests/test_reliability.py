@@ -197,6 +197,38 @@ def test_headers_agree_on_every_all_gather_path(layout):
     assert run_on_ranks(_aligned_schedules, 4, layout) == [1] * 4
 
 
+class _Routed(nn.Module):
+    """Two layers; the second runs only where ``use_b`` (a branch that differs between ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        y = self.a(x)
+        return self.b(y) if use_b else y
+
+
+def _gradients_on_some_ranks_only() -> str:
+    with _fresh_mesh(20) as mesh:
+        torch.manual_seed(0)
+        model = fully_shard(_Routed(), mesh=mesh)
+        with pytest.raises(RuntimeError, match="ranks disagree on which parameters") as info:
+            model(torch.randn(2, 8), dist.get_rank() == 0).sum().backward()
+        return str(info.value)
+
+
+def test_ranks_disagreeing_on_which_parameters_get_gradients_fail_on_every_rank():
+    # The CPU reduce-scatter sends which gradients each rank reduces ahead of them: rank 1
+    # never touched b, so it reduces a's two gradients where rank 0 reduces four.
+    messages = run_on_ranks(_gradients_on_some_ranks_only, 2)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("fsdp2: ranks disagree on which parameters of root received gradients: "
+                                  "rank 1 reduces 2 of them, rank 0 reduces 4. A branch that runs on some "
+                                  "ranks only"), messages[0]
+
+
 # ---- 3. hang diagnostics and debug logging ----------------------------------------------
 def _peer_raises_before_forward() -> str:
     rank = dist.get_rank()

@@ -82,6 +82,10 @@ class _Group:
     same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
     packed: bool = True  # no cast: the shards are the all-gather's send buffer (no copy-in)
 
+    def shard_storage(self, shard: int) -> int:
+        """Bytes of the shards' storage: packed into one send slice (header included) when sharded."""
+        return HEADER + self.slice if self.packed and shard > 1 and self.tensors else self.sharded
+
 
 def _add_param(group: _Group, name: str, p: torch.Tensor, tp: int, shard: int,
                param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
@@ -249,14 +253,15 @@ class _Schedule:
         """(input, output) buffers of a group's reduce-scatter in flight; one when nothing is scattered.
 
         Flat: the rank-major send buffer and the output. Exchange: the cast or padded
-        copies it sends from, and one received row per peer (the first becomes the output).
+        copies it sends from, and one received row per peer (the first becomes the output)
+        and the headers.
         """
         g = self.sizes[name]
         if self.alias:
             return g.reduce, 0
         out = g.reduce // self.shard if self.shard > 1 else 0
-        if self.gloo and self.shard > 1:
-            return g.reduce_copies, (self.shard - 1) * out
+        if self.gloo and self.shard > 1:  # (and this rank's header and every rank's)
+            return g.reduce_copies, (self.shard - 1) * out + (self.shard + 1) * HEADER
         return g.reduce, out
 
     def post_backward(self, name: str, drop_grads: Callable[[], None]) -> None:
@@ -506,7 +511,7 @@ def estimate_memory(
             group = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
             _add_param(sizes.setdefault(group, _Group()), name, p, tp, shard, pdtype, rdtype)
         block, root = sizes["layers.0"], sizes["root"]
-        constants = _constants(model, sizes, n_blocks - n_built, optimizer, grad_accum)
+        constants, shard_values = _constants(model, sizes, n_blocks - n_built, optimizer, grad_accum, shard)
         if pdtype != orig_dtype:  # as MixedPrecisionPolicy: the unsharded parameters in param_dtype
             for module in model.modules():
                 for name, p in module._parameters.items():
@@ -523,7 +528,7 @@ def estimate_memory(
                         extra_blocks=n_blocks - n_built, block=block, reshard=reshard_after_forward,
                         loss_fn=loss_fn, make_inputs=make_inputs)
         model_dim = _model_dim(model)
-    step = _optimizer_step(constants, optimizer)
+    step = _optimizer_step(constants, shard_values, optimizer)
     line.points["optimizer step"] = sum(step.values())
     if sum(step.values()) > line.peak:
         line.peak, line.peak_by_category, line.peak_point = sum(step.values()), step, "optimizer step"
@@ -539,23 +544,23 @@ def estimate_memory(
 
 
 def _constants(model: nn.Module, sizes: dict[str, _Group], extra_blocks: int, optimizer: str,
-               grad_accum: int) -> dict[str, int]:
-    """Bytes live for the whole step: shards, optimizer state, buffers and inputs (other)."""
+               grad_accum: int, shard: int) -> tuple[dict[str, int], int]:
+    """Bytes live for the whole step (shards, optimizer state, buffers and inputs), and the shards' values."""
     groups = [*sizes.values(), *[sizes["layers.0"]] * extra_blocks]
     sharded = sum(g.sharded for g in groups)
     # AdamW's states are zeros_like the sharded parameters, plus a 4-byte step per tensor.
     states = OPTIMIZER_STATES[optimizer] * sharded + (sum(g.tensors for g in groups) * 4 if optimizer != "sgd" else 0)
     other = sum(b.untyped_storage().nbytes() for b in model.buffers())  # the inputs: added by _simulate
-    return dict(sharded_params=sharded, optimizer_state=states, other=other,
-                gradients=sharded if grad_accum > 1 else 0)
+    return dict(sharded_params=sum(g.shard_storage(shard) for g in groups), optimizer_state=states, other=other,
+                gradients=sharded if grad_accum > 1 else 0), sharded
 
 
-def _optimizer_step(constants: dict[str, int], optimizer: str) -> dict[str, int]:
+def _optimizer_step(constants: dict[str, int], shard_values: int, optimizer: str) -> dict[str, int]:
     """The optimizer step: shards, their gradients, states, and foreach temporaries (other)."""
-    sharded = constants["sharded_params"]
     out = {c: 0 for c in CATEGORIES}
-    out.update(sharded_params=sharded, optimizer_state=constants["optimizer_state"], gradients=sharded,
-               other=constants["other"] + (sharded if optimizer != "sgd" else 0))  # (inputs freed by then)
+    out.update(sharded_params=constants["sharded_params"], optimizer_state=constants["optimizer_state"],
+               gradients=shard_values,  # (inputs freed by then)
+               other=constants["other"] + (shard_values if optimizer != "sgd" else 0))
     return out
 
 
