@@ -62,11 +62,15 @@ class Exchange:
 
 def _post(pg: dist.ProcessGroup, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], peer: int,
           works: list[dist.Work]) -> None:
-    """Post ``sends`` to and ``recvs`` from group rank ``peer``, in order, without blocking."""
-    for tensor in sends:
-        works.append(pg.send([tensor], peer, TAG))
+    """Post ``recvs`` from and ``sends`` to group rank ``peer``, in order, without blocking.
+
+    Receives first: data that arrives before its receive is posted is buffered by gloo
+    and copied again when the receive comes.
+    """
     for tensor in recvs:
         works.append(pg.recv([tensor], peer, TAG))
+    for tensor in sends:
+        works.append(pg.send([tensor], peer, TAG))
 
 
 class ExchangeAllGather(NamedTuple):
