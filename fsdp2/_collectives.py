@@ -302,21 +302,23 @@ def _exchange_reduce_scatter(
     params: Sequence[ShardedParam], grads: Sequence[torch.Tensor], dtype: torch.dtype, target: ReduceTarget,
     offsets: list[int], total: int, op: dist.ReduceOp, pre: float | None, post: float | None, header: torch.Tensor,
 ) -> ReduceScatterInFlight:
-    """Send each gradient's chunks from where they are: copies only to cast or pad."""
+    """Send each gradient's chunks from where they are: copies only to cast, pad or pre-divide."""
     world = target.world
+    predivide = pre is not None and pre != 1
     full, copies = [], []
     with torch.no_grad():
         for p, grad in zip(params, grads):
             lay = p.layout
-            if grad.dtype == dtype and grad.is_contiguous() and lay.shape[lay.dim] == lay.chunk * world:
+            if (grad.dtype == dtype and grad.is_contiguous() and lay.shape[lay.dim] == lay.chunk * world
+                    and not predivide):
                 full.append(grad)
                 continue
             padded = torch.zeros(lay.padded_shape, dtype=dtype, device=grad.device)
             padded.narrow(lay.dim, 0, lay.shape[lay.dim]).copy_(grad)
             full.append(padded)
             copies.append(padded)
-        if pre is not None and pre != 1:
-            torch._foreach_div_(full, pre)  # the taken gradients are fsdp2's own: in place is fine
+        if predivide:
+            torch._foreach_div_(full, pre)
     if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division
         post = float(world) * (post or 1.0)
     chunks = [p.layout.chunks_view(t) for p, t in zip(params, full)]

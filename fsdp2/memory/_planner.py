@@ -104,7 +104,9 @@ def _add_param(group: _Group, name: str, p: torch.Tensor, tp: int, shard: int,
     group.slice += aligned(chunk * rest * pdtype.itemsize)
     reduced = chunk * shard * rest * (reduce_dtype if p.dtype.is_floating_point else p.dtype).itemsize
     group.reduce += reduced
-    if pdtype != reduce_dtype and p.dtype.is_floating_point or chunk * shard != rows:
+    # fp16 reduces pre-divide their copy (fsdp2/_collectives.py::_reduce_op).
+    predivide = p.dtype.is_floating_point and reduce_dtype not in (torch.float32, torch.bfloat16)
+    if pdtype != reduce_dtype and p.dtype.is_floating_point or chunk * shard != rows or predivide:
         group.reduce_copies += reduced
     group.tensors += 1
     group.same_grad_dtype &= not p.dtype.is_floating_point or reduce_dtype == p.dtype
