@@ -1,16 +1,18 @@
 """Planner vs tracker on the recipe's Llama model: peak and every category, per layout.
 
     torchrun --nproc-per-node 2 benchmarks/memory.py
-    torchrun --nproc-per-node 4 benchmarks/memory.py --json results.jsonl
+    torchrun --nproc-per-node 4 benchmarks/memory.py --layouts fsdp,hsdp,tp --json results.jsonl
 
 One launch builds the recipe's ``Transformer`` for each case (fp32 and bf16 parameters,
-reshard_after_forward on and off, activation checkpointing on and off), shards it as
-``recipes/llama/parallelize.py`` does (``fully_shard`` per block, then the root, reduce in
-fp32), trains one untracked step (so AdamW's state exists) and tracks the second with
-``fsdp2.MemoryTracker``. Rank 0 then asks ``fsdp2.estimate_memory`` for the same layout,
-from a model on the meta device, and prints one table per case and a summary; each case is
-also one JSON line (``--json``). The tracker's numbers are rank 0's; the planner's are for
-the rank with the most padding, which is rank 0 too.
+reshard_after_forward on and off, activation checkpointing on and off) and layout (FSDP;
+HSDP with 2 replicas; FSDP x TP with tp 2), shards it as ``recipes/llama/parallelize.py``
+does (TP, then ``fully_shard`` per block, then the root, reduce in fp32), trains one
+untracked step (so AdamW's state exists) and tracks the second with
+``fsdp2.MemoryTracker``. Rank 0 asks ``fsdp2.estimate_memory`` for the same layouts first,
+before the process group exists (its tensor-parallel simulation brings a fake one), from a
+model on the meta device, and prints one table per case and a summary; each case is also
+one JSON line (``--json``). The tracker's numbers are rank 0's; the planner's are for the
+rank with the most padding, which is rank 0 too.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from fsdp2 import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from fsdp2.memory import CATEGORIES, MemoryTracker, estimate_memory  # noqa: E402
 from fsdp2.memory._tracker import format_bytes, format_table  # noqa: E402
 from recipes.llama.model import ModelArgs, Transformer  # noqa: E402
-from recipes.llama.parallelize import apply_activation_checkpointing  # noqa: E402
+from recipes.llama.parallelize import ParallelDims, apply_activation_checkpointing, tp_plan  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEAK_TOLERANCE, CATEGORY_TOLERANCE = 0.10, 0.15  # the targets of issue 7
@@ -45,20 +47,28 @@ def model_args(args: argparse.Namespace) -> ModelArgs:
                      vocab_size=args.vocab, max_seq_len=args.seq)
 
 
-def build(margs: ModelArgs, param_dtype: torch.dtype, reshard: bool, ac: bool) -> Transformer:
-    """As the recipe: AC wrappers, then fully_shard per block and the root, on meta, then init."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+LAYOUTS = {"fsdp": (1, 1), "hsdp": (2, 1), "tp": (1, 2)}  # (dp_replicate, tp); dp_shard is the rest
+
+
+def build(margs: ModelArgs, param_dtype: torch.dtype, reshard: bool, ac: bool,
+          layout: str = "fsdp") -> tuple[Transformer, ParallelDims]:
+    """As the recipe: TP, AC wrappers, then fully_shard per block and the root, on meta, then init."""
+    replicate, tp = LAYOUTS[layout]
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=-1, tp=tp, world_size=dist.get_world_size())
+    dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(margs)
+    if tp > 1:
+        tp_plan(model, dims.mesh["tp"])
     if ac:
         apply_activation_checkpointing(model)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root keeps its parameters (recipe default)
+        fully_shard(block, mesh=dims.dp_mesh(), mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dims.dp_mesh(), mp_policy=mp)  # the root keeps its parameters (recipe default)
     model.to_empty(device="cpu")
     model.init_weights()
-    return model
+    return model, dims
 
 
 def train_step(model: Transformer, opt: torch.optim.Optimizer, gen: torch.Generator, batch: int, seq: int) -> None:
@@ -72,9 +82,10 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, gen: torch.Genera
 
 def track(margs: ModelArgs, case: dict, batch: int, seq: int):
     """This rank's MemoryReport of the second step of ``case``."""
-    model = build(margs, DTYPES[case["param_dtype"]], case["reshard_after_forward"], case["activation_checkpointing"])
+    model, dims = build(margs, DTYPES[case["param_dtype"]], case["reshard_after_forward"],
+                        case["activation_checkpointing"], case.get("layout", "fsdp"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(dist.get_rank())
+    gen = torch.Generator().manual_seed(dims.dp_rank(dist.get_rank()))  # a TP group shares its batch
     train_step(model, opt, gen, batch, seq)
     with MemoryTracker(model, opt) as tracker:
         train_step(model, opt, gen, batch, seq)
@@ -84,7 +95,9 @@ def track(margs: ModelArgs, case: dict, batch: int, seq: int):
 def plan(margs: ModelArgs, case: dict, world: int, batch: int, seq: int):
     with torch.device("meta"):
         model = Transformer(margs)
-    return estimate_memory(model, world=world, batch=batch, seq=seq, param_dtype=DTYPES[case["param_dtype"]],
+    replicate, tp = LAYOUTS[case.get("layout", "fsdp")]
+    return estimate_memory(model, world=world, dp_replicate=replicate, tp=tp, tp_plan=tp_plan, batch=batch, seq=seq,
+                           param_dtype=DTYPES[case["param_dtype"]],
                            reduce_dtype=torch.float32, reshard_after_forward=case["reshard_after_forward"],
                            activation_checkpointing=case["activation_checkpointing"], make_inputs=_inputs,
                            backend="gloo")
@@ -119,24 +132,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--only-ac", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layouts", default="fsdp",
+                   help=f"comma-separated, of {','.join(LAYOUTS)} (hsdp: 2 replicas; tp: tensor parallel 2)")
     p.add_argument("--json", type=Path, default=None, help="append one JSON line per case")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     margs = model_args(args)
     all_ok = True
-    for dtype, reshard, ac in itertools.product(DTYPES, (True, False), (False, True)):
-        if args.only_ac and not ac:
-            continue
-        case = {"param_dtype": dtype, "reshard_after_forward": reshard, "activation_checkpointing": ac}
+    layouts = args.layouts.split(",")
+    cases = [{"layout": layout, "param_dtype": dtype, "reshard_after_forward": reshard, "activation_checkpointing": ac}
+             for layout, dtype, reshard, ac in itertools.product(layouts, DTYPES, (True, False), (False, True))
+             if ac or not args.only_ac]
+    # The planner first: it simulates tensor parallelism on a fake process group of its own,
+    # which needs a process without a real one.
+    estimates = [plan(margs, case, world, args.batch, args.seq) for case in cases] if rank == 0 else []
+    dist.init_process_group("gloo")
+    for i, case in enumerate(cases):
+        layout, dtype, reshard, ac = case.values()
         measured = track(margs, case, args.batch, args.seq)
         if rank != 0:
             continue
-        est = plan(margs, case, world, args.batch, args.seq)
+        est = estimates[i]
         rows = compare(measured, est)
         all_ok &= all(r["ok"] for r in rows.values())
-        title = f"world {world}, {dtype}, reshard_after_forward={reshard}, activation_checkpointing={ac}"
+        title = f"world {world}, {layout}, {dtype}, reshard_after_forward={reshard}, activation_checkpointing={ac}"
         print(f"\n## {title}\ntracker peak during {measured.peak_phase}; planner peak at {est.peak_point}")
         print(format_table([(c, format_bytes(r["tracker"]), format_bytes(r["planner"]),
                              f"{100 * r['error']:+.1f}%" if r["tracker"] else "-",

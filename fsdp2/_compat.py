@@ -5,7 +5,8 @@ Checked against torch 2.6 through 2.13. Each has no public equivalent.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch.autograd import Variable
@@ -92,3 +93,27 @@ def prepend_post_accumulate_grad_hook(param, hook):
         hooks[handle.id] = items.pop(handle.id)
         hooks.update(items)
     return handle
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A default process group of ``world_size`` ranks, as rank 0, whose collectives do nothing.
+
+    The memory planner runs a tensor-parallel model on fake tensors in one process: DTensor
+    needs a process group for its mesh, not data. torch's "fake" backend (registered by
+    ``torch.testing._internal.distributed.fake_pg``, torch 2.6 to 2.13) is that; there is
+    no public equivalent. Refused when this process already has a default process group.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ValueError(
+            "estimate_memory with tp > 1 simulates tensor parallelism on a fake process group and "
+            "needs a process without one: call it before init_process_group (or use python -m fsdp2.plan)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

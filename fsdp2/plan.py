@@ -3,8 +3,8 @@
     python -m fsdp2.plan --config llama3_70b --world 64 --tp 8 --param-dtype bf16 --gpu-memory 80GiB
     python -m fsdp2.plan --config llama3_8b --world 8 --compare
 
-Builds two blocks on fake tensors (no memory, no process group), measures its activations
-and counts everything else from shapes; see docs/memory.md.
+Builds two blocks on fake tensors (no memory; with ``--tp``, on a fake process group),
+simulates a training step with fsdp2's buffer schedule; see docs/memory.md.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 import fsdp2
 from fsdp2.memory import MemoryTracker, estimate_memory
@@ -114,18 +115,64 @@ def _track_recipe(case: dict):
     return track(ModelArgs(**_RECIPE), case, _RECIPE_BATCH, _RECIPE_SEQ)
 
 
-@pytest.mark.parametrize("world,param_dtype,reshard,ac", [(2, "bf16", True, True), (4, "fp32", False, False)])
-def test_planner_matches_tracker_on_recipe_model(world, param_dtype, reshard, ac):
+@pytest.mark.parametrize("world,layout,param_dtype,reshard,ac", [
+    (2, "fsdp", "bf16", True, True), (4, "fsdp", "fp32", False, False),
+    (4, "hsdp", "fp32", True, False), (4, "tp", "fp32", True, True), (4, "tp", "bf16", True, False),
+])
+def test_planner_matches_tracker_on_recipe_model(world, layout, param_dtype, reshard, ac):
+    # The planner runs here, in pytest's process (no process group: tp simulates one); the
+    # tracker in the ranks. hsdp: 2 replicas x 2 shards; tp: 2 shards x tensor parallel 2.
     from benchmarks.memory import compare, plan
     from recipes.llama.model import ModelArgs
 
-    case = {"param_dtype": param_dtype, "reshard_after_forward": reshard, "activation_checkpointing": ac}
+    case = {"layout": layout, "param_dtype": param_dtype, "reshard_after_forward": reshard,
+            "activation_checkpointing": ac}
     measured = run_on_ranks(_track_recipe, world, case)[0]
     est = plan(ModelArgs(**_RECIPE), case, world, _RECIPE_BATCH, _RECIPE_SEQ)
     rows = compare(measured, est)
     # Peak within 10%, each category within 15% (under 1% of the peak: within 1% of the peak).
     assert all(row["ok"] for row in rows.values()), (str(measured), str(est), rows)
     assert measured.peak_phase == "backward" and est.peak_point.startswith("backward")
+
+
+def test_planner_tp_plan_places_parameters_as_the_recipe_does():
+    """The planner's default TP plan (fsdp2/memory/_llama.py) is the recipe's, parameter by parameter."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp2._compat import fake_process_group
+    from fsdp2.memory._llama import llama_tp_plan
+    from recipes.llama.model import ModelArgs, Transformer as Llama
+    from recipes.llama.parallelize import tp_plan
+
+    placements = []
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        for plan in (tp_plan, llama_tp_plan):
+            with torch.device("meta"):
+                model = Llama(ModelArgs(**_RECIPE))
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                model.to_empty(device="cpu")
+                plan(model, mesh)
+            placements.append({n: (tuple(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()})
+    assert placements[0] == placements[1]
+    assert placements[0]["layers.0.attention.wo.weight"] == ((Shard(1),), (128, 64))
+
+
+def _planner_inside_a_process_group() -> str:
+    from recipes.llama.model import ModelArgs, Transformer as Llama
+
+    with pytest.raises(ValueError, match="needs a process without one") as info:
+        estimate_memory(Llama(ModelArgs(**_RECIPE)), world=2, tp=2, batch=1, seq=16)
+    return "refused"
+
+
+def test_planner_with_tp_refuses_a_process_that_has_a_process_group():
+    assert run_on_ranks(_planner_inside_a_process_group, 2) == ["refused", "refused"]
+
+
+def test_planner_tp_needs_a_plan_for_other_models():
+    with pytest.raises(ValueError, match=r"the default tp_plan is the recipe's Llama plan .*pass tp_plan="):
+        estimate_memory(_build_meta_transformer, world=4, tp=2, batch=1, seq=16)
 
 
 def test_planner_counts_sharding_and_checkpointing():

@@ -18,6 +18,8 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["storage_key", "plain_tensors", "LiveStorages"]
 
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+
 
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors holding ``t``'s data (a DTensor's local tensor, recursively)."""
@@ -110,8 +112,25 @@ class LiveStorages(TorchDispatchMode):
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 self.add(t, as_input=True)
+        if func is _WAIT_TENSOR:
+            self._carry_over(args[0], out)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.add(t)
         self.check_peak()
         return out
+
+    def _carry_over(self, before: torch.Tensor, after: torch.Tensor) -> None:
+        """``after`` is ``before`` (a collective's result, waited on) under another storage.
+
+        A real ``wait_tensor`` returns its input; under fake tensors (the planner) the result
+        is a new storage. Count it once: the input's bytes and label move to the result.
+        """
+        old, new = storage_key(before), storage_key(after)
+        if old is None or new is None or old == new or old not in self.sizes:
+            return
+        label = self.labels.get(old)
+        self._free(old)
+        self.add(after)
+        if label is not None:
+            self.labels[new] = label

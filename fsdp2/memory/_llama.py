@@ -13,8 +13,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-__all__ = ["LlamaShape", "CONFIGS", "LlamaModel"]
+__all__ = ["LlamaShape", "CONFIGS", "LlamaModel", "llama_tp_plan"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +117,32 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             h = layer(h, self.rope)
         return self.output(self.norm(h))
+
+
+def llama_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The recipe's tensor parallelism (``recipes/llama/parallelize.py::tp_plan``), for the planner.
+
+    Megatron-style with sequence parallelism: wq/wk/wv and w1/w3 column-wise, wo/w2
+    row-wise (their outputs reduce-scattered along the sequence), norms on sequence
+    shards, the embedding row-wise and the output column-wise with replicated logits.
+    ``tests/test_memory.py`` checks that it places every parameter as the recipe does.
+    """
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })

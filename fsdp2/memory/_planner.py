@@ -12,6 +12,7 @@ over that activation curve at the points where the peak can happen.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -21,18 +22,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from .._checks import HEADER
-from .._compat import in_backward
-from ._live import LiveStorages, storage_key
+from .._compat import fake_process_group, in_backward
+from ._live import LiveStorages, plain_tensors, storage_key
+from ._llama import llama_tp_plan
 from ._tracker import CATEGORIES, format_bytes, format_table
 
-__all__ = ["MemoryEstimate", "estimate_memory", "TP_SPLIT_DIMS"]
+__all__ = ["MemoryEstimate", "estimate_memory"]
 
 ALIGN = 16
-# Megatron-style TP as in the recipe: column-wise layers split dim 0, row-wise dim 1,
-# the embedding splits its rows (vocab); anything else (norms) is replicated.
-TP_SPLIT_DIMS = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo": 1, "w2": 1, "tok_embeddings": 0}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 
 
@@ -87,13 +88,10 @@ class _Group:
         return HEADER + self.slice if self.packed and shard > 1 and self.tensors else self.sharded
 
 
-def _add_param(group: _Group, name: str, p: torch.Tensor, tp: int, shard: int,
-               param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    shape = list(p.shape)
-    if tp > 1 and p.dim() > 0:
-        split = TP_SPLIT_DIMS.get(name.split(".")[-2] if "." in name else name)
-        if split is not None:
-            shape[split] = math.ceil(shape[split] / tp)
+def _add_param(group: _Group, p: torch.Tensor, shard: int, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype) -> None:
+    # A tensor-parallel parameter: fsdp2 shards this rank's TP shard.
+    shape = list(p.to_local().shape if isinstance(p, DTensor) else p.shape)
     rows = shape[0] if shape else 1
     rest = math.prod(shape[1:]) if len(shape) > 1 else 1
     chunk = math.ceil(rows / shard)
@@ -120,11 +118,11 @@ class _Timeline(LiveStorages):
     minus their bytes): fsdp2's real parameter memory is simulated, in ``extra``. Storages
     labelled "gradients" are the fake unsharded gradients; every other fake storage is an
     activation. ``where`` names the point of the step; ``points`` keeps each point's peak.
+    Under tensor parallelism the fake model is this rank's (DTensors with local shards).
     """
 
-    def __init__(self, tp: int) -> None:
+    def __init__(self) -> None:
         super().__init__(on_peak=self._snapshot)
-        self.tp = tp
         self.extra = {c: 0 for c in CATEGORIES}
         self.where = "forward, root"
         self.points: dict[str, int] = {}
@@ -140,9 +138,8 @@ class _Timeline(LiveStorages):
         grads = sum(self.sizes.get(k, 0) for k, label in self.labels.items() if label == "gradients")
         acts = self.total + self.offset - sum(self.extra.values()) - grads
         out = dict(self.extra)
-        # tp > 1 on a full-width model: this rank computes 1/tp of every split layer.
-        out["gradients"] += grads // self.tp
-        out["activations"] += acts // self.tp
+        out["gradients"] += grads
+        out["activations"] += acts
         return out
 
     def _where(self) -> str:
@@ -150,7 +147,7 @@ class _Timeline(LiveStorages):
         return "backward, loss" if self.where == "loss" and in_backward() else self.where
 
     def check_peak(self) -> None:
-        now = sum(self.categories().values()) if self.tp > 1 else self.total + self.offset
+        now = self.total + self.offset
         where = self._where()
         if now > self.points.get(where, -1):
             self.points[where] = now
@@ -339,7 +336,7 @@ def _install_hooks(model: nn.Module, sched: _Schedule, line: _Timeline, activati
             return
         sched.post_forward(name)
         if module is blocks[0] and extra_blocks:  # the blocks not built run here, after block 0
-            line.add_bytes("activations", extra_blocks * (marks[1] - marks[0]) // line.tp)
+            line.add_bytes("activations", extra_blocks * (marks[1] - marks[0]))
             line.add_bytes("unsharded_params", 0 if reshard else extra_blocks * block.unsharded)
         if module is model:
             line.where = "loss"
@@ -348,7 +345,7 @@ def _install_hooks(model: nn.Module, sched: _Schedule, line: _Timeline, activati
 
     def pre_backward(name: str) -> None:
         if name == "layers.0" and extra_blocks:  # their backward ran: gradients sharded, rest freed
-            line.add_bytes("activations", -(extra_blocks * (marks[1] - marks[0]) // line.tp))
+            line.add_bytes("activations", -(extra_blocks * (marks[1] - marks[0])))
             line.add_bytes("unsharded_params", 0 if reshard else -extra_blocks * block.unsharded)
             line.add_bytes("gradients", extra_blocks * block.sharded)
         sched.pre_backward(name)
@@ -372,9 +369,10 @@ def _grad_hook(group: str, ready: dict[str, list[torch.Tensor]], model: nn.Modul
         name.startswith(group + ".") if group != "root" else not name.startswith("layers."))]
 
     def hook(p: torch.Tensor) -> None:
-        key = storage_key(p.grad)
-        if key in line.sizes:
-            line.labels[key] = "gradients"
+        for plain in plain_tensors(p.grad):  # a DTensor's local tensor under TP
+            key = storage_key(plain)
+            if key in line.sizes:
+                line.labels[key] = "gradients"
         ready[group].append(p)
         if len(ready[group]) == len(members):
             def drop() -> None:
@@ -390,14 +388,15 @@ def _simulate(model: nn.Module, sched: _Schedule, line: _Timeline, *, batch: int
               loss_fn: Callable, make_inputs: Callable[[int, int], torch.Tensor]) -> _Run:
     """One forward, loss and backward of the fake model under the schedule."""
     marks, _ = _install_hooks(model, sched, line, activation_checkpointing, extra_blocks, block, reshard)
-    param_keys = {storage_key(p) for p in model.parameters()}
+    param_keys = {storage_key(plain) for p in model.parameters() for plain in plain_tensors(p)}
     saved: dict[int, int] = {}
     in_block = [False]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if in_block[0] and key is not None and key not in param_keys:
-            saved[key] = t.untyped_storage().nbytes()
+        for plain in plain_tensors(t):
+            key = storage_key(plain)
+            if in_block[0] and key is not None and key not in param_keys:
+                saved[key] = plain.untyped_storage().nbytes()
         return t
 
     model.layers[0].register_forward_pre_hook(lambda *_: in_block.__setitem__(0, True))
@@ -454,6 +453,7 @@ def estimate_memory(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _lm_loss,
     make_inputs: Callable[[int, int], torch.Tensor] = _tokens,
     backend: str = "nccl",
+    tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None,
 ) -> MemoryEstimate:
     """Predict one rank's peak memory for training ``model`` with fsdp2 on a layout.
 
@@ -483,6 +483,11 @@ def estimate_memory(
         backend: "nccl" (flat collectives) or "gloo" (fsdp2's point-to-point exchanges:
             all-gathers land in the unsharded buffer, reduce-scatters send from the
             gradients), which hold different buffers.
+        tp_plan: with ``tp > 1``, ``tp_plan(model, tp_mesh)`` applies tensor parallelism
+            (``parallelize_module``) to the fake model; default: the recipe's Llama plan
+            (Megatron-style with sequence parallelism). The model then runs as one rank
+            of the TP group does, on a fake process group of ``tp`` ranks (so there must
+            be no default process group in this process), and every byte is this rank's.
     """
     shard = _check_layout(world, dp_replicate, tp)
     if optimizer not in OPTIMIZER_STATES:
@@ -493,8 +498,13 @@ def estimate_memory(
         raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
     if isinstance(model, nn.Module):
         model = copy.deepcopy(model)  # outside the fake mode: the copy's meta tensors stay real meta
-    # Non-fake inputs allowed: to_empty() of a meta module reads its (real) meta tensors.
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with contextlib.ExitStack() as stack:
+        tp_mesh = None
+        if tp > 1:  # DTensor needs a mesh, hence a process group; a fake one moves no data
+            stack.enter_context(fake_process_group(tp))
+            tp_mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        # Non-fake inputs allowed: to_empty() of a meta module reads its (real) meta tensors.
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         model = model.to_empty(device="cpu") if isinstance(model, nn.Module) else model()
         if not isinstance(getattr(model, "layers", None), nn.ModuleList) or len(model.layers) == 0:
             raise ValueError("estimate_memory needs a model whose blocks are in a non-empty nn.ModuleList `.layers`")
@@ -503,15 +513,15 @@ def estimate_memory(
         if n_blocks < n_built or (n_blocks > n_built and n_built < 2):
             raise ValueError(f"num_blocks ({num_blocks}) needs a model built with at least 2 and at most "
                              f"num_blocks blocks; it has {n_built}")
-        if tp > 1:
-            _check_tp(model, tp)
+        if tp_mesh is not None:
+            _apply_tp(model, tp_mesh, tp_plan)
         orig_dtype = next(model.parameters()).dtype
         pdtype = param_dtype or orig_dtype
         rdtype = reduce_dtype or pdtype
         sizes = {"root": _Group()}
         for name, p in model.named_parameters():
             group = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
-            _add_param(sizes.setdefault(group, _Group()), name, p, tp, shard, pdtype, rdtype)
+            _add_param(sizes.setdefault(group, _Group()), p, shard, pdtype, rdtype)
         block, root = sizes["layers.0"], sizes["root"]
         constants, shard_values = _constants(model, sizes, n_blocks - n_built, optimizer, grad_accum, shard)
         if pdtype != orig_dtype:  # as MixedPrecisionPolicy: the unsharded parameters in param_dtype
@@ -519,7 +529,7 @@ def estimate_memory(
                 for name, p in module._parameters.items():
                     if p is not None and p.dtype.is_floating_point:
                         module._parameters[name] = nn.Parameter(p.detach().to(pdtype), p.requires_grad)
-        line = _Timeline(tp)
+        line = _Timeline()
         alias = shard == 1 and dp_replicate == 1 and tp == 1 and pdtype == orig_dtype
         sched = _Schedule(line, sizes, ["root", *(f"layers.{i}" for i in range(n_built))], shard=shard,
                           alias=alias, reshard=reshard_after_forward, root_reshard=root_reshard_after_forward,
@@ -539,10 +549,10 @@ def estimate_memory(
               f"reshard_after_forward={reshard_after_forward}; activation_checkpointing={activation_checkpointing}")
     comm = _comm_bytes(root, block, n_blocks, shard, dp_replicate, tp, reshard_after_forward,
                        activation_checkpointing, batch, seq, model_dim=model_dim, act_itemsize=pdtype.itemsize)
-    notes = ["activations and unsharded gradients under tp>1 are the full-width measurement divided by tp"
+    notes = [f"tensor parallelism simulated with {'the given tp_plan' if tp_plan else 'the recipe Llama plan'}"
              ] if tp > 1 else []
     return MemoryEstimate(line.peak, {c: line.peak_by_category.get(c, 0) for c in CATEGORIES}, line.peak_point,
-                          dict(line.points), layout, comm, run.saved_per_block // tp, gpu_memory, notes)
+                          dict(line.points), layout, comm, run.saved_per_block, gpu_memory, notes)
 
 
 def _constants(model: nn.Module, sizes: dict[str, _Group], extra_blocks: int, optimizer: str,
@@ -572,12 +582,25 @@ def _model_dim(model: nn.Module) -> int:
     return weight.shape[0] if weight is not None else 0
 
 
-def _check_tp(model: nn.Module, tp: int) -> None:
+def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable[[nn.Module, DeviceMesh], None] | None) -> None:
+    """Tensor parallelism on the fake model: ``tp_plan``, or the recipe's Llama plan."""
+    tp = tp_mesh.size()
     args = getattr(model, "args", None)
     if args is not None:
         heads, kv = args.n_heads, getattr(args, "kv_heads", args.n_heads)
         if heads % tp or kv % tp:
             raise ValueError(f"tp ({tp}) must divide the attention heads ({heads}) and kv heads ({kv})")
+    if tp_plan is None:
+        llama = ("tok_embeddings", "norm", "output")
+        if not all(hasattr(model, name) for name in llama) or not all(
+                hasattr(b, "attention") and hasattr(b, "feed_forward") for b in model.layers):
+            raise ValueError(
+                "estimate_memory(tp > 1): the default tp_plan is the recipe's Llama plan (tok_embeddings, "
+                "layers[i].attention.wq/wk/wv/wo, feed_forward.w1/w2/w3, norm, output); pass "
+                "tp_plan=fn(model, tp_mesh) applying your model's parallelize_module plan"
+            )
+        tp_plan = llama_tp_plan
+    tp_plan(model, tp_mesh)
 
 
 def _comm_bytes(root: _Group, block: _Group, n_blocks: int, shard: int, replicate: int, tp: int,
