@@ -128,3 +128,36 @@ def _cuda_all_gather_overlaps_compute() -> dict:
 def test_cuda_prefetched_all_gather_overlaps_compute_on_its_own_stream():
     for seen in _launch("_cuda_all_gather_overlaps_compute"):
         assert seen == {"in_flight_or_done": True, "done_during_compute": True, "side_streams": True}
+
+
+needs_a_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _tracker_vs_allocator() -> tuple[int, int, int]:
+    """A CUDA model's step under MemoryTracker: its peak growth against the allocator's."""
+    import fsdp2
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    big = 4096  # 64 MiB per fp32 weight: the allocator's rounding and cuBLAS's workspace are noise
+    model = torch.nn.Sequential(*(torch.nn.Linear(big, big, bias=False) for _ in range(3))).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(1024, big, device=device)
+    model(x).square().mean().backward()  # cuBLAS handles and workspaces exist from here on
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    with fsdp2.MemoryTracker(model, opt) as tracker:
+        model(x).square().mean().backward()
+        opt.step()
+    torch.cuda.synchronize()
+    report = tracker.report
+    entry = sum(p.numel() * p.element_size() for p in model.parameters()) + x.numel() * x.element_size()
+    return report.peak_bytes - entry, report.device_peak_bytes - held, report.device_peak_bytes
+
+
+@needs_a_gpu
+def test_tracker_peak_matches_the_cuda_allocator():
+    (tracked, allocator, device_peak), = _launch("_tracker_vs_allocator", world=1)
+    assert device_peak > 0
+    assert allocator > 3 * 64 * 2**20  # the gradients alone are three 64 MiB tensors
+    assert abs(tracked - allocator) / allocator < 0.05, (tracked, allocator)
