@@ -38,7 +38,7 @@ from ._param import ShardedParam, ShardLayout
 from ._streams import Completion, streams_for
 
 __all__ = [
-    "ALIGN", "GatherPlan", "exchanges", "AllGatherInFlight", "ReduceScatterInFlight", "start_all_gather",
+    "ALIGN", "EXCHANGE_MIN_BYTES", "GatherPlan", "exchanges", "AllGatherInFlight", "ReduceScatterInFlight", "start_all_gather",
     "exchange_all_gather", "finish_all_gather", "copy_out", "ReduceTarget", "start_reduce_scatter",
     "finish_reduce_scatter",
 ]
@@ -85,20 +85,30 @@ class GatherPlan:
 
 
 CPU_COLLECTIVES_ENV = "FSDP2_CPU_COLLECTIVES"
+# Below this many unsharded bytes a group's exchange costs more than gloo's flat collective:
+# each point-to-point message costs ~0.2 ms to post on gloo, whatever its size, while the
+# flat collective's extra copies and slower transfer grow with the bytes. Measured on the
+# 2-core development machine, 2 ranks, one unshard + reshard: 0.5 MiB flat 1.7 ms, exchange
+# 2.4 ms; 2 MiB flat 3.4 ms, exchange 2.9 ms; 18 MiB flat 27 ms, exchange 10 ms.
+EXCHANGE_MIN_BYTES = 2**20
 
 
-def exchanges(device: torch.device) -> bool:
-    """Whether collectives on ``device`` run as point-to-point exchanges (``_exchange.py``).
+def exchanges(device: torch.device, unsharded_bytes: int) -> bool:
+    """Whether a group's collectives run as point-to-point exchanges (``_exchange.py``).
 
-    On CPU (gloo) they do: faster than gloo's flat collectives, and with no flat buffer
-    to copy through. On accelerators (NCCL) the flat collectives are the fast path.
-    ``FSDP2_CPU_COLLECTIVES=flat`` makes CPU groups built afterwards use the flat path too
-    (the one NCCL takes: it runs on gloo, so it is tested without a GPU).
+    On CPU (gloo) they do for groups of at least ``EXCHANGE_MIN_BYTES`` unsharded bytes:
+    faster than gloo's flat collectives there, and with no flat buffer to copy through.
+    Smaller CPU groups, and every group on an accelerator (NCCL), use the flat collectives.
+    ``FSDP2_CPU_COLLECTIVES`` overrides this for CPU groups built afterwards: ``auto`` (the
+    default), ``exchange`` (always) or ``flat`` (never: the path NCCL takes, which runs on
+    gloo too, so the tests cover it without a GPU).
     """
-    choice = os.environ.get(CPU_COLLECTIVES_ENV, "exchange")
-    if choice not in ("exchange", "flat"):
-        raise ValueError(f"{CPU_COLLECTIVES_ENV}={choice!r}: use 'exchange' (the default) or 'flat'")
-    return device.type == "cpu" and choice == "exchange"
+    choice = os.environ.get(CPU_COLLECTIVES_ENV, "auto")
+    if choice not in ("auto", "exchange", "flat"):
+        raise ValueError(f"{CPU_COLLECTIVES_ENV}={choice!r}: use 'auto' (the default), 'exchange' or 'flat'")
+    if device.type != "cpu" or choice == "flat":
+        return False
+    return choice == "exchange" or unsharded_bytes >= EXCHANGE_MIN_BYTES
 
 
 class AllGatherInFlight(NamedTuple):
@@ -148,17 +158,19 @@ def start_all_gather(
 
 def exchange_all_gather(
     sources: Sequence[torch.Tensor], plan: GatherPlan, group: dist.ProcessGroup,
-    regions: Sequence[torch.Tensor], header: torch.Tensor | None,
+    regions: Sequence[torch.Tensor], header: torch.Tensor | None, label: str,
 ) -> AllGatherInFlight:
     """Issue the all-gather as an exchange straight into ``regions`` (the unsharded buffer).
 
     ``sources``: this rank's shard of each parameter; ``regions[i]``: parameter ``i``'s
-    padded full tensor (typed, shaped ``padded_shape``).
+    padded full tensor (typed, shaped ``padded_shape``); ``label``: the group's, the same
+    on every rank.
     """
     if header is None:
         header = torch.zeros(HEADER, dtype=torch.uint8)
     chunks = [lay.chunks_view(region) for lay, region in zip(plan.layouts, regions)]
-    gather = _exchange.start_all_gather(sources, chunks, header.view(torch.uint8), group)
+    gather = _exchange.start_all_gather(sources, chunks, header.view(torch.uint8), group,
+                                        key=f"all_gather {label} {plan.world}")
     return AllGatherInFlight(Completion(work=gather.exchange), plan, gather.headers, exchange=gather,
                              headers_done=Completion(work=gather.header_exchange))
 
@@ -279,7 +291,7 @@ def start_reduce_scatter(
     if target.exchange and world > 1:
         if header is None:
             header = torch.zeros(HEADER, dtype=torch.uint8)
-        return _exchange_reduce_scatter(params, grads, dtype, target, offsets, total, op, pre, post, header)
+        return _exchange_reduce_scatter(params, grads, dtype, target, op, pre, post, header)
     streams = streams_for(device)
     with streams.side("reduce_scatter"):
         send = torch.empty(world * total, dtype=dtype, device=device)
@@ -300,7 +312,7 @@ def start_reduce_scatter(
 
 def _exchange_reduce_scatter(
     params: Sequence[ShardedParam], grads: Sequence[torch.Tensor], dtype: torch.dtype, target: ReduceTarget,
-    offsets: list[int], total: int, op: dist.ReduceOp, pre: float | None, post: float | None, header: torch.Tensor,
+    op: dist.ReduceOp, pre: float | None, post: float | None, header: torch.Tensor,
 ) -> ReduceScatterInFlight:
     """Send each gradient's chunks from where they are: copies only to cast, pad or pre-divide."""
     world = target.world
@@ -322,8 +334,9 @@ def _exchange_reduce_scatter(
     if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division
         post = float(world) * (post or 1.0)
     chunks = [p.layout.chunks_view(t) for p, t in zip(params, full)]
-    rs = _exchange.start_reduce_scatter(chunks, full, copies, total, offsets, dtype, header, target.group)
-    return ReduceScatterInFlight(Completion(work=rs.exchange), tuple(params), tuple(offsets), op, post, target,
+    rs = _exchange.start_reduce_scatter(chunks, full, copies, dtype, header, target.group,
+                                        key=f"reduce_scatter {target.label} {dtype}")
+    return ReduceScatterInFlight(Completion(work=rs.exchange), tuple(params), rs.offsets, op, post, target,
                                  exchange=rs)
 
 
@@ -358,7 +371,7 @@ def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
         _checks.check_reduce_headers(target, inflight.exchange.headers)
     _debug.wait(inflight.done, "reduce_scatter", target.label, sizes, target.root)
     if inflight.exchange is not None:
-        out = inflight.exchange.reduced(inflight.offsets)
+        out = inflight.exchange.reduced()
     else:
         out = inflight.output
     if target.replicate_group is not None:

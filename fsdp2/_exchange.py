@@ -33,6 +33,7 @@ interleave with them.
 
 from __future__ import annotations
 
+import zlib
 from typing import NamedTuple, Sequence
 
 import torch
@@ -43,6 +44,10 @@ from ._checks import HEADER
 __all__ = ["TAG", "Exchange", "ExchangeAllGather", "start_all_gather", "ExchangeReduceScatter", "start_reduce_scatter"]
 
 TAG = 0x46534432  # "FSD2"
+# Chunks smaller than this travel together, one message per peer (copied into and out of a
+# packed buffer): a message costs tens of microseconds whatever its size, a copy of 64 KiB
+# a few.
+SMALL = 64 * 1024
 
 
 class Exchange:
@@ -60,17 +65,30 @@ class Exchange:
         return True
 
 
-def _post(pg: dist.ProcessGroup, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], peer: int,
-          works: list[dist.Work]) -> None:
-    """Post ``recvs`` from and ``sends`` to group rank ``peer``, in order, without blocking.
+def _tag(key: str, what: str, tensor: torch.Tensor) -> int:
+    """The tag of one data message: names the exchange, the part and its size.
+
+    A message only matches a receive with the same tag, so when ranks disagree (a rank
+    gathers another group, reduces other gradients) their messages do not meet receives
+    of another size, which gloo answers by aborting the process; the headers, sent with
+    the common ``TAG``, meet and say what went wrong. In [2**30, 2**31): not a user's
+    small tags, and a valid gloo tag.
+    """
+    text = f"{key}|{what}|{tensor.numel() * tensor.element_size()}".encode()
+    return (zlib.crc32(text) & 0x3FFFFFFF) | 0x40000000
+
+
+def _post(pg: dist.ProcessGroup, sends: Sequence[tuple[torch.Tensor, int]],
+          recvs: Sequence[tuple[torch.Tensor, int]], peer: int, works: list[dist.Work]) -> None:
+    """Post ``recvs`` from and ``sends`` to group rank ``peer`` (``(tensor, tag)`` pairs), without blocking.
 
     Receives first: data that arrives before its receive is posted is buffered by gloo
     and copied again when the receive comes.
     """
-    for tensor in recvs:
-        works.append(pg.recv([tensor], peer, TAG))
-    for tensor in sends:
-        works.append(pg.send([tensor], peer, TAG))
+    for tensor, tag in recvs:
+        works.append(pg.recv([tensor], peer, tag))
+    for tensor, tag in sends:
+        works.append(pg.send([tensor], peer, tag))
 
 
 class ExchangeAllGather(NamedTuple):
@@ -79,7 +97,7 @@ class ExchangeAllGather(NamedTuple):
     header_exchange: Exchange  # the headers' messages, first from every peer: check before the rest
     exchange: Exchange
     headers: torch.Tensor  # (world, HEADER) bytes: every rank's schedule header, once done
-    sent: tuple[torch.Tensor, ...]  # the header and the own chunks as sent (contiguous copies if needed)
+    sent: tuple[torch.Tensor, ...]  # the header, the small chunks packed, the other own chunks as sent
     staged: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (place, received): copied at the end
 
     def finish(self) -> None:
@@ -95,7 +113,7 @@ class ExchangeAllGather(NamedTuple):
 
 def start_all_gather(
     sources: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor], header: torch.Tensor,
-    pg: dist.ProcessGroup,
+    pg: dist.ProcessGroup, key: str,
 ) -> ExchangeAllGather:
     """Fill this rank's chunks from ``sources`` and exchange chunks with every peer.
 
@@ -105,12 +123,21 @@ def start_all_gather(
             ``(world, *local_shape)`` (chunk ``q`` belongs to group rank ``q``).
         header: this rank's 16-byte schedule header.
         pg: the process group of the ``world`` ranks.
+        key: names this exchange the same on every rank (e.g. the group): its messages' tags.
     """
     me, world = pg.rank(), pg.size()
     own = [c[me] for c in chunks]
     with torch.no_grad():
         torch._foreach_copy_(own, list(sources))
-    sent = [t if t.is_contiguous() else t.contiguous() for t in own]
+    small = [i for i, t in enumerate(own) if _is_small(t)]
+    big = [i for i, t in enumerate(own) if not _is_small(t)]
+    sent = [(t if t.is_contiguous() else t.contiguous(), _tag(key, str(i), t)) for i, t in ((i, own[i]) for i in big)]
+    if small:  # one message for all of them: copied into and out of a packed buffer
+        packed, slots = _packed_slots([own[i] for i in small])
+        with torch.no_grad():
+            torch._foreach_copy_(slots, [own[i] for i in small])
+        packed_tag = _tag(key, ",".join(map(str, small)), packed)
+        sent.insert(0, (packed, packed_tag))
     headers, header_works = _exchange_headers(header, pg)
     works: list[dist.Work] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -118,15 +145,35 @@ def start_all_gather(
         if peer == me:
             continue
         places = []
-        for c in chunks:
-            place = c[peer]
+        if small:
+            got, slots = _packed_slots([own[i] for i in small])
+            staged += [(chunks[i][peer], slot) for i, slot in zip(small, slots)]
+            places.append((got, packed_tag))
+        for i in big:
+            place = chunks[i][peer]
             if not place.is_contiguous():
                 got = torch.empty(place.shape, dtype=place.dtype, device=place.device)
                 staged.append((place, got))
                 place = got
-            places.append(place)
+            places.append((place, _tag(key, str(i), place)))
         _post(pg, sent, places, peer, works)
-    return ExchangeAllGather(Exchange(header_works), Exchange(works), headers, (header, *sent), tuple(staged))
+    return ExchangeAllGather(Exchange(header_works), Exchange(works), headers, (header, *(t for t, _ in sent)),
+                             tuple(staged))
+
+
+def _is_small(chunk: torch.Tensor) -> bool:
+    return chunk.numel() * chunk.element_size() < SMALL
+
+
+def _packed_slots(like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A byte buffer holding tensors shaped and typed as ``like``, each at a 16-byte aligned offset."""
+    sizes = [(t.numel() * t.element_size() + HEADER - 1) // HEADER * HEADER for t in like]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=like[0].device)
+    slots, offset = [], 0
+    for t, size in zip(like, sizes):
+        slots.append(buffer[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+        offset += size
+    return buffer, slots
 
 
 def _exchange_headers(header: torch.Tensor, pg: dist.ProcessGroup) -> tuple[torch.Tensor, list[dist.Work]]:
@@ -142,7 +189,7 @@ def _exchange_headers(header: torch.Tensor, pg: dist.ProcessGroup) -> tuple[torc
     works: list[dist.Work] = []
     for peer in range(world):
         if peer != me:
-            _post(pg, [header], [headers[peer]], peer, works)
+            _post(pg, [(header, TAG)], [(headers[peer], TAG)], peer, works)
     return headers, works
 
 
@@ -154,13 +201,15 @@ class ExchangeReduceScatter(NamedTuple):
     headers: torch.Tensor  # (world, HEADER) bytes: what every rank says it reduces
     header: torch.Tensor
     rank: int
+    offsets: tuple[int, ...]  # of each gradient's chunk in this rank's flat result
     received: tuple[torch.Tensor | None, ...]  # per group rank: its chunks (flat), None for this rank
     own: tuple[torch.Tensor, ...]  # this rank's chunk of each gradient (``local_shape``)
     sent: tuple[torch.Tensor, ...]  # the full gradients (or their cast/padded copies) being read
     copies: tuple[torch.Tensor, ...]  # copies fsdp2 made to send (cast, padded, contiguous chunks)
 
-    def reduced(self, offsets: Sequence[int]) -> torch.Tensor:
-        """Wait, then sum every rank's chunks in rank order; returns the flat sum."""
+    def reduced(self) -> torch.Tensor:
+        """Wait, then sum every rank's chunks in rank order; returns the flat sum (``offsets``)."""
+        offsets = self.offsets
         self.exchange.wait()
         peers = [q for q, row in enumerate(self.received) if row is not None]
         total = self.received[peers[0]]
@@ -181,19 +230,29 @@ class ExchangeReduceScatter(NamedTuple):
 
 def start_reduce_scatter(
     chunks: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], copies: Sequence[torch.Tensor],
-    total: int, offsets: Sequence[int], dtype: torch.dtype, header: torch.Tensor, pg: dist.ProcessGroup,
+    dtype: torch.dtype, header: torch.Tensor, pg: dist.ProcessGroup, key: str,
 ) -> ExchangeReduceScatter:
     """Send chunk ``q`` of every gradient to rank ``q``; receive this rank's chunk from every peer.
+
+    This rank's result is one flat row: the small chunks first, packed (they travel as one
+    message per peer), then the others in order; ``offsets`` says where each one is.
 
     Args:
         chunks: each full gradient (in ``dtype``, padded) viewed as ``(world, *local_shape)``.
         sent: the tensors ``chunks`` view, held until the exchange is done.
         copies: the copies among them fsdp2 made (communication memory).
-        total, offsets: elements of this rank's flat result and each gradient's offset in it.
         header: 16 bytes saying what this rank reduces, sent ahead of the data.
+        key: names this exchange the same on every rank (group and dtype): its messages' tags.
     """
     me, world = pg.rank(), pg.size()
     device = chunks[0].device if chunks else torch.device("cpu")
+    sizes = [c[me].numel() for c in chunks]
+    small = [i for i, c in enumerate(chunks) if _is_small(c[me])]
+    big = [i for i, c in enumerate(chunks) if not _is_small(c[me])]
+    offsets, total = [0] * len(chunks), 0
+    for i in small + big:
+        offsets[i], total = total, total + sizes[i]
+    packed_total = sum(sizes[i] for i in small)
     headers, header_works = _exchange_headers(header, pg)
     received: list[torch.Tensor | None] = [None] * world
     works: list[dist.Work] = []
@@ -203,14 +262,23 @@ def start_reduce_scatter(
             continue
         row = torch.empty(total, dtype=dtype, device=device)
         received[peer] = row
-        outgoing = []
-        for c in chunks:
-            chunk = c[peer]
+        outgoing, places = [], []
+        if small:
+            pack = torch.empty(packed_total, dtype=dtype, device=device)
+            with torch.no_grad():
+                torch._foreach_copy_([pack[offsets[i]:offsets[i] + sizes[i]].view(chunks[i][peer].shape) for i in small],
+                                     [chunks[i][peer] for i in small])
+            made.append(pack)
+            tag = _tag(key, ",".join(map(str, small)), pack)
+            outgoing.append((pack, tag))
+            places.append((row[:packed_total], tag))
+        for i in big:
+            chunk = chunks[i][peer]
             if not chunk.is_contiguous():
                 chunk = chunk.contiguous()
                 made.append(chunk)
-            outgoing.append(chunk)
-        places = [row[off:off + c[peer].numel()] for c, off in zip(chunks, offsets)]
+            outgoing.append((chunk, _tag(key, str(i), chunk)))
+            places.append((row[offsets[i]:offsets[i] + sizes[i]], _tag(key, str(i), chunk)))
         _post(pg, outgoing, places, peer, works)
-    return ExchangeReduceScatter(Exchange(header_works), Exchange(works), headers, header, me, tuple(received),
-                                 tuple(c[me] for c in chunks), tuple(sent), tuple(made))
+    return ExchangeReduceScatter(Exchange(header_works), Exchange(works), headers, header, me, tuple(offsets),
+                                 tuple(received), tuple(c[me] for c in chunks), tuple(sent), tuple(made))

@@ -116,7 +116,8 @@ class ParamGroup:
         self.post_backward_done = False
         self._grads_ready: set[int] = set()
         self._num_trainable = sum(p.requires_grad for p in params)
-        self.exchange = exchanges(device)  # CPU: point-to-point exchanges instead of flat collectives
+        # CPU: point-to-point exchanges instead of flat collectives (unless the group is small).
+        self.exchange = exchanges(device, self._unsharded_bytes())
         self._pack_shards()
 
     # ---- layout -------------------------------------------------------------------------
@@ -133,6 +134,7 @@ class ParamGroup:
         self._plans.clear()
         self._buffer, self._regions = None, []
         self._num_trainable = sum(p.requires_grad for p in self.params)
+        self.exchange = exchanges(self.device, self._unsharded_bytes())  # the dtypes may have changed
         self._pack_shards()
 
     def _pack_shards(self) -> None:
@@ -178,6 +180,11 @@ class ParamGroup:
             copied = streams.issued(None)
         return send, copied
 
+    def _unsharded_bytes(self) -> int:
+        """Size of the unsharded buffer: each parameter's padded full tensor, 16-byte aligned."""
+        sizes = [p.layout.padded_shape.numel() * p.param_dtype.itemsize for p in self.params]
+        return max(sum((size + ALIGN - 1) // ALIGN * ALIGN for size in sizes), ALIGN)
+
     def _alloc_unsharded(self) -> None:
         # The buffer and its parameter views outlive this forward: if the first unshard
         # runs under inference_mode they must still not be inference tensors.
@@ -191,7 +198,7 @@ class ParamGroup:
             for size in sizes:
                 starts.append(total)
                 total += (size + ALIGN - 1) // ALIGN * ALIGN
-            self._buffer = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=self.device)
+            self._buffer = torch.empty(self._unsharded_bytes(), dtype=torch.uint8, device=self.device)
             # Parameters are views of ``.data`` (its own version counter): refilling the
             # buffer each step must not look like an in-place change to autograd, which
             # saved these parameters in forward and reads them again in backward.
@@ -244,7 +251,7 @@ class ParamGroup:
                     sources = [plan.slot(self._partial_send, i) for i in range(len(self.params))]
                 else:
                     sources = self._shards(plan)
-                self._gather = exchange_all_gather(sources, plan, group, self._regions, header)
+                self._gather = exchange_all_gather(sources, plan, group, self._regions, header, self.label)
             else:
                 send, copied = (self._partial_send, None) if partial else self._send_buffer(plan)
                 self._gather = start_all_gather(send, plan, group, self.device, copied, header)

@@ -1,9 +1,10 @@
-"""The two transports: point-to-point exchanges (CPU's default) and flat collectives (NCCL's path).
+"""The two transports: point-to-point exchanges (CPU) and flat collectives (NCCL's path).
 
-On CPU fsdp2 moves parameters and gradients with ``isend``/``irecv`` straight into and out
-of the unsharded buffers (``fsdp2/_exchange.py``); on GPUs it uses flat
-``all_gather_into_tensor``/``reduce_scatter_tensor`` collectives. ``FSDP2_CPU_COLLECTIVES=flat``
-puts CPU groups on the flat path, so the code NCCL runs is also tested here, on gloo: the
+On CPU fsdp2 moves the parameters and gradients of groups of 1 MiB and more with
+``isend``/``irecv`` straight into and out of the unsharded buffers (``fsdp2/_exchange.py``);
+smaller CPU groups and GPUs use flat ``all_gather_into_tensor``/``reduce_scatter_tensor``
+collectives. ``FSDP2_CPU_COLLECTIVES=exchange`` / ``flat`` puts every CPU group on one path,
+so both are tested here whatever the model's size, the code NCCL runs included: the
 layouts that exercise every branch of both (uneven and dim-1 shards, mixed dtypes, mixed
 precision with a reduce-dtype cast, int ``reshard_after_forward``, HSDP, tensor parallelism)
 must train to the unsharded reference either way.
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp2
-from fsdp2._collectives import CPU_COLLECTIVES_ENV
+from fsdp2._collectives import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES
 from fsdp2._state import get_state
 from tests import test_2d, test_mixed_precision, test_parity
 from tests._dist import run_on_ranks
@@ -40,19 +41,24 @@ def _under(transport: str, fn: Callable[..., Any], *args: Any) -> Any:
             os.environ[CPU_COLLECTIVES_ENV] = before
 
 
-def _transport_of_a_new_group(transport: str) -> bool:
-    model = MLP(8)
+def _transport_of_a_new_group(transport: str, dim: int) -> bool:
+    model = MLP(dim)  # dim x 4 dim twice, fp32: 32 dim^2 bytes
     _under(transport, fsdp2.fully_shard, model)
     return get_state(model).group.exchange
 
 
 def test_environment_variable_picks_the_cpu_transport():
-    assert run_on_ranks(_transport_of_a_new_group, 2, "exchange") == [True, True]
-    assert run_on_ranks(_transport_of_a_new_group, 2, "flat") == [False, False]
+    # auto (the default): exchanges from EXCHANGE_MIN_BYTES (1 MiB) of unsharded parameters.
+    assert EXCHANGE_MIN_BYTES == 2**20
+    assert run_on_ranks(_transport_of_a_new_group, 2, "auto", 8) == [False, False]  # 2 KiB
+    assert run_on_ranks(_transport_of_a_new_group, 2, "auto", 256) == [True, True]  # 2 MiB
+    assert run_on_ranks(_transport_of_a_new_group, 2, "exchange", 8) == [True, True]
+    assert run_on_ranks(_transport_of_a_new_group, 2, "flat", 256) == [False, False]
 
 
 def _bad_transport() -> str:
-    with pytest.raises(ValueError, match=r"FSDP2_CPU_COLLECTIVES='nccl': use 'exchange' \(the default\) or 'flat'"):
+    with pytest.raises(ValueError, match=r"FSDP2_CPU_COLLECTIVES='nccl': use 'auto' \(the default\), "
+                                         r"'exchange' or 'flat'"):
         _under("nccl", fsdp2.fully_shard, MLP(8))
     return "ok"
 
@@ -85,6 +91,10 @@ def test_both_transports_train_to_the_reference(layout, transport):
 
 def _user_traffic_beside_fsdp2() -> list[float]:
     """Point-to-point messages of the user's (tag 0) cross fsdp2's exchanges in flight."""
+    return _under("exchange", _user_traffic)
+
+
+def _user_traffic() -> list[float]:
     torch.manual_seed(0)
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     model = nn.Sequential(MLP(16), MLP(16))

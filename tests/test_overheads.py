@@ -8,12 +8,15 @@ updates of the (packed) shards too.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
+from fsdp2._collectives import CPU_COLLECTIVES_ENV
 from tests._dist import run_on_ranks
 from tests._models import MLP
 
@@ -33,25 +36,34 @@ class _RecordCopies(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _copies_of_one_all_gather(param_dtype: torch.dtype | None) -> tuple[list[tuple[str, int]], int]:
+def _copies_of_one_all_gather(param_dtype: torch.dtype | None) -> tuple[list[tuple[str, int]], int, int]:
     torch.manual_seed(0)
-    model = MLP(16)
-    fsdp2.fully_shard(model, mp_policy=fsdp2.MixedPrecisionPolicy(param_dtype=param_dtype))
+    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256))  # big weights, small biases
+    os.environ[CPU_COLLECTIVES_ENV] = "exchange"  # with bf16 the group is under the 1 MiB of "auto"
+    try:
+        fsdp2.fully_shard(model, mp_policy=fsdp2.MixedPrecisionPolicy(param_dtype=param_dtype))
+    finally:
+        del os.environ[CPU_COLLECTIVES_ENV]
     with _RecordCopies() as mode:
         handle = model.unshard(async_op=True)
         handle.wait()
-    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # unsharded, param dtype
+    full = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}  # unsharded, param dtype
     model.reshard()
-    return mode.copies, full_bytes
+    return mode.copies, sum(full.values()), full["0.bias"] + full["1.bias"]
 
 
 def test_all_gather_copies_only_this_ranks_chunk():
     # On CPU the all-gather is an exchange: this rank's shards are copied (cast, with mixed
     # precision) into its own chunk of the unsharded buffer, the peers' chunks are received
     # in place. No copy-in buffer, no copy-out: 1/world of the bytes, plus the 16-byte header.
+    # Chunks under 64 KiB (the biases here) travel packed in one message per peer: copied
+    # into the packed buffer, and out of the one received.
     for param_dtype in (None, torch.bfloat16):
-        copies, full_bytes = run_on_ranks(_copies_of_one_all_gather, 2, param_dtype)[0]
-        assert copies == [("_foreach_copy_", full_bytes // 2), ("copy_", 16)], (param_dtype, copies, full_bytes)
+        copies, full_bytes, small_bytes = run_on_ranks(_copies_of_one_all_gather, 2, param_dtype)[0]
+        own, small_own = full_bytes // 2, small_bytes // 2
+        assert copies == [("_foreach_copy_", own), ("_foreach_copy_", small_own), ("copy_", 16),
+                          ("_foreach_copy_", small_own)], (param_dtype, copies, full_bytes, small_bytes)
+        assert small_own < own / 100
 
 
 def _rebound_data_is_gathered() -> None:

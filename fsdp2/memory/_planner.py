@@ -27,6 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from .._checks import HEADER
 from .._compat import fake_process_group, in_backward
+from .._collectives import exchanges
+from .._exchange import SMALL as EXCHANGE_SMALL
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._llama import llama_tp_plan
 from ._tracker import CATEGORIES, format_bytes, format_table
@@ -79,6 +81,12 @@ class _Group:
     slice: int = 0  # all-gather send buffer
     reduce: int = 0  # full gradients in reduce dtype, padded (the flat reduce-scatter's send buffer)
     reduce_copies: int = 0  # of which the exchange copies (gradients cast to the reduce dtype or padded)
+    packed_gather: int = 0  # the exchange's all-gather: chunks under 64 KiB, packed (16-byte aligned)
+    packed_reduce: int = 0  # the exchange's reduce-scatter: chunks under 64 KiB, packed
+
+    def exchange(self, gloo: bool) -> bool:
+        """Whether fsdp2 moves this group with point-to-point exchanges (as ``_collectives.exchanges``)."""
+        return gloo and exchanges(torch.device("cpu"), self.unsharded)
     tensors: int = 0
     same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
     packed: bool = True  # no cast: the shards are the all-gather's send buffer (no copy-in)
@@ -102,6 +110,10 @@ def _add_param(group: _Group, p: torch.Tensor, shard: int, param_dtype: torch.dt
     group.slice += aligned(chunk * rest * pdtype.itemsize)
     reduced = chunk * shard * rest * (reduce_dtype if p.dtype.is_floating_point else p.dtype).itemsize
     group.reduce += reduced
+    if chunk * rest * pdtype.itemsize < EXCHANGE_SMALL:
+        group.packed_gather += aligned(chunk * rest * pdtype.itemsize)
+    if reduced // shard < EXCHANGE_SMALL:
+        group.packed_reduce += reduced // shard
     # fp16 reduces pre-divide their copy (fsdp2/_collectives.py::_reduce_op).
     predivide = p.dtype.is_floating_point and reduce_dtype not in (torch.float32, torch.bfloat16)
     if pdtype != reduce_dtype and p.dtype.is_floating_point or chunk * shard != rows or predivide:
@@ -174,10 +186,12 @@ class _Schedule:
       and a rank-major output, copied into the unsharded buffer at the wait; a
       reduce-scatter copies the full gradients into a send buffer (reduce dtype), frees
       them, and reduces into a 1/shard output.
-    * gloo (exchange): the unsharded buffer is allocated when the all-gather is issued
-      and received into directly (only the schedule headers are extra); a reduce-scatter
-      sends from the gradients themselves (copies only to cast or pad, which lets the
-      gradients go), receives one 1/shard row per peer and sums into the first.
+    * gloo (exchange, groups of ``EXCHANGE_MIN_BYTES`` and more): the unsharded buffer is
+      allocated when the all-gather is issued and received into directly (only the
+      headers and the packed small chunks are extra); a reduce-scatter sends from the
+      gradients themselves (copies only to cast or pad, which lets the gradients go),
+      receives one 1/shard row per peer and sums into the first. Smaller gloo groups
+      take the flat path, whose reduce-scatter keeps a full-size copy of its input.
     """
 
     def __init__(self, line: _Timeline, sizes: dict[str, _Group], order: list[str], *, shard: int,
@@ -196,8 +210,9 @@ class _Schedule:
         g = self.sizes[name]
         if self.alias:
             return 0
-        if self.gloo:  # this rank's header and every rank's (the chunks land in the unsharded buffer)
-            return (self.shard + 1) * HEADER
+        if g.exchange(self.gloo):  # the chunks land in the unsharded buffer, except the small ones:
+            # packed, sent from one buffer and received into one per peer; the headers
+            return (self.shard + 1) * HEADER + (self.shard * g.packed_gather if self.shard > 1 else 0)
         slice_bytes = HEADER + g.slice  # each rank's slice starts with the schedule header
         if self.shard == 1:  # no collective: the (copied-in) send buffer is the output
             return slice_bytes
@@ -210,14 +225,14 @@ class _Schedule:
         if self.state[name] == "sharded":
             self.state[name] = "gathering"
             self.line.add_bytes("communication", self._gather_bytes(name))
-            if self.gloo:
+            if self.sizes[name].exchange(self.gloo):
                 self.line.add_bytes("unsharded_params", self._unsharded_bytes(name))
 
     def wait(self, name: str) -> None:
         self.unshard(name)
         if self.state[name] == "gathering":
             self.state[name] = "unsharded"
-            if not self.gloo:
+            if not self.sizes[name].exchange(self.gloo):
                 self.line.add_bytes("unsharded_params", self._unsharded_bytes(name))
             self.line.add_bytes("communication", -self._gather_bytes(name))
 
@@ -252,15 +267,16 @@ class _Schedule:
         """(input, output) buffers of a group's reduce-scatter in flight; one when nothing is scattered.
 
         Flat: the rank-major send buffer and the output. Exchange: the cast or padded
-        copies it sends from, and one received row per peer (the first becomes the output)
-        and the headers.
+        copies it sends from and the small chunks packed per peer, and one received row per
+        peer (the first becomes the output) and the headers.
         """
         g = self.sizes[name]
         if self.alias:
             return g.reduce, 0
         out = g.reduce // self.shard if self.shard > 1 else 0
-        if self.gloo and self.shard > 1:  # (and this rank's header and every rank's)
-            return g.reduce_copies, (self.shard - 1) * out + (self.shard + 1) * HEADER
+        if g.exchange(self.gloo) and self.shard > 1:  # (and the headers, and the small chunks packed per peer)
+            return (g.reduce_copies + (self.shard - 1) * g.packed_reduce,
+                    (self.shard - 1) * out + (self.shard + 1) * HEADER)
         return g.reduce, out
 
     def post_backward(self, name: str, drop_grads: Callable[[], None]) -> None:
@@ -271,7 +287,8 @@ class _Schedule:
             self.line.add_bytes("communication", -sent - received)
         else:
             # The exchange sends from the gradients themselves unless every one was copied.
-            held = self.gloo and self.shard > 1 and self.sizes[name].reduce_copies < self.sizes[name].reduce
+            g = self.sizes[name]
+            held = g.exchange(self.gloo) and self.shard > 1 and g.reduce_copies < g.reduce
             self.pending.append((name, drop_grads if held else None))
             while len(self.pending) > 1:
                 self.finish(*self.pending.pop(0))
@@ -280,10 +297,16 @@ class _Schedule:
         self.reshard(name)
 
     def finish(self, name: str, drop_grads: Callable[[], None] | None) -> None:
-        """The reduce-scatter's output becomes the sharded gradients (a view of it)."""
+        """The reduce-scatter's output becomes the sharded gradients (a view of it).
+
+        gloo's flat reduce-scatter holds a full-size copy of its input, which ops (and so the
+        tracker) see once it is waited on, until the finished collective is dropped.
+        """
         sent, received = self._rs_bytes(name)
         g = self.sizes[name]
         out = g.reduce // self.shard if self.shard > 1 else 0
+        gloo_copy = sent if self.gloo and not g.exchange(self.gloo) and self.shard > 1 else 0
+        self.line.add_bytes("communication", gloo_copy)
         if self.grad_accum > 1:  # added into the sharded gradients of earlier micro-batches
             self.line.add_bytes("communication", -out)
         elif g.same_grad_dtype and out:  # the gradients are views of the output: it changes category
@@ -292,7 +315,7 @@ class _Schedule:
         else:  # a copy in the parameters' dtype (or, on one rank, the send buffer's)
             self.line.add_bytes("gradients", g.sharded)
             self.line.add_bytes("communication", -out)
-        self.line.add_bytes("communication", -(sent + received - out))
+        self.line.add_bytes("communication", -(sent + received - out) - gloo_copy)
         if drop_grads is not None:
             drop_grads()
 
@@ -480,9 +503,10 @@ def estimate_memory(
         loss_fn: ``(output, inputs) -> loss``; default cross-entropy in fp32 on the tokens.
         make_inputs: ``(batch, seq) -> input`` on the current (fake) device; default int64
             tokens.
-        backend: "nccl" (flat collectives) or "gloo" (fsdp2's point-to-point exchanges:
-            all-gathers land in the unsharded buffer, reduce-scatters send from the
-            gradients), which hold different buffers.
+        backend: "nccl" (flat collectives) or "gloo" (fsdp2's CPU transport: point-to-point
+            exchanges for groups of 1 MiB and more, where all-gathers land in the unsharded
+            buffer and reduce-scatters send from the gradients; gloo's flat collectives for
+            smaller groups), which hold different buffers.
         tp_plan: with ``tp > 1``, ``tp_plan(model, tp_mesh)`` applies tensor parallelism
             (``parallelize_module``) to the fake model; default: the recipe's Llama plan
             (Megatron-style with sequence parallelism). The model then runs as one rank
