@@ -321,14 +321,17 @@ def _exchange_reduce_scatter(
     with torch.no_grad():
         for p, grad in zip(params, grads):
             lay = p.layout
-            if (grad.dtype == dtype and grad.is_contiguous() and lay.shape[lay.dim] == lay.chunk * world
-                    and not predivide):
+            even = lay.shape[lay.dim] == lay.chunk * world
+            if grad.dtype == dtype and grad.is_contiguous() and even and not predivide:
                 full.append(grad)
                 continue
-            padded = torch.zeros(lay.padded_shape, dtype=dtype, device=grad.device)
-            padded.narrow(lay.dim, 0, lay.shape[lay.dim]).copy_(grad)
-            full.append(padded)
-            copies.append(padded)
+            if even:
+                copy = grad.to(dtype, memory_format=torch.contiguous_format, copy=True)
+            else:
+                copy = torch.zeros(lay.padded_shape, dtype=dtype, device=grad.device)
+                copy.narrow(lay.dim, 0, lay.shape[lay.dim]).copy_(grad)
+            full.append(copy)
+            copies.append(copy)
         if predivide:
             torch._foreach_div_(full, pre)
     if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division

@@ -83,13 +83,13 @@ class _Group:
     reduce_copies: int = 0  # of which the exchange copies (gradients cast to the reduce dtype or padded)
     packed_gather: int = 0  # the exchange's all-gather: chunks under 64 KiB, packed (16-byte aligned)
     packed_reduce: int = 0  # the exchange's reduce-scatter: chunks under 64 KiB, packed
+    tensors: int = 0
+    same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
+    packed: bool = True  # no cast: the shards are the all-gather's send buffer (no copy-in)
 
     def exchange(self, gloo: bool) -> bool:
         """Whether fsdp2 moves this group with point-to-point exchanges (as ``_collectives.exchanges``)."""
         return gloo and exchanges(torch.device("cpu"), self.unsharded)
-    tensors: int = 0
-    same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
-    packed: bool = True  # no cast: the shards are the all-gather's send buffer (no copy-in)
 
     def shard_storage(self, shard: int) -> int:
         """Bytes of the shards' storage: packed into one send slice (header included) when sharded."""
