@@ -180,10 +180,18 @@ class ParamGroup:
             copied = streams.issued(None)
         return send, copied
 
-    def _unsharded_bytes(self) -> int:
-        """Size of the unsharded buffer: each parameter's padded full tensor, 16-byte aligned."""
+    def _unsharded_layout(self) -> tuple[list[int], list[int], int]:
+        """Byte offsets and sizes of each parameter's padded full tensor in the unsharded
+        buffer (16-byte aligned), and the buffer's size."""
         sizes = [p.layout.padded_shape.numel() * p.param_dtype.itemsize for p in self.params]
-        return max(sum((size + ALIGN - 1) // ALIGN * ALIGN for size in sizes), ALIGN)
+        starts, total = [], 0
+        for size in sizes:
+            starts.append(total)
+            total += (size + ALIGN - 1) // ALIGN * ALIGN
+        return starts, sizes, max(total, ALIGN)
+
+    def _unsharded_bytes(self) -> int:
+        return self._unsharded_layout()[2]
 
     def _alloc_unsharded(self) -> None:
         # The buffer and its parameter views outlive this forward: if the first unshard
@@ -193,12 +201,8 @@ class ParamGroup:
 
     def _alloc_unsharded_buffer(self) -> None:
         if self._buffer is None:
-            sizes = [p.layout.padded_shape.numel() * p.param_dtype.itemsize for p in self.params]
-            starts, total = [], 0
-            for size in sizes:
-                starts.append(total)
-                total += (size + ALIGN - 1) // ALIGN * ALIGN
-            self._buffer = torch.empty(self._unsharded_bytes(), dtype=torch.uint8, device=self.device)
+            starts, sizes, total = self._unsharded_layout()
+            self._buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
             # Parameters are views of ``.data`` (its own version counter): refilling the
             # buffer each step must not look like an in-place change to autograd, which
             # saved these parameters in forward and reads them again in backward.
