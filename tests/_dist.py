@@ -15,6 +15,7 @@ that the parent replays with a ``[rank r]`` prefix, so pytest shows it with the 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import faulthandler
 import importlib
@@ -31,7 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -155,6 +156,20 @@ def shutdown_pools() -> None:
 
 
 atexit.register(shutdown_pools)
+
+
+@contextlib.contextmanager
+def environ(name: str, value: str) -> Iterator[None]:
+    """Set environment variable ``name`` inside the block, then put back what was there."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def run_on_ranks(

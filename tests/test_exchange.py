@@ -12,7 +12,6 @@ must train to the unsharded reference either way.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import pytest
@@ -24,21 +23,14 @@ import fsdp2
 from fsdp2._collectives import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES
 from fsdp2._state import get_state
 from tests import test_2d, test_mixed_precision, test_parity
-from tests._dist import run_on_ranks
+from tests._dist import environ, run_on_ranks
 from tests._models import MLP
 
 
 def _under(transport: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` with CPU groups built on ``transport``; check they were."""
-    before = os.environ.get(CPU_COLLECTIVES_ENV)
-    os.environ[CPU_COLLECTIVES_ENV] = transport
-    try:
+    """Run ``fn(*args)`` with CPU groups built on ``transport``."""
+    with environ(CPU_COLLECTIVES_ENV, transport):
         return fn(*args)
-    finally:
-        if before is None:
-            del os.environ[CPU_COLLECTIVES_ENV]
-        else:
-            os.environ[CPU_COLLECTIVES_ENV] = before
 
 
 def _transport_of_a_new_group(transport: str, dim: int) -> bool:

@@ -8,8 +8,6 @@ updates of the (packed) shards too.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import distribute_tensor
@@ -17,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
 from fsdp2._collectives import CPU_COLLECTIVES_ENV
-from tests._dist import run_on_ranks
+from tests._dist import environ, run_on_ranks
 from tests._models import MLP
 
 
@@ -39,11 +37,8 @@ class _RecordCopies(TorchDispatchMode):
 def _copies_of_one_all_gather(param_dtype: torch.dtype | None) -> tuple[list[tuple[str, int]], int, int]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256))  # big weights, small biases
-    os.environ[CPU_COLLECTIVES_ENV] = "exchange"  # with bf16 the group is under the 1 MiB of "auto"
-    try:
+    with environ(CPU_COLLECTIVES_ENV, "exchange"):  # with bf16 the group is under the 1 MiB of "auto"
         fsdp2.fully_shard(model, mp_policy=fsdp2.MixedPrecisionPolicy(param_dtype=param_dtype))
-    finally:
-        del os.environ[CPU_COLLECTIVES_ENV]
     with _RecordCopies() as mode:
         handle = model.unshard(async_op=True)
         handle.wait()

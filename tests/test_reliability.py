@@ -37,7 +37,7 @@ from fsdp2._collectives import CPU_COLLECTIVES_ENV
 from fsdp2._debug import set_debug
 from fsdp2._group import ShardState
 from fsdp2._state import get_state
-from tests._dist import REPO_ROOT, run_on_ranks
+from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import MLP, Block, Transformer, lm_loss, make_batch
 from tests._parity import assert_params_match, average_grads
 from tests.test_module_behaviour import InjectedFailure, _RaiseInBackward
@@ -212,16 +212,12 @@ class _Routed(nn.Module):
 
 
 def _gradients_on_some_ranks_only(transport: str) -> str:
-    os.environ[CPU_COLLECTIVES_ENV] = transport
-    try:
-        with _fresh_mesh(20) as mesh:
-            torch.manual_seed(0)
-            model = fully_shard(_Routed(), mesh=mesh)
-            with pytest.raises(RuntimeError) as info:
-                model(torch.randn(2, 8), dist.get_rank() == 0).sum().backward()
-            return str(info.value)
-    finally:
-        del os.environ[CPU_COLLECTIVES_ENV]
+    with environ(CPU_COLLECTIVES_ENV, transport), _fresh_mesh(20) as mesh:
+        torch.manual_seed(0)
+        model = fully_shard(_Routed(), mesh=mesh)
+        with pytest.raises(RuntimeError) as info:
+            model(torch.randn(2, 8), dist.get_rank() == 0).sum().backward()
+        return str(info.value)
 
 
 def test_ranks_disagreeing_on_which_parameters_get_gradients_fail_on_every_rank():
