@@ -4,7 +4,7 @@
 
 One launch builds the same GPT-style transformer four ways, each with its own AdamW:
 
-- ``fsdp2``:       ``fsdp2.fully_shard`` per block, then the root;
+- ``fsdp2``:       ``fsdp2.fully_shard`` per block, then the root (``--wrap titan``: as torchtitan);
 - ``torch_fsdp2``: ``torch.distributed.fsdp.fully_shard``, applied the same way;
 - ``ddp``:         ``torch.nn.parallel.DistributedDataParallel``;
 - ``nocomm``:      the plain model, each rank training its own copy (the compute-only floor).
@@ -114,20 +114,34 @@ DEFAULT_SWEEP = "5M,17M,50M,100M"
 
 
 # ---- the four implementations -----------------------------------------------------------
-def shard_per_block(model: GPT, mesh: DeviceMesh, fully_shard: Callable) -> nn.Module:
+WRAPS = ("blocks", "titan")
+
+
+def shard_model(model: GPT, mesh: DeviceMesh, fully_shard: Callable, how: str = "blocks") -> nn.Module:
+    """``blocks``: each block, then the root (embeddings, final norm, head in one group).
+
+    ``titan``: as torchtitan does: the embeddings, each block, the final norm with the head,
+    then the root (no parameters of its own); the last block and the head are not resharded
+    after forward, since backward needs them first.
+    """
+    if how == "titan":
+        fully_shard([model.tok_emb, model.pos_emb], mesh=mesh)
+        for i, block in enumerate(model.layers):
+            fully_shard(block, mesh=mesh, reshard_after_forward=i < len(model.layers) - 1)
+        fully_shard([model.norm, model.output], mesh=mesh, reshard_after_forward=False)
+        return fully_shard(model, mesh=mesh)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # the root: embeddings, final norm, head
-    return model
+    return fully_shard(model, mesh=mesh)  # the root: embeddings, final norm, head
 
 
-def wrap(impl: str, model: GPT, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+def wrap(impl: str, model: GPT, mesh: DeviceMesh, device: torch.device, how: str = "blocks") -> nn.Module:
     if impl == "fsdp2":
         from fsdp2 import fully_shard
-        return shard_per_block(model, mesh, fully_shard)
+        return shard_model(model, mesh, fully_shard, how)
     if impl == "torch_fsdp2":
         from torch.distributed.fsdp import fully_shard
-        return shard_per_block(model, mesh, fully_shard)
+        return shard_model(model, mesh, fully_shard, how)
     if impl == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -186,14 +200,14 @@ def peak_rss_mb() -> float:
 
 
 def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
-               mesh: DeviceMesh, device: torch.device) -> dict:
+               mesh: DeviceMesh, device: torch.device, how: str = "blocks", foreach: bool | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank and for every implementation
     base = GPT(cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq).to(device)
     n_params = sum(p.numel() for p in base.parameters())
-    models = {impl: wrap(impl, copy.deepcopy(base), mesh, device) for impl in impls}
+    models = {impl: wrap(impl, copy.deepcopy(base), mesh, device, how) for impl in impls}
     del base
-    opts = {impl: torch.optim.AdamW(m.parameters(), lr=1e-4) for impl, m in models.items()}
+    opts = {impl: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=foreach) for impl, m in models.items()}
 
     times = {impl: [] for impl in impls}
     losses: dict[str, torch.Tensor] = {}
@@ -218,7 +232,7 @@ def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
     mem = {impl: gather_rows(state_bytes(models[impl], opts[impl]), torch.int64) for impl in impls}
     rss = gather_rows([peak_rss_mb()])[:, 0].tolist()
     result = {
-        "config": {**asdict(cfg), "params": n_params, "world": world, "steps": steps, "warmup": warmup,
+        "config": {**asdict(cfg), "params": n_params, "world": world, "steps": steps, "warmup": warmup, "wrap": how, "foreach": foreach,
                    "device": device.type, "threads": torch.get_num_threads(), "torch": torch.__version__},
         "median_s": {impl: round(median[impl], 5) for impl in impls},
         "iqr_s": {impl: [round(quartiles[impl][0], 5), round(quartiles[impl][2], 5)] for impl in impls},
@@ -250,6 +264,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="NAMES",
                    help=f"run presets instead of --dim.. --batch; bare --sweep means {DEFAULT_SWEEP}; "
                         f"known: {','.join(PRESETS)}")
+    p.add_argument("--wrap", choices=WRAPS, default="blocks",
+                   help="how the FSDP implementations group parameters: each block then the root (default), "
+                        "or torchtitan's grouping (embeddings, blocks, norm+head, root)")
+    p.add_argument("--foreach", action="store_true",
+                   help="AdamW(foreach=True) for every implementation (torch's default on GPUs; on CPU "
+                        "the default is a loop over the parameters, one op at a time)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = p.parse_args()
     args.impls = [i for i in args.impls.split(",") if i]
@@ -288,7 +308,8 @@ def main() -> None:
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     try:
         for cfg in args.configs:
-            result = run_config(cfg, args.impls, args.steps, args.warmup, mesh, device)
+            result = run_config(cfg, args.impls, args.steps, args.warmup, mesh, device, args.wrap,
+                                True if args.foreach else None)
             if dist.get_rank() == 0:
                 line = json.dumps(result)
                 print(line, flush=True)

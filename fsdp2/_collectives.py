@@ -32,13 +32,13 @@ from typing import Any, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _checks, _compat, _debug, _exchange, _trace
+from . import _checks, _cma, _compat, _debug, _exchange, _trace
 from ._checks import HEADER
 from ._param import ShardedParam, ShardLayout
 from ._streams import Completion, streams_for
 
 __all__ = [
-    "ALIGN", "EXCHANGE_MIN_BYTES", "GatherPlan", "exchanges", "AllGatherInFlight", "ReduceScatterInFlight", "start_all_gather",
+    "ALIGN", "EXCHANGE_MIN_BYTES", "GatherPlan", "cpu_transport", "exchanges", "may_read", "probe_reads", "AllGatherInFlight", "ReduceScatterInFlight", "start_all_gather",
     "exchange_all_gather", "finish_all_gather", "copy_out", "ReduceTarget", "start_reduce_scatter",
     "finish_reduce_scatter",
 ]
@@ -85,12 +85,21 @@ class GatherPlan:
 
 
 CPU_COLLECTIVES_ENV = "FSDP2_CPU_COLLECTIVES"
+CPU_TRANSPORTS = ("auto", "read", "exchange", "flat")
 # Below this many unsharded bytes a group's exchange costs more than gloo's flat collective:
 # each point-to-point message costs ~0.2 ms to post on gloo, whatever its size, while the
 # flat collective's extra copies and slower transfer grow with the bytes. Measured on the
 # 2-core development machine, 2 ranks, one unshard + reshard: 0.5 MiB flat 1.7 ms, exchange
 # 2.4 ms; 2 MiB flat 3.4 ms, exchange 2.9 ms; 18 MiB flat 27 ms, exchange 10 ms.
 EXCHANGE_MIN_BYTES = 2**20
+
+
+def cpu_transport() -> str:
+    """``FSDP2_CPU_COLLECTIVES``, checked: ``auto`` (the default), ``read``, ``exchange`` or ``flat``."""
+    choice = os.environ.get(CPU_COLLECTIVES_ENV, "auto")
+    if choice not in CPU_TRANSPORTS:
+        raise ValueError(f"{CPU_COLLECTIVES_ENV}={choice!r}: use 'auto' (the default), 'read', 'exchange' or 'flat'")
+    return choice
 
 
 def exchanges(device: torch.device, unsharded_bytes: int) -> bool:
@@ -100,15 +109,33 @@ def exchanges(device: torch.device, unsharded_bytes: int) -> bool:
     faster than gloo's flat collectives there, and with no flat buffer to copy through.
     Smaller CPU groups, and every group on an accelerator (NCCL), use the flat collectives.
     ``FSDP2_CPU_COLLECTIVES`` overrides this for CPU groups built afterwards: ``auto`` (the
-    default), ``exchange`` (always) or ``flat`` (never: the path NCCL takes, which runs on
-    gloo too, so the tests cover it without a GPU).
+    default), ``read`` or ``exchange`` (always), or ``flat`` (never: the path NCCL takes,
+    which runs on gloo too, so the tests cover it without a GPU).
     """
-    choice = os.environ.get(CPU_COLLECTIVES_ENV, "auto")
-    if choice not in ("auto", "exchange", "flat"):
-        raise ValueError(f"{CPU_COLLECTIVES_ENV}={choice!r}: use 'auto' (the default), 'exchange' or 'flat'")
+    choice = cpu_transport()
     if device.type != "cpu" or choice == "flat":
         return False
-    return choice == "exchange" or unsharded_bytes >= EXCHANGE_MIN_BYTES
+    return choice in ("read", "exchange") or unsharded_bytes >= EXCHANGE_MIN_BYTES
+
+
+def may_read(device: torch.device) -> bool:
+    """Whether an exchange group built now reads its peers' memory where the ranks allow it
+    (``_cma.py``): unless ``FSDP2_CPU_COLLECTIVES=exchange`` asks for messages only."""
+    return device.type == "cpu" and cpu_transport() in ("auto", "read")
+
+
+def probe_reads(pg: dist.ProcessGroup) -> bool:
+    """Find out (once, collectively) whether the ranks of ``pg`` can read each other's memory.
+
+    ``FSDP2_CPU_COLLECTIVES=read`` makes a "no" an error instead of a fall-back to messages.
+    """
+    if _cma.probe(pg) or cpu_transport() != "read":
+        return _cma.usable(pg)
+    raise RuntimeError(
+        f"{CPU_COLLECTIVES_ENV}=read: the ranks {dist.get_process_group_ranks(pg)} cannot read each "
+        "other's memory with process_vm_readv (different hosts or PID namespaces, ptrace "
+        "restrictions, or a seccomp filter); use 'auto' to fall back to messages"
+    )
 
 
 class AllGatherInFlight(NamedTuple):
@@ -158,19 +185,19 @@ def start_all_gather(
 
 def exchange_all_gather(
     sources: Sequence[torch.Tensor], plan: GatherPlan, group: dist.ProcessGroup,
-    regions: Sequence[torch.Tensor], header: torch.Tensor | None, label: str,
+    regions: Sequence[torch.Tensor], header: torch.Tensor | None, label: str, read: bool = False,
 ) -> AllGatherInFlight:
     """Issue the all-gather as an exchange straight into ``regions`` (the unsharded buffer).
 
     ``sources``: this rank's shard of each parameter; ``regions[i]``: parameter ``i``'s
     padded full tensor (typed, shaped ``padded_shape``); ``label``: the group's, the same
-    on every rank.
+    on every rank; ``read``: the peers read this rank's chunks (``_cma.py``).
     """
     if header is None:
         header = torch.zeros(HEADER, dtype=torch.uint8)
     chunks = [lay.chunks_view(region) for lay, region in zip(plan.layouts, regions)]
     gather = _exchange.start_all_gather(sources, chunks, header.view(torch.uint8), group,
-                                        key=f"all_gather {label} {plan.world}")
+                                        key=f"all_gather {label} {plan.world}", read=read)
     return AllGatherInFlight(Completion(work=gather.exchange), plan, gather.headers, exchange=gather,
                              headers_done=Completion(work=gather.header_exchange))
 
@@ -221,6 +248,7 @@ class ReduceTarget:
     root: Any = None  # the root's RootContext: iteration and phase for diagnostics
     check_finite: bool = False  # record non-finite reduced gradients (set_check_finite_gradients)
     exchange: bool = False  # reduce by point-to-point exchange (CPU), not a flat collective
+    read: bool = False  # the exchange reads peers' memory (``_cma.py``) instead of sending messages
 
 
 class ReduceScatterInFlight(NamedTuple):
@@ -338,7 +366,7 @@ def _exchange_reduce_scatter(
         post = float(world) * (post or 1.0)
     chunks = [p.layout.chunks_view(t) for p, t in zip(params, full)]
     rs = _exchange.start_reduce_scatter(chunks, full, copies, dtype, header, target.group,
-                                        key=f"reduce_scatter {target.label} {dtype}")
+                                        key=f"reduce_scatter {target.label} {dtype}", read=target.read)
     return ReduceScatterInFlight(Completion(work=rs.exchange), tuple(params), rs.offsets, op, post, target,
                                  exchange=rs)
 

@@ -39,9 +39,11 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from . import _cma
 from ._checks import HEADER
 
-__all__ = ["TAG", "Exchange", "ExchangeAllGather", "start_all_gather", "ExchangeReduceScatter", "start_reduce_scatter"]
+__all__ = ["TAG", "Exchange", "ReadExchange", "ExchangeAllGather", "start_all_gather", "ExchangeReduceScatter",
+           "start_reduce_scatter"]
 
 TAG = 0x46534432  # "FSD2"
 # Chunks smaller than this travel together, one message per peer (copied into and out of a
@@ -63,6 +65,51 @@ class Exchange:
             self.works[0].wait()
             self.works.pop(0)  # only once finished: a failed wait leaves it to be waited on again
         return True
+
+
+class ReadExchange:
+    """Reading peers' memory (``_cma.py``): ``wait()`` reads what every peer describes.
+
+    Per peer, once its descriptor has arrived: read its chunks into their places, then
+    acknowledge. ``wait()`` returns once every peer has acknowledged this rank's chunks
+    too (``release``), so that the caller may free or overwrite them: the peers read at
+    the same point of their schedule, so this waits about as long as the ranks are
+    apart. (Keeping the memory longer and waiting later, at the free, deadlocked when
+    an exception reset an iteration mid-backward.)
+    """
+
+    __slots__ = ("pg", "what", "pending", "release", "ack", "ack_tag", "descriptors")
+
+    def __init__(self, pg: dist.ProcessGroup, what: str, ack_tag: int) -> None:
+        self.pg, self.what, self.ack_tag = pg, what, ack_tag
+        self.pending: list[tuple[int, dist.Work, torch.Tensor, list[torch.Tensor]]] = []
+        self.release = Exchange([])
+        self.ack = torch.ones(1, dtype=torch.uint8)
+        self.descriptors: list[torch.Tensor] = []
+
+    def expect(self, peer: int, descriptor_size: int, descriptor_tag: int, places: list[torch.Tensor]) -> None:
+        """Post the receives of ``peer``'s descriptor and acknowledgement; its chunks go to ``places``."""
+        descriptor = torch.empty(descriptor_size, dtype=torch.int64)
+        acked = torch.empty(1, dtype=torch.uint8)
+        self.descriptors += [descriptor, acked]
+        work = self.pg.recv([descriptor], peer, descriptor_tag)
+        self.release.works.append(self.pg.recv([acked], peer, self.ack_tag))
+        self.pending.append((peer, work, descriptor, places))
+
+    def offer(self, peer: int, descriptor: torch.Tensor, descriptor_tag: int) -> None:
+        """Tell ``peer`` where to read (the memory must stay as it is until ``release``)."""
+        self.descriptors.append(descriptor)
+        self.release.works.append(self.pg.send([descriptor], peer, descriptor_tag))
+
+    def wait(self) -> bool:
+        """Read every peer's chunks, acknowledge them, then wait for the peers' acknowledgements."""
+        while self.pending:
+            peer, work, descriptor, places = self.pending[0]
+            work.wait()
+            _cma.read(descriptor, places, self.what)
+            self.pending.pop(0)  # only once read: a failed wait leaves it to be waited on again
+            self.release.works.append(self.pg.send([self.ack], peer, self.ack_tag))
+        return self.release.wait()
 
 
 def _tag(key: str, what: str, tensor: torch.Tensor) -> int:
@@ -108,12 +155,13 @@ class ExchangeAllGather(NamedTuple):
 
     def buffers(self) -> list[torch.Tensor]:
         """The communication memory it holds (the unsharded buffer it fills is not)."""
-        return [self.headers, *self.sent, *(got for _, got in self.staged)]
+        extra = self.exchange.descriptors if isinstance(self.exchange, ReadExchange) else []
+        return [self.headers, *self.sent, *(got for _, got in self.staged), *extra]
 
 
 def start_all_gather(
     sources: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor], header: torch.Tensor,
-    pg: dist.ProcessGroup, key: str,
+    pg: dist.ProcessGroup, key: str, read: bool = False,
 ) -> ExchangeAllGather:
     """Fill this rank's chunks from ``sources`` and exchange chunks with every peer.
 
@@ -124,11 +172,15 @@ def start_all_gather(
         header: this rank's 16-byte schedule header.
         pg: the process group of the ``world`` ranks.
         key: names this exchange the same on every rank (e.g. the group): its messages' tags.
+        read: the peers read the chunks out of this process (``_cma.py``) instead of
+            receiving messages (the wait then also waits until they have read).
     """
     me, world = pg.rank(), pg.size()
     own = [c[me] for c in chunks]
     with torch.no_grad():
         torch._foreach_copy_(own, list(sources))
+    if read:
+        return _read_all_gather(own, chunks, header, pg, key)
     small = [i for i, t in enumerate(own) if _is_small(t)]
     big = [i for i, t in enumerate(own) if not _is_small(t)]
     sent = [(t if t.is_contiguous() else t.contiguous(), _tag(key, str(i), t)) for i, t in ((i, own[i]) for i in big)]
@@ -159,6 +211,32 @@ def start_all_gather(
         _post(pg, sent, places, peer, works)
     return ExchangeAllGather(Exchange(header_works), Exchange(works), headers, (header, *(t for t, _ in sent)),
                              tuple(staged))
+
+
+def _read_all_gather(own: list[torch.Tensor], chunks: Sequence[torch.Tensor], header: torch.Tensor,
+                     pg: dist.ProcessGroup, key: str) -> ExchangeAllGather:
+    """The all-gather by reading: every peer reads this rank's chunks where they are."""
+    me, world = pg.rank(), pg.size()
+    offered = [t if t.is_contiguous() else t.contiguous() for t in own]
+    mine = _cma.describe(offered)
+    where, ack = _tag(key, "where", mine), _tag(key, "ack", mine)
+    headers, header_works = _exchange_headers(header, pg)
+    reads = ReadExchange(pg, key, ack)
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for peer in range(world):
+        if peer == me:
+            continue
+        places = []
+        for c in chunks:
+            place = c[peer]
+            if not place.is_contiguous():
+                got = torch.empty(place.shape, dtype=place.dtype, device=place.device)
+                staged.append((place, got))
+                place = got
+            places.append(place)
+        reads.expect(peer, mine.numel(), where, places)
+        reads.offer(peer, mine, where)
+    return ExchangeAllGather(Exchange(header_works), reads, headers, (header, *offered), tuple(staged))
 
 
 def _is_small(chunk: torch.Tensor) -> bool:
@@ -225,12 +303,14 @@ class ExchangeReduceScatter(NamedTuple):
         return total
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.headers, self.header, *(row for row in self.received if row is not None), *self.copies]
+        extra = self.exchange.descriptors if isinstance(self.exchange, ReadExchange) else []
+        return [self.headers, self.header, *(row for row in self.received if row is not None), *self.copies,
+                *extra]
 
 
 def start_reduce_scatter(
     chunks: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], copies: Sequence[torch.Tensor],
-    dtype: torch.dtype, header: torch.Tensor, pg: dist.ProcessGroup, key: str,
+    dtype: torch.dtype, header: torch.Tensor, pg: dist.ProcessGroup, key: str, read: bool = False,
 ) -> ExchangeReduceScatter:
     """Send chunk ``q`` of every gradient to rank ``q``; receive this rank's chunk from every peer.
 
@@ -243,6 +323,7 @@ def start_reduce_scatter(
         copies: the copies among them fsdp2 made (communication memory).
         header: 16 bytes saying what this rank reduces, sent ahead of the data.
         key: names this exchange the same on every rank (group and dtype): its messages' tags.
+        read: each peer reads its chunks out of this process (``_cma.py``), no messages.
     """
     me, world = pg.rank(), pg.size()
     device = chunks[0].device if chunks else torch.device("cpu")
@@ -257,6 +338,10 @@ def start_reduce_scatter(
     received: list[torch.Tensor | None] = [None] * world
     works: list[dist.Work] = []
     made = list(copies)
+    if read:
+        reads = _read_reduce_scatter(chunks, made, offsets, sizes, total, dtype, device, received, pg, key)
+        return ExchangeReduceScatter(Exchange(header_works), reads, headers, header, me, tuple(offsets),
+                                     tuple(received), tuple(c[me] for c in chunks), tuple(sent), tuple(made))
     for peer in range(world):
         if peer == me:
             continue
@@ -282,3 +367,32 @@ def start_reduce_scatter(
         _post(pg, outgoing, places, peer, works)
     return ExchangeReduceScatter(Exchange(header_works), Exchange(works), headers, header, me, tuple(offsets),
                                  tuple(received), tuple(c[me] for c in chunks), tuple(sent), tuple(made))
+
+
+def _read_reduce_scatter(chunks: Sequence[torch.Tensor], made: list[torch.Tensor], offsets: Sequence[int],
+                         sizes: Sequence[int], total: int, dtype: torch.dtype, device: torch.device,
+                         received: list[torch.Tensor | None], pg: dist.ProcessGroup, key: str) -> ReadExchange:
+    """The reduce-scatter by reading: each peer reads its chunk of every gradient from here.
+
+    Fills ``received`` with one row per peer (read into at ``wait()``) and ``made`` with
+    the contiguous copies of chunks that are not contiguous where they are.
+    """
+    me, world = pg.rank(), pg.size()
+    n = len(chunks)
+    where = _tag(key, "where", torch.empty(1 + 2 * n, dtype=torch.int64))
+    reads = ReadExchange(pg, key, _tag(key, "ack", torch.empty(1 + 2 * n, dtype=torch.int64)))
+    for peer in range(world):
+        if peer == me:
+            continue
+        row = torch.empty(total, dtype=dtype, device=device)
+        received[peer] = row
+        offered = []
+        for c in chunks:
+            chunk = c[peer]
+            if not chunk.is_contiguous():
+                chunk = chunk.contiguous()
+                made.append(chunk)
+            offered.append(chunk)
+        reads.expect(peer, 1 + 2 * n, where, [row[offsets[i]:offsets[i] + sizes[i]] for i in range(n)])
+        reads.offer(peer, _cma.describe(offered), where)
+    return reads

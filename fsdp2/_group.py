@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import _checks, _trace
+from . import _checks, _cma, _trace
 from ._collectives import (
-    ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, ReduceTarget, exchange_all_gather, exchanges,
+    ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, ReduceTarget, exchange_all_gather, exchanges, may_read,
+    probe_reads,
     finish_all_gather, finish_reduce_scatter, start_all_gather, start_reduce_scatter,
 )
 from ._mesh import DataParallelMesh
@@ -118,6 +119,7 @@ class ParamGroup:
         self._num_trainable = sum(p.requires_grad for p in params)
         # CPU: point-to-point exchanges instead of flat collectives (unless the group is small).
         self.exchange = exchanges(device, self._unsharded_bytes())
+        self._may_read = may_read(device)  # same-host ranks read each other (_cma.py), once probed
         self._pack_shards()
 
     # ---- layout -------------------------------------------------------------------------
@@ -135,6 +137,7 @@ class ParamGroup:
         self._buffer, self._regions = None, []
         self._num_trainable = sum(p.requires_grad for p in self.params)
         self.exchange = exchanges(self.device, self._unsharded_bytes())  # the dtypes may have changed
+        self._may_read = may_read(self.device)
         self._pack_shards()
 
     def _pack_shards(self) -> None:
@@ -223,6 +226,17 @@ class ParamGroup:
         if self._buffer is not None:
             self._buffer.untyped_storage().resize_(0)
 
+    def probe_transport(self) -> None:
+        """Exchange groups: find out once whether the ranks can read each other (collective)."""
+        if self.exchange and self._may_read and self.world > 1:
+            probe_reads(self.process_group)
+            if self.subgroup is not None and self.subgroup.size > 1:
+                probe_reads(self.subgroup.group)
+
+    def _reads(self, pg: dist.ProcessGroup) -> bool:
+        """Whether this group's exchanges over ``pg`` read the peers' memory (``_cma.py``)."""
+        return self._may_read and _cma.usable(pg)
+
     # ---- unshard / reshard --------------------------------------------------------------
     def _aliases_shards(self) -> bool:
         """World size 1 with nothing to cast or move: the shards already are the full tensors."""
@@ -255,7 +269,8 @@ class ParamGroup:
                     sources = [plan.slot(self._partial_send, i) for i in range(len(self.params))]
                 else:
                     sources = self._shards(plan)
-                self._gather = exchange_all_gather(sources, plan, group, self._regions, header, self.label)
+                self._gather = exchange_all_gather(sources, plan, group, self._regions, header, self.label,
+                                                   read=self._reads(group))
             else:
                 send, copied = (self._partial_send, None) if partial else self._send_buffer(plan)
                 self._gather = start_all_gather(send, plan, group, self.device, copied, header)
@@ -366,6 +381,7 @@ class ParamGroup:
             all_reduce=self.requires_all_reduce, partial=self._partial_reduce,
             divide_factor=float(self.divide_factor if self.divide_factor is not None else dp.world),
             label=self.label, root=self.root, check_finite=self.check_finite, exchange=self.exchange,
+            read=self.exchange and self._reads(self.process_group),
         )
         _trace.emit("reduce_scatter", self.label)
         with record_function(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):

@@ -340,8 +340,9 @@ class ShardedParam:
         target_device = self.padded_local.device
         grad = self.sharded.grad
         if grad is None:
-            local = local.to(device=target_device, dtype=self.orig_dtype)
-            self.sharded.grad = self.as_sharded_dtensor(local.contiguous())
+            local = local.to(device=target_device, dtype=self.orig_dtype).contiguous()
+            # Same mesh, placements, shape and dtype as the parameter: reuse its spec.
+            self.sharded.grad = _compat.dtensor_like(self.sharded, local)
         else:
             with torch.no_grad():
                 grad.to_local().add_(local.to(target_device))

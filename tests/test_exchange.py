@@ -1,10 +1,11 @@
-"""The two transports: point-to-point exchanges (CPU) and flat collectives (NCCL's path).
+"""The transports: exchanges by reads or messages (CPU) and flat collectives (NCCL's path).
 
-On CPU fsdp2 moves the parameters and gradients of groups of 1 MiB and more with
-``isend``/``irecv`` straight into and out of the unsharded buffers (``fsdp2/_exchange.py``);
+On CPU fsdp2 moves the parameters and gradients of groups of 1 MiB and more point to point,
+straight into and out of the unsharded buffers (``fsdp2/_exchange.py``): ranks on one host
+read each other's memory (``fsdp2/_cma.py``), others send ``isend``/``irecv`` messages;
 smaller CPU groups and GPUs use flat ``all_gather_into_tensor``/``reduce_scatter_tensor``
-collectives. ``FSDP2_CPU_COLLECTIVES=exchange`` / ``flat`` puts every CPU group on one path,
-so both are tested here whatever the model's size, the code NCCL runs included: the
+collectives. ``FSDP2_CPU_COLLECTIVES=read`` / ``exchange`` / ``flat`` puts every CPU group on
+one path, so all are tested here whatever the model's size, the code NCCL runs included: the
 layouts that exercise every branch of both (uneven and dim-1 shards, mixed dtypes, mixed
 precision with a reduce-dtype cast, int ``reshard_after_forward``, HSDP, tensor parallelism)
 must train to the unsharded reference either way.
@@ -20,7 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp2
-from fsdp2._collectives import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES
+from fsdp2 import _cma, _exchange
+from fsdp2._collectives import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES, probe_reads
 from fsdp2._state import get_state
 from tests import test_2d, test_mixed_precision, test_parity
 from tests._dist import environ, run_on_ranks
@@ -45,12 +47,13 @@ def test_environment_variable_picks_the_cpu_transport():
     assert run_on_ranks(_transport_of_a_new_group, 2, "auto", 8) == [False, False]  # 2 KiB
     assert run_on_ranks(_transport_of_a_new_group, 2, "auto", 256) == [True, True]  # 2 MiB
     assert run_on_ranks(_transport_of_a_new_group, 2, "exchange", 8) == [True, True]
+    assert run_on_ranks(_transport_of_a_new_group, 2, "read", 8) == [True, True]
     assert run_on_ranks(_transport_of_a_new_group, 2, "flat", 256) == [False, False]
 
 
 def _bad_transport() -> str:
     with pytest.raises(ValueError, match=r"FSDP2_CPU_COLLECTIVES='nccl': use 'auto' \(the default\), "
-                                         r"'exchange' or 'flat'"):
+                                         r"'read', 'exchange' or 'flat'"):
         _under("nccl", fsdp2.fully_shard, MLP(8))
     return "ok"
 
@@ -72,7 +75,7 @@ LAYOUTS = {  # (rank function, world size, its arguments)
 }
 
 
-@pytest.mark.parametrize("transport", ["exchange", "flat"])
+@pytest.mark.parametrize("transport", ["read", "exchange", "flat"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_both_transports_train_to_the_reference(layout, transport):
     fn, world, args = LAYOUTS[layout]
@@ -81,9 +84,9 @@ def test_both_transports_train_to_the_reference(layout, transport):
         test_mixed_precision._check_matches_torch(results[0], torch.bfloat16)
 
 
-def _user_traffic_beside_fsdp2() -> list[float]:
+def _user_traffic_beside_fsdp2(transport: str) -> list[float]:
     """Point-to-point messages of the user's (tag 0) cross fsdp2's exchanges in flight."""
-    return _under("exchange", _user_traffic)
+    return _under(transport, _user_traffic)
 
 
 def _user_traffic() -> list[float]:
@@ -115,6 +118,84 @@ def _user_traffic() -> list[float]:
     return [p.grad.full_tensor().sum().item() for p in model.parameters()]
 
 
-def test_user_point_to_point_messages_do_not_mix_with_fsdp2s():
-    grads = run_on_ranks(_user_traffic_beside_fsdp2, 2)
+@pytest.mark.parametrize("transport", ["read", "exchange"])
+def test_user_point_to_point_messages_do_not_mix_with_fsdp2s(transport):
+    grads = run_on_ranks(_user_traffic_beside_fsdp2, 2, transport)
     assert grads[0] == grads[1]  # averaged over both ranks: the same everywhere
+
+
+# ---- reads (same host) ------------------------------------------------------------------
+def _how_a_big_group_moves(transport: str) -> tuple[str, str, bool]:
+    """(all-gather's kind, reduce-scatter's kind, parameters right) for a 2 MiB group."""
+    torch.manual_seed(0)
+    model = MLP(256)
+    full = [p.detach().clone() for p in model.parameters()]
+    _under(transport, fsdp2.fully_shard, model)
+    group = get_state(model).group
+    model.unshard(async_op=True)  # lazy init (the probe), then the all-gather in flight
+    gather_kind = type(group._gather.exchange.exchange).__name__
+    model.unshard()
+    right = all(torch.equal(p.detach(), f) for p, f in zip(model.parameters(), full))
+    model.reshard()
+    kinds = []
+    original = _exchange.start_reduce_scatter
+
+    def spy(*args, **kwargs):  # records the reduce-scatter's kind; the real one runs
+        rs = original(*args, **kwargs)
+        kinds.append(type(rs.exchange).__name__)
+        return rs
+
+    _exchange.start_reduce_scatter = spy
+    try:
+        model(torch.randn(4, 256)).sum().backward()
+    finally:
+        _exchange.start_reduce_scatter = original
+    return gather_kind, kinds[0], right
+
+
+def test_ranks_on_one_host_read_each_other():
+    # The default picks reads on this machine (one host); "exchange" keeps messages.
+    assert run_on_ranks(_how_a_big_group_moves, 2, "auto") == [("ReadExchange", "ReadExchange", True)] * 2
+    assert run_on_ranks(_how_a_big_group_moves, 2, "exchange") == [("Exchange", "Exchange", True)] * 2
+
+
+def _probe_with_one_rank_unable(transport: str) -> str:
+    """Rank 1 has no process_vm_readv: every rank must fall back (or, forced, raise) alike."""
+    pg = dist.new_group([0, 1])  # a group never probed before
+    saved = _cma._readv
+    if dist.get_rank() == 1:
+        _cma._readv = False
+    try:
+        with environ(CPU_COLLECTIVES_ENV, transport):
+            try:
+                return f"reads={probe_reads(pg)}"
+            except RuntimeError as e:
+                return str(e)
+    finally:
+        _cma._readv = saved
+        dist.destroy_process_group(pg)
+
+
+def test_ranks_agree_when_one_cannot_read():
+    assert run_on_ranks(_probe_with_one_rank_unable, 2, "auto") == ["reads=False"] * 2
+    errors = run_on_ranks(_probe_with_one_rank_unable, 2, "read")
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("FSDP2_CPU_COLLECTIVES=read: the ranks [0, 1] cannot read each other's memory")
+    assert "use 'auto' to fall back to messages" in errors[0]
+
+
+def _read_mismatched_sizes() -> str:
+    peer = torch.arange(6, dtype=torch.float32)
+    with pytest.raises(RuntimeError) as info:
+        _cma.read(_cma.describe([peer]), [torch.empty(4)], "all_gather layers.0")
+    got = torch.empty(6)
+    _cma.read(_cma.describe([peer]), [got], "all_gather layers.0")  # from this process: a copy
+    assert torch.equal(got, peer)
+    return str(info.value)
+
+
+def test_a_read_checks_the_sizes_it_is_offered():
+    message = run_on_ranks(_read_mismatched_sizes, 1)[0]
+    assert message.startswith("fsdp2: all_gather layers.0: the peer (pid ")
+    assert message.endswith("offers 1 regions of [24] bytes where this rank expects [16]: "
+                            "the ranks disagree on what they exchange")

@@ -220,10 +220,11 @@ def _gradients_on_some_ranks_only(transport: str) -> str:
         return str(info.value)
 
 
-def test_ranks_disagreeing_on_which_parameters_get_gradients_fail_on_every_rank():
+@pytest.mark.parametrize("transport", ["exchange", "read"])
+def test_ranks_disagreeing_on_which_parameters_get_gradients_fail_on_every_rank(transport):
     # The exchange sends which gradients each rank reduces ahead of them: rank 1 never
     # touched b, so it reduces a's two gradients where rank 0 reduces four.
-    messages = run_on_ranks(_gradients_on_some_ranks_only, 2, "exchange")
+    messages = run_on_ranks(_gradients_on_some_ranks_only, 2, transport)
     assert messages[0] == messages[1]
     assert messages[0].startswith("fsdp2: ranks disagree on which parameters of root received gradients: "
                                   "rank 1 reduces 2 of them, rank 0 reduces 4. A branch that runs on some "
@@ -382,6 +383,19 @@ def test_training_goes_on_after_an_exception(where, explicit_reset):
         else:
             assert len(warnings) == 1
             assert f"iteration 1 of FSDPTransformer was interrupted by an exception in {where}" in warnings[0]
+
+
+def _train_with_fault_reading(where: str) -> list[str]:
+    with environ(CPU_COLLECTIVES_ENV, "read"):  # collectives in flight read the peers' buffers
+        return _train_with_fault(where, False)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_training_goes_on_after_an_exception_while_ranks_read_each_other(where):
+    # A gather prefetched when the exception hit is finished by the reset: its buffer must stay
+    # until the peer has read it, or the ranks' next exchanges would not match up.
+    for warnings in run_on_ranks(_train_with_fault_reading, 2, where):
+        assert len(warnings) == 1 and f"interrupted by an exception in {where}" in warnings[0]
 
 
 class _Embedder(Transformer):

@@ -91,6 +91,10 @@ class _Group:
         """Whether fsdp2 moves this group with point-to-point exchanges (as ``_collectives.exchanges``)."""
         return gloo and exchanges(torch.device("cpu"), self.unsharded)
 
+    def descriptor(self) -> int:
+        """Bytes of one read descriptor (``_cma.describe``): pid, then address and size per tensor."""
+        return 8 * (1 + 2 * self.tensors)
+
     def shard_storage(self, shard: int) -> int:
         """Bytes of the shards' storage: packed into one send slice (header included) when sharded."""
         return HEADER + self.slice if self.packed and shard > 1 and self.tensors else self.sharded
@@ -192,12 +196,16 @@ class _Schedule:
       gradients themselves (copies only to cast or pad, which lets the gradients go),
       receives one 1/shard row per peer and sums into the first. Smaller gloo groups
       take the flat path, whose reduce-scatter keeps a full-size copy of its input.
+      With ``reads`` (one host) nothing is packed; small descriptors and acknowledgements
+      replace the data messages.
     """
 
     def __init__(self, line: _Timeline, sizes: dict[str, _Group], order: list[str], *, shard: int,
-                 alias: bool, reshard: bool, root_reshard: bool, grad_accum: int, gloo: bool) -> None:
+                 alias: bool, reshard: bool, root_reshard: bool, grad_accum: int, gloo: bool,
+                 reads: bool) -> None:
         self.line, self.sizes, self.order = line, sizes, order
         self.gloo = gloo
+        self.reads = reads  # gloo exchanges read the peers' memory (one host) instead of messages
         self.shard, self.alias, self.grad_accum = shard, alias, grad_accum
         self.reshard_after_forward = {name: reshard for name in order}
         self.reshard_after_forward["root"] = root_reshard
@@ -210,6 +218,9 @@ class _Schedule:
         g = self.sizes[name]
         if self.alias:
             return 0
+        if g.exchange(self.gloo) and self.reads and self.shard > 1:  # the headers; a descriptor
+            # sent and one received per peer, with a 1-byte acknowledgement each and one to send
+            return (self.shard + 1) * HEADER + self.shard * g.descriptor() + self.shard
         if g.exchange(self.gloo):  # the chunks land in the unsharded buffer, except the small ones:
             # packed, sent from one buffer and received into one per peer; the headers
             return (self.shard + 1) * HEADER + (self.shard * g.packed_gather if self.shard > 1 else 0)
@@ -274,6 +285,10 @@ class _Schedule:
         if self.alias:
             return g.reduce, 0
         out = g.reduce // self.shard if self.shard > 1 else 0
+        if g.exchange(self.gloo) and self.shard > 1 and self.reads:  # (and the headers; per peer a
+            # descriptor sent, one received and a 1-byte acknowledgement; one to send)
+            return (g.reduce_copies,
+                    (self.shard - 1) * (out + 2 * g.descriptor() + 1) + 1 + (self.shard + 1) * HEADER)
         if g.exchange(self.gloo) and self.shard > 1:  # (and the headers, and the small chunks packed per peer)
             return (g.reduce_copies + (self.shard - 1) * g.packed_reduce,
                     (self.shard - 1) * out + (self.shard + 1) * HEADER)
@@ -477,6 +492,7 @@ def estimate_memory(
     make_inputs: Callable[[int, int], torch.Tensor] = _tokens,
     backend: str = "nccl",
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None,
+    cpu_reads: bool = True,
 ) -> MemoryEstimate:
     """Predict one rank's peak memory for training ``model`` with fsdp2 on a layout.
 
@@ -507,6 +523,9 @@ def estimate_memory(
             exchanges for groups of 1 MiB and more, where all-gathers land in the unsharded
             buffer and reduce-scatters send from the gradients; gloo's flat collectives for
             smaller groups), which hold different buffers.
+        cpu_reads: with ``backend="gloo"``, whether the exchanges read the peers' memory
+            (ranks on one host, fsdp2's default where the kernel allows it) or send messages
+            (across hosts, or ``FSDP2_CPU_COLLECTIVES=exchange``).
         tp_plan: with ``tp > 1``, ``tp_plan(model, tp_mesh)`` applies tensor parallelism
             (``parallelize_module``) to the fake model; default: the recipe's Llama plan
             (Megatron-style with sequence parallelism). The model then runs as one rank
@@ -557,7 +576,7 @@ def estimate_memory(
         alias = shard == 1 and dp_replicate == 1 and tp == 1 and pdtype == orig_dtype
         sched = _Schedule(line, sizes, ["root", *(f"layers.{i}" for i in range(n_built))], shard=shard,
                           alias=alias, reshard=reshard_after_forward, root_reshard=root_reshard_after_forward,
-                          grad_accum=grad_accum, gloo=backend == "gloo")
+                          grad_accum=grad_accum, gloo=backend == "gloo", reads=cpu_reads)
         for category, nbytes in constants.items():
             line.extra[category] += nbytes
         run = _simulate(model, sched, line, batch=batch, seq=seq, activation_checkpointing=activation_checkpointing,
