@@ -100,7 +100,7 @@ def plan(margs: ModelArgs, case: dict, world: int, batch: int, seq: int):
                            param_dtype=DTYPES[case["param_dtype"]],
                            reduce_dtype=torch.float32, reshard_after_forward=case["reshard_after_forward"],
                            activation_checkpointing=case["activation_checkpointing"], make_inputs=_inputs,
-                           backend="gloo")
+                           backend="gloo", cpu_reads=case.get("cpu_reads", True))
 
 
 def _inputs(batch: int, seq: int) -> torch.Tensor:

@@ -15,8 +15,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import fsdp2
+from fsdp2._collectives import CPU_COLLECTIVES_ENV
 from fsdp2.memory import MemoryTracker, estimate_memory
-from tests._dist import REPO_ROOT, run_on_ranks
+from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
 
 DIM, LAYERS, BATCH, SEQ = 256, 2, 2, 16
@@ -113,6 +114,28 @@ def _track_recipe(case: dict):
     from recipes.llama.model import ModelArgs
 
     return track(ModelArgs(**_RECIPE), case, _RECIPE_BATCH, _RECIPE_SEQ)
+
+
+def _track_recipe_on(transport: str, case: dict):
+    with environ(CPU_COLLECTIVES_ENV, transport):
+        return _track_recipe(case)
+
+
+@pytest.mark.parametrize("transport", ["read", "exchange"])
+def test_planner_matches_tracker_byte_for_byte_on_each_cpu_transport(transport):
+    # Every group an exchange (the recipe's small model has groups under 1 MiB): reads keep
+    # descriptors and acknowledgements, messages pack the small chunks.
+    from benchmarks.memory import compare, plan
+    from recipes.llama.model import ModelArgs
+
+    case = {"layout": "fsdp", "param_dtype": "fp32", "reshard_after_forward": True,
+            "activation_checkpointing": True, "cpu_reads": transport == "read"}
+    measured = run_on_ranks(_track_recipe_on, 2, transport, case)[0]
+    with environ(CPU_COLLECTIVES_ENV, transport):
+        est = plan(ModelArgs(**_RECIPE), case, 2, _RECIPE_BATCH, _RECIPE_SEQ)
+    rows = compare(measured, est)
+    assert {k: (r["tracker"], r["planner"]) for k, r in rows.items() if r["tracker"] != r["planner"]} == {}
+    assert rows["communication"]["tracker"] > 0
 
 
 @pytest.mark.parametrize("world,layout,param_dtype,reshard,ac", [
