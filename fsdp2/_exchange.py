@@ -25,6 +25,11 @@ parameter, each one from where it lives to where it is needed:
   16-byte header saying which gradients the rank reduces travels first (ranks
   that disagree get a clear error instead of sums of mismatched chunks).
 
+Ranks on one host (probed once per group, ``_cma.py``) move the data by reading each
+other's memory instead (``ReadExchange``): after the header, each rank sends every peer
+a descriptor of where its chunks are, the peer reads them straight into place (no
+packing needed: one call reads any number of chunks) and acknowledges.
+
 Messages between two ranks are matched in the order they were posted, the same on
 every rank because every rank runs the same schedule; they use a tag of their own
 so that user point-to-point traffic on the same process group (tag 0) cannot
@@ -142,7 +147,7 @@ class ExchangeAllGather(NamedTuple):
     """An all-gather by exchange; the tensors here must outlive the exchange."""
 
     header_exchange: Exchange  # the headers' messages, first from every peer: check before the rest
-    exchange: Exchange
+    exchange: Exchange | ReadExchange  # the data: messages, or reads of the peers' memory
     headers: torch.Tensor  # (world, HEADER) bytes: every rank's schedule header, once done
     sent: tuple[torch.Tensor, ...]  # the header, the small chunks packed, the other own chunks as sent
     staged: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (place, received): copied at the end
@@ -275,7 +280,7 @@ class ExchangeReduceScatter(NamedTuple):
     """A reduce-scatter by exchange: what was sent, what arrives, and this rank's own chunks."""
 
     header_exchange: Exchange  # the headers' messages, first from every peer: check before the rest
-    exchange: Exchange
+    exchange: Exchange | ReadExchange  # the data: messages, or reads of the peers' memory
     headers: torch.Tensor  # (world, HEADER) bytes: what every rank says it reduces
     header: torch.Tensor
     rank: int
