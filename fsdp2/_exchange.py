@@ -79,8 +79,8 @@ class ReadExchange:
     acknowledge. ``wait()`` returns once every peer has acknowledged this rank's chunks
     too (``release``), so that the caller may free or overwrite them: the peers read at
     the same point of their schedule, so this waits about as long as the ranks are
-    apart. (Keeping the memory longer and waiting later, at the free, deadlocked when
-    an exception reset an iteration mid-backward.)
+    apart. (Waiting later, at the free of the unsharded buffer, hung in the
+    exception-recovery tests: docs/design.md.)
     """
 
     __slots__ = ("pg", "what", "pending", "release", "ack", "ack_tag", "descriptors")
