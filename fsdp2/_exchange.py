@@ -126,8 +126,12 @@ def _tag(key: str, what: str, tensor: torch.Tensor) -> int:
     the common ``TAG``, meet and say what went wrong. In [2**30, 2**31): not a user's
     small tags, and a valid gloo tag.
     """
-    text = f"{key}|{what}|{tensor.numel() * tensor.element_size()}".encode()
-    return (zlib.crc32(text) & 0x3FFFFFFF) | 0x40000000
+    return _tag_of_size(key, what, tensor.numel() * tensor.element_size())
+
+
+def _tag_of_size(key: str, what: str, nbytes: int) -> int:
+    """``_tag`` for a message of ``nbytes`` bytes (no tensor needed to name it)."""
+    return (zlib.crc32(f"{key}|{what}|{nbytes}".encode()) & 0x3FFFFFFF) | 0x40000000
 
 
 def _post(pg: dist.ProcessGroup, sends: Sequence[tuple[torch.Tensor, int]],
@@ -384,8 +388,9 @@ def _read_reduce_scatter(chunks: Sequence[torch.Tensor], made: list[torch.Tensor
     """
     me, world = pg.rank(), pg.size()
     n = len(chunks)
-    where = _tag(key, "where", torch.empty(1 + 2 * n, dtype=torch.int64))
-    reads = ReadExchange(pg, key, _tag(key, "ack", torch.empty(1 + 2 * n, dtype=torch.int64)))
+    descriptor_bytes = 8 * (1 + 2 * n)  # int64: pid, then address and size per chunk
+    where = _tag_of_size(key, "where", descriptor_bytes)
+    reads = ReadExchange(pg, key, _tag_of_size(key, "ack", descriptor_bytes))
     for peer in range(world):
         if peer == me:
             continue
