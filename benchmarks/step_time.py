@@ -199,8 +199,30 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def minor_faults() -> int:
+    """Page faults served without I/O so far in this process: mostly the kernel handing out
+    (and zeroing) fresh pages after the allocator gave memory back to the OS."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def keep_freed_memory() -> None:
+    """Tell glibc's malloc to keep freed memory in the process (no trimming of the heap, no
+    mmap for blocks under 1 GiB), so a step does not pay the kernel for fresh pages because
+    the implementation stepped before it shrank the heap. Applies to every implementation."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    if libc is None or not hasattr(libc, "mallopt") or not (
+            libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30)):
+        raise SystemExit("--malloc keep needs glibc's mallopt(); run with --malloc default")
+
+
 def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
-               mesh: DeviceMesh, device: torch.device, how: str = "blocks", foreach: bool | None = None) -> dict:
+               mesh: DeviceMesh, device: torch.device, how: str = "blocks", foreach: bool | None = None,
+               malloc: str = "default") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank and for every implementation
     base = GPT(cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq).to(device)
@@ -210,12 +232,14 @@ def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
     opts = {impl: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=foreach) for impl, m in models.items()}
 
     times = {impl: [] for impl in impls}
+    faults = {impl: [] for impl in impls}
     losses: dict[str, torch.Tensor] = {}
     for rnd in range(warmup + steps):
         inputs, targets = make_batch(rank, rnd, cfg, device)
         for k in range(len(impls)):
             impl = impls[(rnd + k) % len(impls)]  # rotate who goes first
             dist.barrier()
+            faulted = minor_faults()
             start = time.perf_counter()
             losses[impl] = train_step(models[impl], opts[impl], inputs, targets)
             if device.type == "cuda":
@@ -223,20 +247,23 @@ def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
             elapsed = time.perf_counter() - start
             if rnd >= warmup:
                 times[impl].append(elapsed)
+                faults[impl].append(minor_faults() - faulted)
 
     # A step lasts until its slowest rank is done.
     per_step = {impl: gather_rows(times[impl]).max(dim=0).values.tolist() for impl in impls}
     median = {impl: statistics.median(per_step[impl]) for impl in impls}
+    faulted = {impl: statistics.median(gather_rows(faults[impl]).max(dim=0).values.tolist()) for impl in impls}
     quartiles = {impl: statistics.quantiles(per_step[impl], n=4) if steps > 1 else [median[impl]] * 3
                  for impl in impls}
     mem = {impl: gather_rows(state_bytes(models[impl], opts[impl]), torch.int64) for impl in impls}
     rss = gather_rows([peak_rss_mb()])[:, 0].tolist()
     result = {
-        "config": {**asdict(cfg), "params": n_params, "world": world, "steps": steps, "warmup": warmup, "wrap": how, "foreach": foreach,
+        "config": {**asdict(cfg), "params": n_params, "world": world, "steps": steps, "warmup": warmup, "wrap": how, "foreach": foreach, "malloc": malloc,
                    "device": device.type, "threads": torch.get_num_threads(), "torch": torch.__version__},
         "median_s": {impl: round(median[impl], 5) for impl in impls},
         "iqr_s": {impl: [round(quartiles[impl][0], 5), round(quartiles[impl][2], 5)] for impl in impls},
         "ratio": {f"{a}/{b}": round(median[a] / median[b], 3) for a, b in RATIOS if a in impls and b in impls},
+        "minor_faults_per_step": {impl: int(faulted[impl]) for impl in impls},
         "peak_rss_mb": [round(r, 1) for r in rss],
         "memory": {impl: {"params_bytes": m[:, 0].tolist(), "grads_bytes": m[:, 1].tolist(),
                           "optim_bytes": m[:, 2].tolist(), "total_bytes": m.sum(dim=1).tolist()}
@@ -270,6 +297,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--foreach", action="store_true",
                    help="AdamW(foreach=True) for every implementation (torch's default on GPUs; on CPU "
                         "the default is a loop over the parameters, one op at a time)")
+    p.add_argument("--malloc", choices=("default", "keep"), default="default",
+                   help="keep: glibc keeps freed memory in the process for every implementation (no fresh "
+                        "pages each step because another implementation shrank the heap; see docs/performance.md)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = p.parse_args()
     args.impls = [i for i in args.impls.split(",") if i]
@@ -294,6 +324,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.malloc == "keep":
+        keep_freed_memory()
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     world = dist.get_world_size()
@@ -309,7 +341,7 @@ def main() -> None:
     try:
         for cfg in args.configs:
             result = run_config(cfg, args.impls, args.steps, args.warmup, mesh, device, args.wrap,
-                                True if args.foreach else None)
+                                True if args.foreach else None, args.malloc)
             if dist.get_rank() == 0:
                 line = json.dumps(result)
                 print(line, flush=True)

@@ -160,6 +160,17 @@ class AllGatherInFlight(NamedTuple):
             return self.exchange.buffers()
         return [t for t in (self.send, self.output) if t is not None]
 
+    @property
+    def release(self) -> _exchange.Exchange | None:
+        """Read all-gathers: what is left once ``done``, the peers' acknowledgements.
+
+        The peers read this rank's chunks out of its unsharded buffer, maybe after this
+        rank's own wait returned: wait for this (and keep every tensor here alive) before
+        that buffer is freed or refilled. None for the other transports (``done`` is all).
+        """
+        reads = self.exchange.exchange if self.exchange is not None else None
+        return reads.release if isinstance(reads, _exchange.ReadExchange) and reads.defer else None
+
 
 def start_all_gather(
     send: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup, device: torch.device,

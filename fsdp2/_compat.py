@@ -9,6 +9,7 @@ import contextlib
 from typing import Callable, Iterator
 
 import torch
+import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 
@@ -51,6 +52,30 @@ def dtensor_like(dtensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     parameter are wrapped this way every step.
     """
     return DTensor(local, dtensor._spec, requires_grad=False)
+
+
+def keep_spec(made: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Give ``made`` (an alias of the DTensor ``source``) ``source``'s sharding spec back.
+
+    DTensor ops take their output spec from a cache that compares meshes by value: after
+    an equal mesh was built earlier in the process (same shape, names and ranks, other
+    process groups), ``nn.Parameter(dtensor)`` or ``dtensor.detach()`` can come back on
+    that older mesh, and collectives then run on its groups (hangs when it differs between
+    ranks, errors when it was destroyed). A no-op for plain tensors.
+    """
+    if isinstance(source, DTensor) and made._spec is not source._spec:
+        made._spec = source._spec
+    return made
+
+
+def parameter(data: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """``nn.Parameter(data, requires_grad)`` that keeps a DTensor on its own mesh (``keep_spec``)."""
+    return keep_spec(nn.Parameter(data, requires_grad=requires_grad), data)
+
+
+def detach(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()`` that keeps a DTensor on its own mesh (``keep_spec``)."""
+    return keep_spec(t.detach(), t)
 
 
 # torch 2.13 renamed the flat collectives (the old names warn); older releases only have the old ones.

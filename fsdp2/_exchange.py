@@ -76,17 +76,17 @@ class ReadExchange:
     """Reading peers' memory (``_cma.py``): ``wait()`` reads what every peer describes.
 
     Per peer, once its descriptor has arrived: read its chunks into their places, then
-    acknowledge. ``wait()`` returns once every peer has acknowledged this rank's chunks
-    too (``release``), so that the caller may free or overwrite them: the peers read at
-    the same point of their schedule, so this waits about as long as the ranks are
-    apart. (Waiting later, at the free of the unsharded buffer, hung in the
-    exception-recovery tests: docs/design.md.)
+    acknowledge. ``release`` finishes once every peer has acknowledged this rank's chunks
+    too, so that the caller may free or overwrite them: ``wait()`` waits for it as well,
+    unless ``defer`` (all-gathers: their caller waits for ``release`` before it frees the
+    unsharded buffer, one block of compute later, so the ranks may drift apart by a block
+    instead of meeting at every wait).
     """
 
-    __slots__ = ("pg", "what", "pending", "release", "ack", "ack_tag", "descriptors")
+    __slots__ = ("pg", "what", "pending", "release", "ack", "ack_tag", "descriptors", "defer")
 
-    def __init__(self, pg: dist.ProcessGroup, what: str, ack_tag: int) -> None:
-        self.pg, self.what, self.ack_tag = pg, what, ack_tag
+    def __init__(self, pg: dist.ProcessGroup, what: str, ack_tag: int, defer: bool = False) -> None:
+        self.pg, self.what, self.ack_tag, self.defer = pg, what, ack_tag, defer
         self.pending: list[tuple[int, dist.Work, torch.Tensor, list[torch.Tensor]]] = []
         self.release = Exchange([])
         self.ack = torch.ones(1, dtype=torch.uint8)
@@ -107,14 +107,14 @@ class ReadExchange:
         self.release.works.append(self.pg.send([descriptor], peer, descriptor_tag))
 
     def wait(self) -> bool:
-        """Read every peer's chunks, acknowledge them, then wait for the peers' acknowledgements."""
+        """Read every peer's chunks and acknowledge them; then, unless ``defer``, wait for ``release``."""
         while self.pending:
             peer, work, descriptor, places = self.pending[0]
             work.wait()
             _cma.read(descriptor, places, self.what)
             self.pending.pop(0)  # only once read: a failed wait leaves it to be waited on again
             self.release.works.append(self.pg.send([self.ack], peer, self.ack_tag))
-        return self.release.wait()
+        return True if self.defer else self.release.wait()
 
 
 def _tag(key: str, what: str, tensor: torch.Tensor) -> int:
@@ -230,7 +230,7 @@ def _read_all_gather(own: list[torch.Tensor], chunks: Sequence[torch.Tensor], he
     mine = _cma.describe(offered)
     where, ack = _tag(key, "where", mine), _tag(key, "ack", mine)
     headers, header_works = _exchange_headers(header, pg)
-    reads = ReadExchange(pg, key, ack)
+    reads = ReadExchange(pg, key, ack, defer=True)
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     for peer in range(world):
         if peer == me:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import _checks, _cma, _trace
+from . import _checks, _cma, _debug, _trace
 from ._collectives import (
     ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, ReduceTarget, exchange_all_gather, exchanges, may_read,
     probe_reads,
@@ -105,6 +105,7 @@ class ParamGroup:
         self.divide_factor: float | None = None
         self.state = ShardState.SHARDED
         self._gather: AllGatherInFlight | None = None
+        self._unreleased: AllGatherInFlight | None = None  # a read all-gather the peers may still read from
         self._partial_send: torch.Tensor | None = None
         self._buffer: torch.Tensor | None = None
         self._regions: list[torch.Tensor] = []
@@ -223,6 +224,10 @@ class ParamGroup:
         return buffer[start:start + size].view(p.param_dtype).view(p.layout.padded_shape)
 
     def _free_unsharded(self) -> None:
+        gather, self._unreleased = self._unreleased, None
+        if gather is not None:  # the peers read this rank's chunks out of the buffer
+            _debug.wait(gather.release, "all_gather", self.label,
+                        f"{gather.plan.world} ranks x {gather.plan.slice_bytes} bytes (the peers' reads)", self.root)
         if self._buffer is not None:
             self._buffer.untyped_storage().resize_(0)
 
@@ -290,6 +295,8 @@ class ParamGroup:
             _checks.wait_all_gather(self, gather)  # errors name the group; compares the ranks' headers
             self._alloc_unsharded()
             finish_all_gather(gather, self._regions)
+        if gather.release is not None:
+            self._unreleased = gather
         self._gather = None  # only now: if the copy raised, reset() still finds the collective
         for p in self.params:
             p.to_unsharded()
@@ -406,6 +413,8 @@ class ParamGroup:
         """Return to a clean sharded state after an exception mid-iteration."""
         if self._gather is not None:
             self._gather.done.wait()
+            if self._gather.release is not None:
+                self._unreleased = self._gather
             self._gather = None
             self._header_pg = None
             self.state = ShardState.SHARDED  # modules still hold the shards while gathering

@@ -173,7 +173,7 @@ class ShardedParam:
     def _set_padded_local(self, padded: torch.Tensor) -> None:
         self.padded_local = padded
         local = padded.narrow(self.layout.dim, 0, self.layout.rows(self.rank))
-        self.sharded = nn.Parameter(self.as_sharded_dtensor(local), requires_grad=self.requires_grad)
+        self.sharded = _compat.parameter(self.as_sharded_dtensor(local), self.requires_grad)
         self._register_on_modules(self.sharded)
 
     def as_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -278,7 +278,7 @@ class ShardedParam:
                     view, tp_mesh, tp_placements, run_check=False,
                     shape=self.global_shape, stride=contiguous_stride(self.global_shape),
                 )
-        self.unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
+        self.unsharded = _compat.parameter(view, self.requires_grad)
         if self.requires_grad:
             self.unsharded.register_post_accumulate_grad_hook(lambda _p: on_grad_ready(self))
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from . import _compat
 from ._param import ShardedParam
 
 if TYPE_CHECKING:
@@ -89,18 +90,15 @@ def _relative_prefixes(root: nn.Module, state: ModuleState) -> dict[int, list[st
 
 def _sharded_on_save(state: ModuleState, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
     group = state.group
-    if group is None or all(_registered(p) is p.sharded for p in group.params):
-        return  # the modules hold the shards: nn.Module saved them already
+    if group is None:
+        return
+    # Even when the modules hold the shards and nn.Module saved them, its detach() may have
+    # put the value on an equal, older mesh (``_compat.keep_spec``): always write it here.
     for key, param in _param_keys(state, module, prefix):
         if key in state_dict:
             # Same choice nn.Module makes: detach unless keep_vars (then the value is a Parameter).
             keep_vars = isinstance(state_dict[key], nn.Parameter)
-            state_dict[key] = param.sharded if keep_vars else param.sharded.detach()
-
-
-def _registered(param: ShardedParam) -> nn.Parameter:
-    owner, name = param.locations[0]
-    return owner._parameters[name]
+            state_dict[key] = param.sharded if keep_vars else _compat.detach(param.sharded)
 
 
 def _shard_on_load(state: ModuleState, module: nn.Module, state_dict: dict[str, Any], prefix: str,

@@ -132,7 +132,7 @@ def _how_a_big_group_moves(transport: str) -> tuple[str, str, bool]:
     full = [p.detach().clone() for p in model.parameters()]
     _under(transport, fsdp2.fully_shard, model)
     group = get_state(model).group
-    model.unshard(async_op=True)  # lazy init (the probe), then the all-gather in flight
+    model.unshard(async_op=True)  # probes the transport (once per process group), then gathers
     gather_kind = type(group._gather.exchange.exchange).__name__
     model.unshard()
     right = all(torch.equal(p.detach(), f) for p, f in zip(model.parameters(), full))
@@ -157,6 +157,38 @@ def test_ranks_on_one_host_read_each_other():
     # The default picks reads on this machine (one host); "exchange" keeps messages.
     assert run_on_ranks(_how_a_big_group_moves, 2, "auto") == [("ReadExchange", "ReadExchange", True)] * 2
     assert run_on_ranks(_how_a_big_group_moves, 2, "exchange") == [("Exchange", "Exchange", True)] * 2
+
+
+def _one_rank_runs_ahead() -> list[bool]:
+    """Rank 1 reads rank 0's chunks only after rank 0 has finished its own wait.
+
+    A read all-gather's wait returns once this rank has read its peers; that the peers
+    have read this rank is waited for at the free of the unsharded buffer. (Were it part
+    of the wait, rank 0 would wait for rank 1, which waits for rank 0's message: a hang.)
+    """
+    torch.manual_seed(0)
+    model = MLP(256)
+    full = [p.detach().clone() for p in model.parameters()]
+    _under("read", fsdp2.fully_shard, model)
+    group = get_state(model).group
+    model.unshard(async_op=True)  # probes the transport (once per process group), then gathers
+    assert isinstance(group._gather.exchange.exchange, _exchange.ReadExchange)
+    signal = torch.zeros(1)
+    if dist.get_rank() == 0:
+        model.unshard()  # reads rank 1's chunks; rank 1 has not read rank 0's yet
+        pending = group._unreleased is not None
+        dist.send(signal, 1)
+    else:
+        dist.recv(signal, 0)
+        model.unshard()
+        pending = group._unreleased is not None
+    right = all(torch.equal(p.detach(), f) for p, f in zip(model.parameters(), full))
+    model.reshard()  # waits until the peer has read this rank's chunks, then frees
+    return [pending, right, group._unreleased is None]
+
+
+def test_a_rank_may_run_ahead_of_the_peers_reading_from_it():
+    assert run_on_ranks(_one_rank_runs_ahead, 2) == [[True, True, True]] * 2
 
 
 def _probe_with_one_rank_unable(transport: str) -> str:

@@ -499,3 +499,41 @@ def _guard_off_by_default() -> bool:
 
 def test_finite_guard_is_off_by_default():
     assert run_on_ranks(_guard_off_by_default, 2) == [True, True]
+
+
+# ---- 5. a mesh equal to an earlier one keeps its own process groups -------------------------
+def _groups(t: torch.Tensor) -> list[dist.ProcessGroup]:
+    mesh = t.device_mesh
+    return [mesh.get_group(i) for i in range(mesh.ndim)]
+
+
+def _equal_meshes() -> list[int]:
+    """A model on a fresh 2-D mesh equal (by value) to one an earlier model used.
+
+    DTensor's op cache compares meshes by value, so ``nn.Parameter(dtensor)`` and
+    ``dtensor.detach()`` can come back on the earlier mesh, whose groups are others: the
+    parameters, their gradients and the state dict must still name the new mesh's groups.
+    """
+    shape, names = (2, 2), ("dp_replicate", "dp_shard")
+    earlier = MLP(8, hidden=16)
+    fully_shard(earlier, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
+    earlier(torch.randn(2, 8)).sum().backward()  # runs DTensor ops on its parameters too
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    expected = [mesh.get_group(i) for i in range(mesh.ndim)]
+    model = MLP(8, hidden=16)  # the same shapes: every cached op matches
+    fully_shard(model, mesh=mesh)
+    for step in range(2):
+        model(torch.randn(2, 8)).sum().backward()
+        for name, p in model.named_parameters():
+            assert _groups(p) == expected, f"step {step}: {name} is on another mesh"
+            assert _groups(p.grad) == expected, f"step {step}: {name}.grad is on another mesh"
+        for key, value in model.state_dict().items():
+            assert _groups(value) == expected, f"step {step}: state_dict[{key!r}] is on another mesh"
+        model.zero_grad()
+    with torch.no_grad():  # and collectives on them pair up across ranks
+        return [round(p.full_tensor().sum().item(), 4) for p in model.parameters()]
+
+
+def test_a_mesh_equal_to_an_earlier_one_keeps_its_own_groups():
+    results = run_on_ranks(_equal_meshes, 4)
+    assert all(r == results[0] for r in results), results

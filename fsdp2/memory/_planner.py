@@ -229,6 +229,10 @@ class _Schedule:
             return slice_bytes
         return (0 if g.packed else slice_bytes) + self.shard * slice_bytes
 
+    def _released_at_reshard(self, name: str) -> bool:
+        """Read all-gathers keep their buffers until the unsharded buffer is freed (peers read it)."""
+        return not self.alias and self.sizes[name].exchange(self.gloo) and self.reads and self.shard > 1
+
     def _unsharded_bytes(self, name: str) -> int:
         return 0 if self.alias else self.sizes[name].unsharded
 
@@ -245,13 +249,16 @@ class _Schedule:
             self.state[name] = "unsharded"
             if not self.sizes[name].exchange(self.gloo):
                 self.line.add_bytes("unsharded_params", self._unsharded_bytes(name))
-            self.line.add_bytes("communication", -self._gather_bytes(name))
+            if not self._released_at_reshard(name):
+                self.line.add_bytes("communication", -self._gather_bytes(name))
 
     def reshard(self, name: str) -> None:
         if self.state[name] == "gathering":  # its buffers are in use by the collective
             self.wait(name)
         if self.state[name] == "unsharded":
             self.state[name] = "sharded"
+            if self._released_at_reshard(name):
+                self.line.add_bytes("communication", -self._gather_bytes(name))
             self.line.add_bytes("unsharded_params", -self._unsharded_bytes(name))
 
     def pre_forward(self, name: str) -> None:

@@ -93,8 +93,9 @@ def _group_storages(group: ParamGroup) -> dict[str, list[torch.Tensor]]:
     for p in group.params:
         grads += [p.sharded.grad, p.accumulated_grad, p.unsharded.grad if p.unsharded is not None else None]
     comm = [group._partial_send, *group._partial_reduce.values()]
-    if group._gather is not None:  # packed shards are sent as they are: still sharded parameters
-        comm += [t for t in group._gather.buffers() if t is not group._packed]
+    for gather in (group._gather, group._unreleased):  # (a read all-gather's, until the peers read)
+        if gather is not None:  # packed shards are sent as they are: still sharded parameters
+            comm += [t for t in gather.buffers() if t is not group._packed]
     mine = {id(p) for p in group.params}
     for inflight in group.reduce_queue._pending:  # shared by the groups: keep this group's
         if inflight.params and id(inflight.params[0]) in mine:
