@@ -6,7 +6,7 @@ Left: median step time per implementation against parameter count (log-log), one
 per (implementation, world size). Right: each implementation's step time divided by
 ``nocomm``'s from the same launch (the cost of communication and sharding). Lines with
 the same model and world size (repeated launches) are combined by their median; lines of
-the variants (``--wrap titan``, ``--foreach``) are left out.
+the variants (``--wrap titan``, ``--foreach``, ``--malloc keep``) are left out.
 Needs matplotlib (``pip install matplotlib``), which the package itself does not.
 """
 
@@ -33,8 +33,9 @@ def load(path: str) -> dict[tuple[str, int], dict[int, dict[str, list[float]]]]:
                 params, world, median = rec["config"]["params"], rec["config"]["world"], rec["median_s"]
             except (json.JSONDecodeError, KeyError) as e:
                 raise SystemExit(f"{path}:{n}: not a step_time.py result line ({e})")
-            if rec["config"].get("wrap", "blocks") != "blocks" or rec["config"].get("foreach"):
-                continue  # variants (--wrap titan, --foreach) are not mixed into the default's lines
+            cfg = rec["config"]
+            if cfg.get("wrap", "blocks") != "blocks" or cfg.get("foreach") or cfg.get("malloc", "default") != "default":
+                continue  # variants (--wrap titan, --foreach, --malloc keep) are not mixed into the default's lines
             for impl, t in median.items():
                 point = series[impl, world][params]
                 point["time"].append(t)
