@@ -121,6 +121,8 @@ class ParamGroup:
         # CPU: point-to-point exchanges instead of flat collectives (unless the group is small).
         self.exchange = exchanges(device, self._unsharded_bytes())
         self._may_read = may_read(device)  # same-host ranks read each other (_cma.py), once probed
+        self._probed = False  # probe_transport() ran: at the group's first all-gather
+        self._aliases = self._aliases_shards()
         self._pack_shards()
 
     # ---- layout -------------------------------------------------------------------------
@@ -139,6 +141,8 @@ class ParamGroup:
         self._num_trainable = sum(p.requires_grad for p in self.params)
         self.exchange = exchanges(self.device, self._unsharded_bytes())  # the dtypes may have changed
         self._may_read = may_read(self.device)
+        self._probed = False  # an exchange group now (the dtypes changed) probes at its next gather
+        self._aliases = self._aliases_shards()
         self._pack_shards()
 
     def _pack_shards(self) -> None:
@@ -232,7 +236,13 @@ class ParamGroup:
             self._buffer.untyped_storage().resize_(0)
 
     def probe_transport(self) -> None:
-        """Exchange groups: find out once whether the ranks can read each other (collective)."""
+        """Exchange groups: find out once whether the ranks can read each other (collective).
+
+        Runs at the group's first all-gather, which every rank of the group issues at the
+        same point: whenever the group was built (before or after the root's lazy init) and
+        however it is first gathered (forward, prefetch, explicit ``unshard()``).
+        """
+        self._probed = True
         if self.exchange and self._may_read and self.world > 1:
             probe_reads(self.process_group)
             if self.subgroup is not None and self.subgroup.size > 1:
@@ -244,7 +254,10 @@ class ParamGroup:
 
     # ---- unshard / reshard --------------------------------------------------------------
     def _aliases_shards(self) -> bool:
-        """World size 1 with nothing to cast or move: the shards already are the full tensors."""
+        """World size 1 with nothing to cast or move: the shards already are the full tensors.
+
+        Computed at construction and after ``invalidate()`` (``self._aliases``): the
+        per-step paths read the cached answer."""
         return (self.world == 1 and self.dp.replicate_group is None and self.subgroup is None
                 and all(p.tp is None and p.param_dtype == p.orig_dtype and p.padded_local.device == self.device
                         for p in self.params))
@@ -253,13 +266,15 @@ class ParamGroup:
         """Issue the all-gather (no-op if already gathered or in flight)."""
         if self.state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return  # a prefetch already issued it: gathering twice would waste a collective
-        if self.state is ShardState.SHARDED and self._aliases_shards():
+        if self.state is ShardState.SHARDED and self._aliases:
             _trace.emit("unshard", self.label)
             for p in self.params:  # no collective and no copy: view the shard itself
                 p.bind_unsharded(p.padded_local, self._on_grad_ready)
                 p.to_unsharded()
             self.state = ShardState.UNSHARDED
             return
+        if not self._probed:
+            self.probe_transport()
         partial = self.state is ShardState.PARTIAL
         if partial:
             plan, group = self._plan(self.subgroup.size), self.subgroup.group
@@ -361,7 +376,7 @@ class ParamGroup:
             self.reshard()
 
     def _reduce_gradients(self) -> None:
-        if self._aliases_shards():  # one rank: the gradient is the reduced gradient
+        if self._aliases:  # one rank: the gradient is the reduced gradient
             _trace.emit("reduce_scatter", self.label)
             factor = self.divide_factor
             for p in self.params:

@@ -72,8 +72,6 @@ class FSDPModule:
         # No lazy init here: this module may be a sub-module called before the root's first
         # forward, and must not become a root itself.
         if state.group is not None:
-            if state.group.state in (ShardState.SHARDED, ShardState.PARTIAL):
-                state.group.probe_transport()  # as lazy init would: collective, like the gather
             state.group.unshard(async_op=True)
         handle = UnshardHandle(state)
         if async_op:

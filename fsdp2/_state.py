@@ -156,9 +156,6 @@ class ModuleState:
             for state in states:  # not initialised: the next forward checks again
                 state.is_root, state.ctx = None, None
             raise
-        for state in states:  # every rank reaches this point with the same groups: collective
-            if state.group is not None:
-                state.group.probe_transport()
         logger.debug("fsdp2: lazy init with root %s and %d groups", type(root_module).__name__, len(states))
 
     def label(self) -> str:

@@ -159,6 +159,50 @@ def test_ranks_on_one_host_read_each_other():
     assert run_on_ranks(_how_a_big_group_moves, 2, "exchange") == [("Exchange", "Exchange", True)] * 2
 
 
+def _a_fresh_group_probes_at_its_first_gather() -> list[object]:
+    """A group on a process group never probed finds out at its first all-gather, here a
+    forward's (lazy init does not probe): its reduce-scatter reads, and training is right."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pg = dist.new_group([0, 1])  # never probed
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    torch.manual_seed(0)
+    model = MLP(256)
+    reference = MLP(256)
+    reference.load_state_dict(model.state_dict())
+    with environ(CPU_COLLECTIVES_ENV, "auto"):
+        fsdp2.fully_shard(model, mesh=mesh)
+    group = get_state(model).group
+    before = (group._probed, _cma.usable(pg))
+    kinds = []
+    original = _exchange.start_reduce_scatter
+
+    def spy(*args, **kwargs):  # records the reduce-scatter's kind; the real one runs
+        rs = original(*args, **kwargs)
+        kinds.append(type(rs.exchange).__name__)
+        return rs
+
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(dist.get_rank()))
+    _exchange.start_reduce_scatter = spy
+    try:
+        model(x).sum().backward()
+    finally:
+        _exchange.start_reduce_scatter = original
+    reference(x).sum().backward()
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        dist.all_reduce(ref.grad)
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad / 2)
+    after = (group._probed, _cma.usable(pg))
+    del model, group
+    dist.destroy_process_group(pg)
+    return [before, after, kinds[0]]
+
+
+def test_a_group_probes_reads_at_its_first_all_gather():
+    assert run_on_ranks(_a_fresh_group_probes_at_its_first_gather, 2) == [
+        [(False, False), (True, True), "ReadExchange"]] * 2
+
+
 def _one_rank_runs_ahead() -> list[bool]:
     """Rank 1 reads rank 0's chunks only after rank 0 has finished its own wait.
 
