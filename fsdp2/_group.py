@@ -257,7 +257,8 @@ class ParamGroup:
         """World size 1 with nothing to cast or move: the shards already are the full tensors.
 
         Computed at construction and after ``invalidate()`` (``self._aliases``): the
-        per-step paths read the cached answer."""
+        per-step paths read the cached answer.
+        """
         return (self.world == 1 and self.dp.replicate_group is None and self.subgroup is None
                 and all(p.tp is None and p.param_dtype == p.orig_dtype and p.padded_local.device == self.device
                         for p in self.params))
