@@ -23,6 +23,7 @@ call, read nothing or the wrong bytes, and fall back to messages.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import secrets
 import sys
@@ -34,6 +35,7 @@ import torch.distributed as dist
 __all__ = ["describe", "probe", "read", "usable"]
 
 _IOV_MAX = 1024  # iovecs per call on Linux
+logger = logging.getLogger(__name__)
 
 
 class _IoVec(ctypes.Structure):
@@ -118,26 +120,36 @@ def probe(pg: dist.ProcessGroup) -> bool:
         return entry[1]
     verdict = False
     if pg.size() > 1:
+        ranks = dist.get_process_group_ranks(pg)
         token = torch.tensor([secrets.randbits(63) for _ in range(4)], dtype=torch.int64)
-        ok = _readv_fn() is not None
-        mine = torch.cat([describe([token]), token, torch.tensor([int(ok)], dtype=torch.int64)])
+        why = "" if _readv_fn() is not None else "this rank has no process_vm_readv"
+        mine = torch.cat([describe([token]), token, torch.tensor([int(not why)], dtype=torch.int64)])
         rows = [torch.empty_like(mine) for _ in range(pg.size())]
         dist.all_gather(rows, mine, group=pg)
         for peer, row in enumerate(rows):
-            if peer == pg.rank() or not ok:
+            if why:
+                break
+            if peer == pg.rank():
                 continue
             if not row[-1]:
-                ok = False
+                why = f"rank {ranks[peer]} has no process_vm_readv"
                 break
             got = torch.zeros(4, dtype=torch.int64)
             try:
                 read(row[:3], [got], "probe")
-            except RuntimeError:
-                ok = False
+            except RuntimeError as e:
+                why = str(e).split(";")[0]  # names the pid and the errno
                 break
-            ok = torch.equal(got, row[3:7])
-        flag = torch.tensor([int(ok)], dtype=torch.int64)
+            if not torch.equal(got, row[3:7]):
+                why = f"rank {ranks[peer]}'s token read back wrong (another PID namespace?)"
+                break
+        flag = torch.tensor([int(not why)], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
         verdict = bool(flag.item())
+        if not verdict:  # expected across hosts; on one host it costs speed (docs/troubleshooting.md)
+            logger.info(
+                "fsdp2: the ranks %s cannot read each other's memory with process_vm_readv (%s); CPU "
+                "exchanges over this process group send messages instead (on one host: Yama's "
+                "kernel.yama.ptrace_scope=0 allows the reads)", ranks, why or "a peer could not read")
     _usable[id(pg)] = (pg, verdict)
     return verdict

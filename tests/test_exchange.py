@@ -13,6 +13,7 @@ must train to the unsharded reference either way.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import pytest
@@ -236,24 +237,38 @@ def test_a_rank_may_run_ahead_of_the_peers_reading_from_it():
 
 
 def _probe_with_one_rank_unable(transport: str) -> str:
-    """Rank 1 has no process_vm_readv: every rank must fall back (or, forced, raise) alike."""
+    """Rank 1 has no process_vm_readv: every rank must fall back (or, forced, raise) alike,
+    and say so in fsdp2's log (INFO)."""
     pg = dist.new_group([0, 1])  # a group never probed before
     saved = _cma._readv
     if dist.get_rank() == 1:
         _cma._readv = False
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    _cma.logger.addHandler(handler)
+    level = _cma.logger.level
+    _cma.logger.setLevel(logging.INFO)
     try:
         with environ(CPU_COLLECTIVES_ENV, transport):
             try:
-                return f"reads={probe_reads(pg)}"
+                verdict = f"reads={probe_reads(pg)}"
             except RuntimeError as e:
                 return str(e)
+        return verdict + "".join(f" | {r.levelname}: {r.getMessage()}" for r in records)
     finally:
+        _cma.logger.removeHandler(handler)
+        _cma.logger.setLevel(level)
         _cma._readv = saved
         dist.destroy_process_group(pg)
 
 
 def test_ranks_agree_when_one_cannot_read():
-    assert run_on_ranks(_probe_with_one_rank_unable, 2, "auto") == ["reads=False"] * 2
+    said = ("reads=False | INFO: fsdp2: the ranks [0, 1] cannot read each other's memory with process_vm_readv "
+            "({}); CPU exchanges over this process group send messages instead (on one host: Yama's "
+            "kernel.yama.ptrace_scope=0 allows the reads)")
+    assert run_on_ranks(_probe_with_one_rank_unable, 2, "auto") == [said.format("rank 1 has no process_vm_readv"),
+                                                                      said.format("this rank has no process_vm_readv")]
     errors = run_on_ranks(_probe_with_one_rank_unable, 2, "read")
     assert errors[0] == errors[1]
     assert errors[0].startswith("FSDP2_CPU_COLLECTIVES=read: the ranks [0, 1] cannot read each other's memory")
