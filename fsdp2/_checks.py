@@ -271,8 +271,9 @@ def check_reduce_headers(target: Any, headers: torch.Tensor) -> None:
         f"fsdp2: ranks disagree on which parameters of {target.label} received gradients: rank "
         f"{ranks[odd]} reduces {rows[odd][2]} of them, rank {ranks[0]} reduces {rows[0][2]}"
         f"{' (other ones)' if rows[odd][2] == rows[0][2] else ''}. A branch that runs on some ranks "
-        "only leaves its parameters without gradients there; run it on every rank (multiply its "
-        "output by zero where it is not wanted): see docs/troubleshooting.md"
+        "only leaves its parameters without gradients there: call set_reduce_scatter_unused_params(True) "
+        "on the model (zeros for the gradients a rank did not produce, as DDP's find_unused_parameters), "
+        "or run the branch on every rank: see docs/troubleshooting.md"
     )
 
 

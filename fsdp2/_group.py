@@ -101,6 +101,7 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: all-reduce across replicas after reduce-scatter
+        self.reduce_unused = False  # set_reduce_scatter_unused_params: zeros for gradients not produced
         self._partial_reduce: dict[torch.dtype, torch.Tensor] = {}
         self.divide_factor: float | None = None
         self.state = ShardState.SHARDED
@@ -360,6 +361,13 @@ class ParamGroup:
         self.wait_for_unshard()
 
     def _on_grad_ready(self, param: ShardedParam) -> None:
+        if self.post_backward_done and self.reduce_unused:  # reduced at the end of the module's backward
+            raise RuntimeError(
+                f"fsdp2: the gradient of {self._name_of(param)} arrived after {self.label} had reduced its "
+                "gradients at the end of its module's backward (set_reduce_scatter_unused_params): "
+                "the parameter is used outside that module's forward; wrap the module that uses it "
+                "with fully_shard instead, or turn set_reduce_scatter_unused_params off"
+            )
         self._grads_ready.add(id(param))
         if len(self._grads_ready) == self._num_trainable and not self.post_backward_done:
             self.post_backward()
@@ -381,7 +389,7 @@ class ParamGroup:
             _trace.emit("reduce_scatter", self.label)
             factor = self.divide_factor
             for p in self.params:
-                grad = p.take_unsharded_grad() if p.requires_grad else None
+                grad = self._gradient_to_reduce(p)
                 if grad is not None:
                     grad = grad if factor in (None, 1) else grad / factor
                     p.add_sharded_grad(grad.view(p.layout.local_shape))
@@ -390,7 +398,7 @@ class ParamGroup:
             return
         buckets: dict[torch.dtype, tuple[list[ShardedParam], list[torch.Tensor]]] = {}
         for p in self.params:
-            grad = p.take_unsharded_grad() if p.requires_grad else None
+            grad = self._gradient_to_reduce(p)
             if grad is not None:
                 params, grads = buckets.setdefault(p.reduce_dtype, ([], []))
                 params.append(p)
@@ -414,6 +422,21 @@ class ParamGroup:
                 for dtype, (params, grads) in buckets.items()
             ]
         self.reduce_queue.submit(inflight)
+
+    def _name_of(self, p: ShardedParam) -> str:
+        """``p``'s FQN under the root (as the rank checks name it), once lazy init knows it."""
+        diag = self.root.diag if self.root is not None else None
+        return diag.param_names.get(id(p), p.fqn) if diag is not None else p.fqn
+
+    def _gradient_to_reduce(self, p: ShardedParam) -> torch.Tensor | None:
+        """``p``'s unsharded gradient (cleared on the parameter); zeros where it got none and
+        the group reduces unused parameters; None otherwise."""
+        if not p.requires_grad:
+            return None
+        grad = p.take_unsharded_grad()
+        if grad is None and self.reduce_unused:
+            grad = p.zero_unsharded_grad()
+        return grad
 
     def end_backward(self) -> None:
         """Called by the root after backward: finish what per-tensor hooks did not."""

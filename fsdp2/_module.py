@@ -131,6 +131,24 @@ class FSDPModule:
             if state.group is not None:
                 state.group.reshard_after_backward = reshard_after_backward
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """Reduce a zero gradient for every trainable parameter that got none on this rank.
+
+        For ranks that use different parameters (mixture of experts, branches on the data),
+        as DDP's ``find_unused_parameters``: every rank then reduces every trainable
+        parameter's gradient, so the reduce-scatters match, and a parameter gets the average
+        of the gradients the ranks produced, counting zeros where they produced none (a zero
+        gradient, not None, where no rank produced one). A group with this on reduces at the
+        end of its module's backward (when the gradients of the module's inputs are computed),
+        the same point on every rank; a group whose inputs need no gradient (the root's token
+        ids) at the end of backward.
+        """
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for state in self._states_below(recurse):
+            if state.group is not None:
+                state.group.reduce_unused = reduce_scatter_unused_params
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters right after this module's, in forward."""
         self._fsdp_state().forward_prefetch = _states_of("set_modules_to_forward_prefetch", modules)

@@ -317,6 +317,12 @@ class ShardedParam:
             grad = acc
         return grad
 
+    def zero_unsharded_grad(self) -> torch.Tensor:
+        """Zeros shaped and typed as the unsharded gradient (TP-local): a gradient this rank did not produce."""
+        with torch.no_grad():
+            param = self.unsharded
+            return torch.zeros_like(param.to_local() if isinstance(param, DTensor) else param)
+
     def stash_unsynced_grad(self) -> None:
         """Keep the gradient for a later synced backward, summed in reduce dtype."""
         if self.unsharded is None or self.unsharded.grad is None:

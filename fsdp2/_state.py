@@ -9,8 +9,9 @@ Lifecycle of one training step (see docs/design.md):
 3. pre-backward (first gradient reaching the outputs): unshard, prefetch the
    group that ran before this one in forward, and (once per backward) queue
    the root's end-of-backward callback.
-4. post-backward (every trainable parameter's gradient accumulated):
-   reduce-scatter, reshard.
+4. post-backward (every trainable parameter's gradient accumulated, or, for a
+   group that reduces unused parameters, the gradients of the module's inputs
+   computed): reduce-scatter, reshard.
 5. end of backward (root callback): finish groups whose hooks did not fire,
    wait for reduce-scatters, reset per-iteration state.
 """
@@ -29,7 +30,7 @@ from . import _checks, _compat
 from ._api import MixedPrecisionPolicy
 from ._group import ParamGroup, ReduceQueue, ShardState
 from ._state_dict import register_state_dict_hooks
-from ._tree import cast_floating, iter_tensors
+from ._tree import cast_floating, iter_tensors, map_tensors
 
 __all__ = ["TrainingState", "ModuleState", "RootContext", "get_state"]
 
@@ -100,6 +101,7 @@ class ModuleState:
         self.implicit_prefetch = True
         self.prefetch_limit: int | None = None  # the root's becomes its RootContext's
         self._modules_to_run: set[nn.Module] = set()
+        self._inputs_pending = 0  # forwards whose inputs' gradients backward has yet to compute
         self._handles: list[Any] = []
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
@@ -189,6 +191,8 @@ class ModuleState:
                 group.wait_for_unshard()
                 if group not in ctx.forward_order:
                     ctx.forward_order.append(group)
+                if group.reduce_unused and torch.is_grad_enabled():
+                    args, kwargs = self._hook_inputs_grad_ready(args, kwargs)
         policy = self.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
@@ -258,6 +262,24 @@ class ModuleState:
         dtype = self.mp_policy.output_dtype
         return output if dtype is None else cast_floating(output, dtype)
 
+    def _hook_inputs_grad_ready(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Route the inputs that require grad through ``_InputsGradReady`` (see there)."""
+        tensors = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
+        if not tensors:  # e.g. token ids: the end of backward reduces this group
+            return args, kwargs
+        self._inputs_pending += 1
+        aliases = dict(zip(map(id, tensors), _InputsGradReady.apply(self, *tensors)))
+        return map_tensors(lambda t: aliases.get(id(t), t), (args, kwargs))
+
+    def _inputs_grad_ready(self) -> None:
+        """The gradients of one forward's inputs are computed: that forward's backward is over."""
+        self._inputs_pending -= 1
+        group = self.group
+        if self._inputs_pending == 0 and group.backward_started and not group.post_backward_done:
+            # Parameters that got no gradient on this rank will not get one now: reduce
+            # (zeros for them), at the same point of backward on every rank.
+            group.post_backward()
+
     # ---- backward -----------------------------------------------------------------------
     def _pre_backward(self, _grad: torch.Tensor) -> None:
         ctx = self.ctx
@@ -306,6 +328,7 @@ class ModuleState:
                 if state.group is not None:
                     state.group.end_backward()
                 state.training_state = TrainingState.IDLE
+                state._inputs_pending = 0
             if ctx.is_last_backward:
                 ctx.reduce_queue.drain()
         except BaseException:
@@ -354,3 +377,26 @@ class ModuleState:
                 state.group.reset()
             state.training_state = TrainingState.IDLE
             state._modules_to_run.clear()
+            state._inputs_pending = 0
+
+
+class _InputsGradReady(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs once their gradients are computed,
+    which is after the module's own backward, at the same point on every rank.
+
+    Groups that reduce unused parameters (``set_reduce_scatter_unused_params``) reduce
+    there: waiting for every parameter's gradient would wait until the end of backward
+    on a rank that skipped a branch, and the ranks would then issue their reduce-scatters
+    in different orders.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: ModuleState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state._inputs_grad_ready()
+        return (None, *grads)
+
