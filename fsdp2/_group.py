@@ -102,6 +102,7 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: all-reduce across replicas after reduce-scatter
         self.reduce_unused = False  # set_reduce_scatter_unused_params: zeros for gradients not produced
+        self.unshard_in_backward = True  # False: backward needs none of the values (e.g. embeddings)
         self._partial_reduce: dict[torch.dtype, torch.Tensor] = {}
         self.divide_factor: float | None = None
         self.state = ShardState.SHARDED
@@ -358,7 +359,8 @@ class ParamGroup:
     # ---- backward -----------------------------------------------------------------------
     def pre_backward(self) -> None:
         self.backward_started = True
-        self.wait_for_unshard()
+        if self.unshard_in_backward:
+            self.wait_for_unshard()
 
     def _on_grad_ready(self, param: ShardedParam) -> None:
         if self.post_backward_done and self.reduce_unused:  # reduced at the end of the module's backward

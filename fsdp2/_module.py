@@ -149,6 +149,19 @@ class FSDPModule:
             if state.group is not None:
                 state.group.reduce_unused = reduce_scatter_unused_params
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward gathers this module's parameters again (True, default).
+
+        False when backward needs none of their values, e.g. an embedding (its gradient
+        needs only the indices): the group resharded after forward is not gathered for
+        backward, by its own hook or by a prefetch; its gradients are reduced as usual.
+        A backward that does need the values then fails (their storage is freed).
+        """
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        group = self._fsdp_state().group
+        if group is not None:
+            group.unshard_in_backward = unshard_in_backward
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters right after this module's, in forward."""
         self._fsdp_state().forward_prefetch = _states_of("set_modules_to_forward_prefetch", modules)

@@ -304,6 +304,9 @@ class ModuleState:
         return []
 
     def _backward_prefetch_targets(self) -> list[ParamGroup]:
+        return [g for g in self._backward_prefetch_candidates() if g.unshard_in_backward]
+
+    def _backward_prefetch_candidates(self) -> list[ParamGroup]:
         if self.backward_prefetch:  # an empty list means implicit, as in torch
             return [s.group for s in self.backward_prefetch if s.group is not None]
         if not self.implicit_prefetch:

@@ -1,9 +1,11 @@
-"""FSDPModule setters that change numbers or the schedule: divide factor, reshard after forward."""
+"""FSDPModule setters that change numbers or the schedule: divide factor, reshard after forward,
+unshard in backward."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -99,3 +101,49 @@ def test_set_reshard_after_forward_changes_schedule_not_numbers():
         assert "reshard root" in fwd, fwd
         assert not any(e.startswith("reshard layers.") for e in fwd), fwd
         assert [e for e in bwd if e.startswith("unshard")] == ["unshard root"], bwd
+
+
+class _Embedded(torch.nn.Module):
+    """An embedding (its backward needs only the indices), a layer and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 8)
+        self.layer = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.layer(self.emb(tokens))))
+
+
+def _embedding_not_gathered_in_backward() -> list[str]:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = _Embedded()
+    model = copy.deepcopy(ref)
+    for module in (model.emb, model.layer):
+        fsdp2.fully_shard(module)
+    fsdp2.fully_shard(model)
+    model.emb.set_unshard_in_backward(False)
+    tokens = torch.randint(0, 32, (4, 5), generator=torch.Generator().manual_seed(rank))
+    with fsdp2.record_schedule() as events:
+        model(tokens).sum().backward()
+    ref(tokens).sum().backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        want = p_ref.grad.clone()
+        dist.all_reduce(want)
+        torch.testing.assert_close(full(p.grad), want / dist.get_world_size(), msg=name)
+    with pytest.raises(TypeError, match="unshard_in_backward must be a bool, got 'no'"):
+        model.emb.set_unshard_in_backward("no")
+    return events
+
+
+def test_set_unshard_in_backward_false_skips_the_gather_not_the_reduction():
+    events = run_on_ranks(_embedding_not_gathered_in_backward, 2)
+    assert events[0] == events[1]
+    assert events[0] == [
+        "unshard root", "unshard emb", "reshard emb", "unshard layer", "reshard layer",
+        # backward: layer is prefetched by the root; emb is neither prefetched by layer nor gathered
+        "unshard layer", "reduce_scatter root", "reshard root", "reduce_scatter layer", "reshard layer",
+        "reduce_scatter emb",
+    ]
