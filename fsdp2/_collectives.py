@@ -260,6 +260,7 @@ class ReduceTarget:
     check_finite: bool = False  # record non-finite reduced gradients (set_check_finite_gradients)
     exchange: bool = False  # reduce by point-to-point exchange (CPU), not a flat collective
     read: bool = False  # the exchange reads peers' memory (``_cma.py``) instead of sending messages
+    force_sum: bool = False  # SUM then divide, never the backend's AVG (set_force_sum_reduction_for_comms)
 
 
 class ReduceScatterInFlight(NamedTuple):
@@ -289,17 +290,18 @@ class ReduceScatterInFlight(NamedTuple):
         return [self.held[0], self.output]
 
 
-def _reduce_op(dtype: torch.dtype, world: int, factor: float) -> tuple[dist.ReduceOp, float | None, float | None]:
+def _reduce_op(dtype: torch.dtype, world: int, factor: float,
+               force_sum: bool = False) -> tuple[dist.ReduceOp, float | None, float | None]:
     """(op, pre-divide, post-divide) averaging over ``factor``.
 
-    fp32/bf16 use the backend's AVG when dividing by the world size; fp16 and
-    other dtypes sum with the division split before and after (about
-    sqrt(factor) each) to stay clear of overflow and underflow.
+    fp32/bf16 use the backend's AVG when dividing by the world size (unless
+    ``force_sum``); fp16 and other dtypes sum with the division split before and
+    after (about sqrt(factor) each) to stay clear of overflow and underflow.
     """
     if world == 1:
         return dist.ReduceOp.SUM, None, (factor if factor != 1 else None)
     if dtype in (torch.float32, torch.bfloat16):
-        if factor == world:
+        if factor == world and not force_sum:
             return dist.ReduceOp.AVG, None, None
         return dist.ReduceOp.SUM, None, factor
     pre = 1
@@ -323,7 +325,7 @@ def start_reduce_scatter(
     """
     world, group = target.world, target.group
     offsets, total = _offsets([p.layout.local_numel for p in params], align=False)
-    op, pre, post = _reduce_op(dtype, world * target.replicate_world, target.divide_factor)
+    op, pre, post = _reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
     if world > 1:
         _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
                               target.root)

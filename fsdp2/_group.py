@@ -103,6 +103,7 @@ class ParamGroup:
         self.requires_all_reduce = True  # HSDP: all-reduce across replicas after reduce-scatter
         self.reduce_unused = False  # set_reduce_scatter_unused_params: zeros for gradients not produced
         self.unshard_in_backward = True  # False: backward needs none of the values (e.g. embeddings)
+        self.force_sum = False  # set_force_sum_reduction_for_comms: SUM then divide, never AVG
         self._partial_reduce: dict[torch.dtype, torch.Tensor] = {}
         self.divide_factor: float | None = None
         self.state = ShardState.SHARDED
@@ -414,7 +415,7 @@ class ParamGroup:
             all_reduce=self.requires_all_reduce, partial=self._partial_reduce,
             divide_factor=float(self.divide_factor if self.divide_factor is not None else dp.world),
             label=self.label, root=self.root, check_finite=self.check_finite, exchange=self.exchange,
-            read=self.exchange and self._reads(self.process_group),
+            read=self.exchange and self._reads(self.process_group), force_sum=self.force_sum,
         )
         _trace.emit("reduce_scatter", self.label)
         with record_function(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):

@@ -8,8 +8,10 @@ and these methods are available while everything else behaves as before.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ._group import ShardState
@@ -214,6 +216,35 @@ class FSDPModule:
         for state in self._states_below(recurse=True):
             if state.group is not None:
                 state.group.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated (as in torch): use :meth:`set_gradient_divide_factor`."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+                      DeprecationWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with ``SUM`` only (then divide), never the backend's ``AVG``: this module's group.
+
+        For backends whose fast paths exist only for sums. The exchanges fsdp2 uses on CPU
+        always sum; the flat collectives (NCCL, small CPU groups) and the HSDP all-reduce
+        use ``AVG`` for fp32 and bf16 gradients unless this is on.
+        """
+        _check_bool("enable", enable)
+        group = self._fsdp_state().group
+        if group is not None:
+            group.force_sum = enable
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Accepted for compatibility; fsdp2 does not need it.
+
+        torch lets the root's first all-gather of the next step wait on ``event`` (recorded
+        after the optimizer step) instead of on the current stream. fsdp2 always orders
+        that all-gather after the current stream, which includes the optimizer step: always
+        correct, possibly later than the event would allow.
+        """
+        if not (callable(getattr(event, "record", None)) and callable(getattr(event, "wait", None))):
+            raise TypeError(f"set_post_optim_event: event must be a torch.Event, got {type(event).__name__}")
 
     def set_check_finite_gradients(self, enabled: bool = True, *, recurse: bool = True) -> None:
         """Raise ``FloatingPointError`` on every rank when a reduced gradient is NaN or infinite.

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp2
+from fsdp2._state import get_state
 from tests._dist import run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
 from tests._parity import full, train_parity
@@ -147,3 +148,60 @@ def test_set_unshard_in_backward_false_skips_the_gather_not_the_reduction():
         "unshard layer", "reduce_scatter root", "reshard root", "reduce_scatter layer", "reshard layer",
         "reduce_scatter emb",
     ]
+
+
+def _reduce_ops(force_sum: bool) -> list[str]:
+    """The ops of the flat reduce-scatters of one backward, and the gradients against the reference."""
+    from fsdp2 import _compat
+    from fsdp2._collectives import CPU_COLLECTIVES_ENV
+    from tests._dist import environ
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = _Embedded()
+    model = copy.deepcopy(ref)
+    with environ(CPU_COLLECTIVES_ENV, "flat"):
+        fsdp2.fully_shard(model.layer)
+        fsdp2.fully_shard(model)
+    model.layer.set_force_sum_reduction_for_comms(force_sum)  # the layer's group only, as in torch
+    ops = []
+    original = _compat.reduce_scatter_flat
+
+    def spy(output, send, *, op, **kwargs):  # records the op; the real collective runs
+        ops.append(str(op).rsplit(".", 1)[-1])
+        return original(output, send, op=op, **kwargs)
+
+    tokens = torch.randint(0, 32, (4, 5), generator=torch.Generator().manual_seed(rank))
+    _compat.reduce_scatter_flat = spy
+    try:
+        model(tokens).sum().backward()
+    finally:
+        _compat.reduce_scatter_flat = original
+    ref(tokens).sum().backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        want = p_ref.grad.clone()
+        dist.all_reduce(want)
+        torch.testing.assert_close(full(p.grad), want / dist.get_world_size(), msg=name)
+    return ops
+
+
+def test_set_force_sum_reduction_for_comms_sums_then_divides():
+    # Backward reduces the layer first, then the root.
+    assert run_on_ranks(_reduce_ops, 2, False) == [["AVG", "AVG"]] * 2
+    assert run_on_ranks(_reduce_ops, 2, True) == [["SUM", "AVG"]] * 2
+
+
+def _deprecated_and_compatibility_setters() -> list[float]:
+    model = fsdp2.fully_shard(_Embedded())
+    with pytest.warns(DeprecationWarning, match="use set_gradient_divide_factor"):
+        model.set_reduce_scatter_divide_factor(4.0)
+    model.set_post_optim_event(torch.Event("cpu"))  # accepted; fsdp2 orders the gather after the stream
+    with pytest.raises(TypeError, match="set_post_optim_event: event must be a torch.Event, got str"):
+        model.set_post_optim_event("event")
+    with pytest.raises(TypeError, match="enable must be a bool, got 1"):
+        model.set_force_sum_reduction_for_comms(1)
+    return [get_state(model).group.divide_factor]
+
+
+def test_deprecated_divide_factor_alias_and_post_optim_event():
+    assert run_on_ranks(_deprecated_and_compatibility_setters, 1) == [[4.0]]
