@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -261,6 +261,7 @@ class ReduceTarget:
     exchange: bool = False  # reduce by point-to-point exchange (CPU), not a flat collective
     read: bool = False  # the exchange reads peers' memory (``_cma.py``) instead of sending messages
     force_sum: bool = False  # SUM then divide, never the backend's AVG (set_force_sum_reduction_for_comms)
+    hook: Any = None  # set_all_reduce_hook: (fn, stream or None), run on each finished reduction
 
 
 class ReduceScatterInFlight(NamedTuple):
@@ -384,6 +385,18 @@ def _exchange_reduce_scatter(
                                  exchange=rs)
 
 
+def _run_all_reduce_hook(fn: Callable[[torch.Tensor], None], stream: Any, reduced: torch.Tensor) -> None:
+    """``fn(reduced)`` (in place), on ``stream`` when one was given (CUDA), ordered both ways."""
+    if stream is None:
+        fn(reduced)
+        return
+    current = torch.cuda.current_stream(reduced.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        fn(reduced)
+    current.wait_stream(stream)
+
+
 def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grads: Sequence[torch.Tensor],
                      offsets: Sequence[int]) -> None:
     """Copy each full gradient's chunk ``r`` into row ``r`` of ``by_rank`` (world, total)."""
@@ -432,6 +445,8 @@ def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
         _debug.wait(work, "all_reduce", target.label, sizes, target.root)
     if inflight.post_divide is not None and inflight.post_divide != 1:
         out.div_(inflight.post_divide)
+    if target.hook is not None:
+        _run_all_reduce_hook(*target.hook, out)
     shards = [out[off:off + p.layout.local_numel].view(p.layout.local_shape)
               for p, off in zip(inflight.params, inflight.offsets)]
     if target.check_finite:

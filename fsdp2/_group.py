@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 from enum import Enum, auto
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,6 +104,7 @@ class ParamGroup:
         self.reduce_unused = False  # set_reduce_scatter_unused_params: zeros for gradients not produced
         self.unshard_in_backward = True  # False: backward needs none of the values (e.g. embeddings)
         self.force_sum = False  # set_force_sum_reduction_for_comms: SUM then divide, never AVG
+        self.all_reduce_hook: tuple[Any, Any] | None = None  # set_all_reduce_hook: (fn, CUDA stream or None)
         self._partial_reduce: dict[torch.dtype, torch.Tensor] = {}
         self.divide_factor: float | None = None
         self.state = ShardState.SHARDED
@@ -388,7 +389,7 @@ class ParamGroup:
             self.reshard()
 
     def _reduce_gradients(self) -> None:
-        if self._aliases:  # one rank: the gradient is the reduced gradient
+        if self._aliases and self.all_reduce_hook is None:  # one rank: the gradient is the reduced gradient
             _trace.emit("reduce_scatter", self.label)
             factor = self.divide_factor
             for p in self.params:
@@ -416,6 +417,7 @@ class ParamGroup:
             divide_factor=float(self.divide_factor if self.divide_factor is not None else dp.world),
             label=self.label, root=self.root, check_finite=self.check_finite, exchange=self.exchange,
             read=self.exchange and self._reads(self.process_group), force_sum=self.force_sum,
+            hook=self.all_reduce_hook,
         )
         _trace.emit("reduce_scatter", self.label)
         with record_function(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):

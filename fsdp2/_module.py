@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -234,6 +234,28 @@ class FSDPModule:
         group = self._fsdp_state().group
         if group is not None:
             group.force_sum = enable
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: torch.cuda.Stream | None = None) -> None:
+        """Run ``hook(reduced)`` on each reduced gradient shard of this module's group.
+
+        ``reduced`` is flat, in the reduce dtype, after the reduce-scatter (and HSDP's
+        all-reduce) and the division; the hook may change it in place (e.g. all-reduce it
+        over a dimension of its own) before it is added into ``.grad``. ``stream`` (CUDA,
+        not with HSDP, as in torch): run the hook there, ordered after the reduction and
+        before the gradients are used. Not recursive, as in torch.
+        """
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
+        group = self._fsdp_state().group
+        if stream is not None:
+            if group is not None and group.dp.replicate_group is not None:
+                raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (a 2-D mesh); "
+                                 "the hook runs after the all-reduce across replicas")
+            if group is None or group.device.type != "cuda":
+                raise ValueError("set_all_reduce_hook: stream is for CUDA meshes; leave it None")
+        if group is not None:
+            group.all_reduce_hook = (hook, stream)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Accepted for compatibility; fsdp2 does not need it.

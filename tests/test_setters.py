@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import fsdp2
+from fsdp2._collectives import CPU_COLLECTIVES_ENV
 from fsdp2._state import get_state
-from tests._dist import run_on_ranks
+from tests._dist import environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
 from tests._parity import full, train_parity
 
@@ -153,8 +154,6 @@ def test_set_unshard_in_backward_false_skips_the_gather_not_the_reduction():
 def _reduce_ops(force_sum: bool) -> list[str]:
     """The ops of the flat reduce-scatters of one backward, and the gradients against the reference."""
     from fsdp2 import _compat
-    from fsdp2._collectives import CPU_COLLECTIVES_ENV
-    from tests._dist import environ
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -205,3 +204,68 @@ def _deprecated_and_compatibility_setters() -> list[float]:
 
 def test_deprecated_divide_factor_alias_and_post_optim_event():
     assert run_on_ranks(_deprecated_and_compatibility_setters, 1) == [[4.0]]
+
+
+def _all_reduce_hook_over_replicas(impl: str, transport: str = "auto") -> list[list[int]]:
+    """FSDP over pairs of ranks, the hook averaging over the pairs (HSDP by hand): the
+    gradients are the average over all four ranks. Returns the hook's (numel,) per call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("hook_rep", "hook_shard"))
+    replicas = mesh["hook_rep"].get_group()
+    seen = []
+
+    def hook(reduced: torch.Tensor) -> None:
+        seen.append([reduced.numel()])
+        dist.all_reduce(reduced, group=replicas)  # gloo has no AVG: sum, then divide
+        reduced.div_(2)
+
+    torch.manual_seed(0)
+    ref = _Embedded()
+    model = copy.deepcopy(ref)
+    fully_shard = fsdp2.fully_shard if impl == "fsdp2" else torch_fully_shard
+    with environ(CPU_COLLECTIVES_ENV, transport):
+        fully_shard(model.layer, mesh=mesh["hook_shard"])
+        fully_shard(model, mesh=mesh["hook_shard"])
+    for module in (model.layer, model):
+        module.set_all_reduce_hook(hook)
+    tokens = torch.randint(0, 32, (4, 5), generator=torch.Generator().manual_seed(rank))
+    model(tokens).sum().backward()
+    ref(tokens).sum().backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        want = p_ref.grad.clone()
+        dist.all_reduce(want)
+        torch.testing.assert_close(full(p.grad), want / 4, msg=name)
+    return seen
+
+
+@pytest.mark.parametrize("transport", ["flat", "read"])
+def test_set_all_reduce_hook_runs_on_the_reduced_shard_like_torch(transport):
+    ours = run_on_ranks(_all_reduce_hook_over_replicas, 4, "fsdp2", transport)
+    theirs = run_on_ranks(_all_reduce_hook_over_replicas, 4, "torch")
+    assert ours == theirs  # the same calls on the same flat shards: the layer, then the root
+    # layer: (8 x 8 + 8) / 2 ranks; root: (32 x 8 + 8 x 4 + 4) / 2
+    assert ours[0] == [[36], [146]]
+
+
+def _hook_at_world_size_one() -> list[object]:
+    torch.manual_seed(0)
+    ref = _Embedded()
+    model = fsdp2.fully_shard(copy.deepcopy(ref))
+    model.set_all_reduce_hook(lambda reduced: reduced.mul_(2))
+    tokens = torch.randint(0, 32, (4, 5))
+    model(tokens).sum().backward()
+    ref(tokens).sum().backward()
+    for p_ref, p in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(full(p.grad), 2 * p_ref.grad)
+    with pytest.raises(TypeError, match="set_all_reduce_hook: hook must be callable, got int"):
+        model.set_all_reduce_hook(3)
+    with pytest.raises(ValueError, match="set_all_reduce_hook: stream is for CUDA meshes; leave it None"):
+        model.set_all_reduce_hook(print, stream=object())
+    return ["ok"]
+
+
+def test_all_reduce_hook_at_world_size_one_and_bad_arguments():
+    assert run_on_ranks(_hook_at_world_size_one, 1) == [["ok"]]
