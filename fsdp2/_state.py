@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from enum import Enum, auto
 from typing import Any
 
@@ -101,7 +102,10 @@ class ModuleState:
         self.implicit_prefetch = True
         self.prefetch_limit: int | None = None  # the root's becomes its RootContext's
         self._modules_to_run: set[nn.Module] = set()
-        self._inputs_pending = 0  # forwards whose inputs' gradients backward has yet to compute
+        # Forwards whose inputs' gradients backward has yet to compute (reduce_unused groups):
+        # one token each, held by the autograd graph, so a graph dropped without a backward
+        # (an evaluation with gradients on) drops out by itself.
+        self._inputs_pending: weakref.WeakSet[_Pending] = weakref.WeakSet()
         self._handles: list[Any] = []
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
@@ -267,15 +271,16 @@ class ModuleState:
         tensors = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
         if not tensors:  # e.g. token ids: the end of backward reduces this group
             return args, kwargs
-        self._inputs_pending += 1
-        aliases = dict(zip(map(id, tensors), _InputsGradReady.apply(self, *tensors)))
+        token = _Pending()
+        self._inputs_pending.add(token)
+        aliases = dict(zip(map(id, tensors), _InputsGradReady.apply(self, token, *tensors)))
         return map_tensors(lambda t: aliases.get(id(t), t), (args, kwargs))
 
-    def _inputs_grad_ready(self) -> None:
+    def _inputs_grad_ready(self, token: _Pending) -> None:
         """The gradients of one forward's inputs are computed: that forward's backward is over."""
-        self._inputs_pending -= 1
+        self._inputs_pending.discard(token)
         group = self.group
-        if self._inputs_pending == 0 and group.backward_started and not group.post_backward_done:
+        if not self._inputs_pending and group.backward_started and not group.post_backward_done:
             # Parameters that got no gradient on this rank will not get one now: reduce
             # (zeros for them), at the same point of backward on every rank.
             group.post_backward()
@@ -331,7 +336,6 @@ class ModuleState:
                 if state.group is not None:
                     state.group.end_backward()
                 state.training_state = TrainingState.IDLE
-                state._inputs_pending = 0
             if ctx.is_last_backward:
                 ctx.reduce_queue.drain()
         except BaseException:
@@ -380,7 +384,7 @@ class ModuleState:
                 state.group.reset()
             state.training_state = TrainingState.IDLE
             state._modules_to_run.clear()
-            state._inputs_pending = 0
+            state._inputs_pending.clear()
 
 
 class _InputsGradReady(torch.autograd.Function):
@@ -394,12 +398,18 @@ class _InputsGradReady(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, state: ModuleState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
+    def forward(ctx: Any, state: ModuleState, token: _Pending, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state, ctx.token = state, token
         return tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state._inputs_grad_ready()
-        return (None, *grads)
+        ctx.state._inputs_grad_ready(ctx.token)
+        return (None, None, *grads)
+
+
+class _Pending:
+    """One forward's inputs awaiting their gradients (``ModuleState._inputs_pending``)."""
+
+    __slots__ = ("__weakref__",)
 

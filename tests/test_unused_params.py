@@ -104,6 +104,26 @@ def test_ranks_using_different_parameters_train_like_ddp_and_torch(transport):
         "routed.b.bias", "last.weight", "last.bias"]
 
 
+def _forward_without_backward_first() -> list[str]:
+    """A forward whose graph is dropped without a backward (evaluation with gradients on) does
+    not hold back the next backward: the routed group still reduces right after its module's
+    backward on the rank that skipped ``b`` (not at the end, which would reorder the ranks'
+    reduce-scatters)."""
+    torch.manual_seed(0)
+    with environ(CPU_COLLECTIVES_ENV, "exchange"):
+        model = _shard(_Model(), fsdp2.fully_shard)
+    x = torch.randn(4, 8)
+    model(x, True)  # dropped
+    with fsdp2.record_schedule() as events:
+        model(x, dist.get_rank() == 0).sum().backward()
+    return [e for e in events if e.startswith("reduce_scatter")]
+
+
+def test_a_forward_without_backward_does_not_hold_back_the_next_one():
+    assert run_on_ranks(_forward_without_backward_first, 2) == [
+        ["reduce_scatter last", "reduce_scatter routed", "reduce_scatter first"]] * 2  # the root holds none
+
+
 def _off_by_default() -> list[bool]:
     """Off (the default), a parameter no rank used keeps no gradient."""
     torch.manual_seed(0)
