@@ -33,6 +33,16 @@ def average_grads(model: nn.Module) -> None:
             p.grad /= world
 
 
+def assert_grads_are_average(ref: nn.Module, model: nn.Module, ranks: int | None = None) -> None:
+    """``model``'s (sharded) gradients are the average over ``ranks`` (default: the world) of
+    ``ref``'s: each rank's unsharded reference ran its own batch. Sums ``ref``'s gradients over
+    the world in place."""
+    ranks = ranks or dist.get_world_size()
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        dist.all_reduce(p_ref.grad)
+        torch.testing.assert_close(full(p.grad), p_ref.grad / ranks, msg=lambda m: f"{name}: {m}")
+
+
 def assert_params_match(ref: nn.Module, model: nn.Module, *, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     ref_params = dict(ref.named_parameters())
     got_params = dict(model.named_parameters())

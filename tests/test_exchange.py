@@ -13,8 +13,9 @@ must train to the unsharded reference either way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from fsdp2._collectives import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES, probe_re
 from fsdp2._state import get_state
 from tests import test_2d, test_mixed_precision, test_parity
 from tests._dist import environ, run_on_ranks
+from tests._parity import assert_grads_are_average
 from tests._models import MLP
 
 
@@ -126,6 +128,25 @@ def test_user_point_to_point_messages_do_not_mix_with_fsdp2s(transport):
 
 
 # ---- reads (same host) ------------------------------------------------------------------
+@contextlib.contextmanager
+def _reduce_scatter_kinds() -> Iterator[list[str]]:
+    """The kinds of exchange (``ReadExchange``, ``Exchange``) of the reduce-scatters issued
+    inside; the real ones run."""
+    kinds: list[str] = []
+    original = _exchange.start_reduce_scatter
+
+    def spy(*args, **kwargs):
+        rs = original(*args, **kwargs)
+        kinds.append(type(rs.exchange).__name__)
+        return rs
+
+    _exchange.start_reduce_scatter = spy
+    try:
+        yield kinds
+    finally:
+        _exchange.start_reduce_scatter = original
+
+
 def _how_a_big_group_moves(transport: str) -> tuple[str, str, bool]:
     """(all-gather's kind, reduce-scatter's kind, parameters right) for a 2 MiB group."""
     torch.manual_seed(0)
@@ -138,19 +159,8 @@ def _how_a_big_group_moves(transport: str) -> tuple[str, str, bool]:
     model.unshard()
     right = all(torch.equal(p.detach(), f) for p, f in zip(model.parameters(), full))
     model.reshard()
-    kinds = []
-    original = _exchange.start_reduce_scatter
-
-    def spy(*args, **kwargs):  # records the reduce-scatter's kind; the real one runs
-        rs = original(*args, **kwargs)
-        kinds.append(type(rs.exchange).__name__)
-        return rs
-
-    _exchange.start_reduce_scatter = spy
-    try:
+    with _reduce_scatter_kinds() as kinds:
         model(torch.randn(4, 256)).sum().backward()
-    finally:
-        _exchange.start_reduce_scatter = original
     return gather_kind, kinds[0], right
 
 
@@ -166,7 +176,9 @@ def _a_fresh_group_probes_at_its_first_gather() -> list[object]:
     from torch.distributed.device_mesh import DeviceMesh
 
     pg = dist.new_group([0, 1])  # never probed
-    mesh = DeviceMesh.from_group(pg, "cpu")
+    # An axis name of its own: DTensor's caches must not hand this (destroyed) group's mesh to
+    # an equal mesh of a later test.
+    mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=(f"probe_{pg.group_name}",))
     torch.manual_seed(0)
     model = MLP(256)
     reference = MLP(256)
@@ -175,24 +187,11 @@ def _a_fresh_group_probes_at_its_first_gather() -> list[object]:
         fsdp2.fully_shard(model, mesh=mesh)
     group = get_state(model).group
     before = (group._probed, _cma.usable(pg))
-    kinds = []
-    original = _exchange.start_reduce_scatter
-
-    def spy(*args, **kwargs):  # records the reduce-scatter's kind; the real one runs
-        rs = original(*args, **kwargs)
-        kinds.append(type(rs.exchange).__name__)
-        return rs
-
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(dist.get_rank()))
-    _exchange.start_reduce_scatter = spy
-    try:
+    with _reduce_scatter_kinds() as kinds:
         model(x).sum().backward()
-    finally:
-        _exchange.start_reduce_scatter = original
     reference(x).sum().backward()
-    for p, ref in zip(model.parameters(), reference.parameters()):
-        dist.all_reduce(ref.grad)
-        torch.testing.assert_close(p.grad.full_tensor(), ref.grad / 2)
+    assert_grads_are_average(reference, model)
     after = (group._probed, _cma.usable(pg))
     del model, group
     dist.destroy_process_group(pg)

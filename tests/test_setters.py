@@ -14,7 +14,7 @@ from fsdp2._collectives import CPU_COLLECTIVES_ENV
 from fsdp2._state import get_state
 from tests._dist import environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
-from tests._parity import full, train_parity
+from tests._parity import assert_grads_are_average, full, train_parity
 
 
 def _shard(model: Transformer) -> Transformer:
@@ -131,10 +131,7 @@ def _embedding_not_gathered_in_backward() -> list[str]:
     with fsdp2.record_schedule() as events:
         model(tokens).sum().backward()
     ref(tokens).sum().backward()
-    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        want = p_ref.grad.clone()
-        dist.all_reduce(want)
-        torch.testing.assert_close(full(p.grad), want / dist.get_world_size(), msg=name)
+    assert_grads_are_average(ref, model)
     with pytest.raises(TypeError, match="unshard_in_backward must be a bool, got 'no'"):
         model.emb.set_unshard_in_backward("no")
     return events
@@ -177,10 +174,7 @@ def _reduce_ops(force_sum: bool) -> list[str]:
     finally:
         _compat.reduce_scatter_flat = original
     ref(tokens).sum().backward()
-    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        want = p_ref.grad.clone()
-        dist.all_reduce(want)
-        torch.testing.assert_close(full(p.grad), want / dist.get_world_size(), msg=name)
+    assert_grads_are_average(ref, model)
     return ops
 
 
@@ -234,10 +228,7 @@ def _all_reduce_hook_over_replicas(impl: str, transport: str = "auto") -> list[l
     tokens = torch.randint(0, 32, (4, 5), generator=torch.Generator().manual_seed(rank))
     model(tokens).sum().backward()
     ref(tokens).sum().backward()
-    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        want = p_ref.grad.clone()
-        dist.all_reduce(want)
-        torch.testing.assert_close(full(p.grad), want / 4, msg=name)
+    assert_grads_are_average(ref, model)  # over all four ranks
     return seen
 
 
