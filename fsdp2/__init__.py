@@ -2,8 +2,9 @@
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._clip import clip_grad_norm_
+from ._comm import AllGather, ReduceScatter
 from ._fully_shard import fully_shard
-from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from ._trace import record_schedule
 from .memory import MemoryTracker, estimate_memory
 
@@ -15,6 +16,9 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "AllGather",
+    "ReduceScatter",
     "record_schedule",
     "clip_grad_norm_",
     "MemoryTracker",

@@ -32,8 +32,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _checks, _cma, _compat, _debug, _exchange, _trace
+from . import _checks, _cma, _debug, _exchange, _trace
 from ._checks import HEADER
+from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
 from ._param import ShardedParam, ShardLayout
 from ._streams import Completion, streams_for
 
@@ -174,11 +175,12 @@ class AllGatherInFlight(NamedTuple):
 
 def start_all_gather(
     send: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup, device: torch.device,
-    copied: Completion | None = None, header: torch.Tensor | None = None,
+    copied: Completion | None = None, header: torch.Tensor | None = None, comm: AllGather = DEFAULT_ALL_GATHER,
 ) -> AllGatherInFlight:
     """Issue the flat all-gather of ``send`` (after ``copied``, the copy-in that filled it, if any).
 
-    ``header``, if given, is stamped into the first 16 bytes of ``send`` first.
+    ``header``, if given, is stamped into the first 16 bytes of ``send`` first. ``comm``
+    allocates the output and runs the collective (``_comm.py``).
     """
     streams = streams_for(device)
     if header is not None:
@@ -187,8 +189,8 @@ def start_all_gather(
         return AllGatherInFlight(copied or Completion(), plan, send[None, :HEADER], send, send)
     with streams.side("all_gather"):
         streams.after(copied)
-        output = torch.empty(plan.world * plan.slice_bytes, dtype=torch.uint8, device=device)
-        work = _compat.all_gather_flat(output, send, group=group, async_op=True)
+        output = comm.allocate((plan.world * plan.slice_bytes,), dtype=torch.uint8, device=device)
+        work = comm(output, send, group, async_op=True)
         done = streams.issued(work)
     headers = output.view(plan.world, plan.slice_bytes)[:, :HEADER]
     return AllGatherInFlight(done, plan, headers, send, output)
@@ -262,6 +264,7 @@ class ReduceTarget:
     read: bool = False  # the exchange reads peers' memory (``_cma.py``) instead of sending messages
     force_sum: bool = False  # SUM then divide, never the backend's AVG (set_force_sum_reduction_for_comms)
     hook: Any = None  # set_all_reduce_hook: (fn, stream or None), run on each finished reduction
+    comm: ReduceScatter = DEFAULT_REDUCE_SCATTER  # the flat transport's allocator and collective (_comm.py)
 
 
 class ReduceScatterInFlight(NamedTuple):
@@ -336,15 +339,16 @@ def start_reduce_scatter(
         return _exchange_reduce_scatter(params, grads, dtype, target, op, pre, post, header)
     streams = streams_for(device)
     with streams.side("reduce_scatter"):
-        send = torch.empty(world * total, dtype=dtype, device=device)
+        comm = target.comm
+        send = comm.allocate((world * total,), dtype=dtype, device=device)
         _copy_rank_major(send.view(world, total), params, grads, offsets)
         if pre is not None and pre != 1:
             send.div_(pre)
         if world == 1:  # nothing to scatter: the send buffer is the result
             output, work = send, None
         else:
-            output = torch.empty(total, dtype=dtype, device=device)
-            work = _compat.reduce_scatter_flat(output, send, op=op, group=group, async_op=True)
+            output = comm.allocate((total,), dtype=dtype, device=device)
+            work = comm(output, send, group, op, async_op=True)
         done = streams.issued(work)
     # CUDA: the copy-in ran on the reduce-scatter stream; hold the full gradients until the
     # compute stream waited on it. CPU: copied already, free them now.
@@ -453,3 +457,4 @@ def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
         _checks.record_nonfinite(target.root, inflight.params, shards)
     for p, shard in zip(inflight.params, shards):
         p.add_sharded_grad(shard)
+    _trace.emit("reduce_scatter_done", target.label, scheduled=False)

@@ -22,6 +22,7 @@ from ._collectives import (
     probe_reads,
     finish_all_gather, finish_reduce_scatter, start_all_gather, start_reduce_scatter,
 )
+from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter, is_builtin, process_group_comms
 from ._mesh import DataParallelMesh
 from ._param import ShardedParam
 from ._streams import Completion, streams_for
@@ -52,9 +53,12 @@ class ReduceQueue:
         self.limit = limit
         self._pending: collections.deque[ReduceScatterInFlight] = collections.deque()
 
-    def submit(self, inflight: Sequence[ReduceScatterInFlight]) -> None:
+    def submit(self, inflight: Sequence[ReduceScatterInFlight], limit: int | None = None) -> None:
+        """Queue ``inflight``; then finish the oldest until at most ``limit`` (default: the
+        queue's own) are left in flight."""
         self._pending.extend(inflight)
-        while len(self._pending) > self.limit:
+        limit = self.limit if limit is None else limit
+        while len(self._pending) > limit:
             finish_reduce_scatter(self._pending.popleft())
 
     def drain(self) -> None:
@@ -105,6 +109,13 @@ class ParamGroup:
         self.unshard_in_backward = True  # False: backward needs none of the values (e.g. embeddings)
         self.force_sum = False  # set_force_sum_reduction_for_comms: SUM then divide, never AVG
         self.all_reduce_hook: tuple[Any, Any] | None = None  # set_all_reduce_hook: (fn, CUDA stream or None)
+        # The flat transport's allocators and collectives (_comm.py): set_custom_all_gather /
+        # set_custom_reduce_scatter replace them (and make that collective flat).
+        self.all_gather_comm: AllGather = DEFAULT_ALL_GATHER
+        self.reduce_scatter_comm: ReduceScatter = DEFAULT_REDUCE_SCATTER
+        self.reduce_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group
+        self.allocates_from_process_group = False  # set_allocate_memory_from_process_group_for_comm
+        self.max_reduce_buffers = 1  # set_reduce_scatter_max_input_buffers: reduce-scatters left in flight
         self._partial_reduce: dict[torch.dtype, torch.Tensor] = {}
         self.divide_factor: float | None = None
         self.state = ShardState.SHARDED
@@ -252,6 +263,25 @@ class ParamGroup:
             if self.subgroup is not None and self.subgroup.size > 1:
                 probe_reads(self.subgroup.group)
 
+    def use_builtin_comms(self, allocate_from_process_group: bool) -> None:
+        """fsdp2's own flat collectives, their buffers from ``torch.empty`` or the process groups'
+        allocators (``_comm.py``)."""
+        self.allocates_from_process_group = allocate_from_process_group
+        if allocate_from_process_group:
+            self.all_gather_comm, self.reduce_scatter_comm = process_group_comms(
+                self.process_group, self.reduce_group or self.process_group)
+        else:
+            self.all_gather_comm, self.reduce_scatter_comm = DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER
+
+    @property
+    def _gathers_by_exchange(self) -> bool:
+        """The all-gather runs as an exchange: a CPU group big enough, with fsdp2's own all-gather."""
+        return self.exchange and is_builtin(self.all_gather_comm)
+
+    @property
+    def _reduces_by_exchange(self) -> bool:
+        return self.exchange and is_builtin(self.reduce_scatter_comm)
+
     def _reads(self, pg: dist.ProcessGroup) -> bool:
         """Whether this group's exchanges over ``pg`` read the peers' memory (``_cma.py``)."""
         return self._may_read and _cma.usable(pg)
@@ -288,7 +318,7 @@ class ParamGroup:
         _trace.emit("unshard", self.label)
         with record_function(f"fsdp2::all_gather {self.label}"), _trace.issuing("all_gather", self.label):
             header = _checks.before_all_gather(self, plan, group)
-            if self.exchange:  # CPU: the chunks arrive in the unsharded buffer itself
+            if self._gathers_by_exchange:  # CPU: the chunks arrive in the unsharded buffer itself
                 self._alloc_unsharded()
                 if partial:
                     sources = [plan.slot(self._partial_send, i) for i in range(len(self.params))]
@@ -298,7 +328,8 @@ class ParamGroup:
                                                    read=self._reads(group))
             else:
                 send, copied = (self._partial_send, None) if partial else self._send_buffer(plan)
-                self._gather = start_all_gather(send, plan, group, self.device, copied, header)
+                self._gather = start_all_gather(send, plan, group, self.device, copied, header,
+                                                self.all_gather_comm)
         self._partial_send = None
         self.state = ShardState.GATHERING
         if not async_op:
@@ -410,23 +441,25 @@ class ParamGroup:
         if not buckets:
             return
         dp = self.dp
+        group = self.reduce_group or self.process_group
+        exchange = self._reduces_by_exchange
         target = ReduceTarget(
-            group=self.process_group, world=self.world,
+            group=group, world=self.world,
             replicate_group=dp.replicate_group, replicate_world=dp.replicate_size,
             all_reduce=self.requires_all_reduce, partial=self._partial_reduce,
             divide_factor=float(self.divide_factor if self.divide_factor is not None else dp.world),
-            label=self.label, root=self.root, check_finite=self.check_finite, exchange=self.exchange,
-            read=self.exchange and self._reads(self.process_group), force_sum=self.force_sum,
-            hook=self.all_reduce_hook,
+            label=self.label, root=self.root, check_finite=self.check_finite, exchange=exchange,
+            read=exchange and self._reads(group), force_sum=self.force_sum,
+            hook=self.all_reduce_hook, comm=self.reduce_scatter_comm,
         )
         _trace.emit("reduce_scatter", self.label)
         with record_function(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):
             inflight = [
                 start_reduce_scatter(params, grads, dtype, target, self.device,
-                                     _checks.reduce_header(self, params) if self.exchange else None)
+                                     _checks.reduce_header(self, params) if exchange else None)
                 for dtype, (params, grads) in buckets.items()
             ]
-        self.reduce_queue.submit(inflight)
+        self.reduce_queue.submit(inflight, self.max_reduce_buffers)
 
     def _name_of(self, p: ShardedParam) -> str:
         """``p``'s FQN under the root (as the rank checks name it), once lazy init knows it."""

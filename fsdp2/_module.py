@@ -14,10 +14,15 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+import torch.distributed as dist
+
+from . import _comm
+from ._collectives import probe_reads
+from ._comm import AllGather, ReduceScatter
 from ._group import ShardState
 from ._state import ModuleState, get_state
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 class UnshardHandle:
@@ -268,6 +273,110 @@ class FSDPModule:
         if not (callable(getattr(event, "record", None)) and callable(getattr(event, "wait", None))):
             raise TypeError(f"set_post_optim_event: event must be a torch.Event, got {type(event).__name__}")
 
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Allocate and run this module's all-gather with ``comm`` (not recursive, as in torch).
+
+        ``comm.allocate(size, *, dtype, device)`` returns the output buffer (1-D, ``uint8``:
+        fsdp2 gathers bytes) and ``comm(output_tensor, input_tensor, group, async_op)`` fills it
+        with every rank's ``input_tensor`` back to back, returning a work handle or None. The
+        interface of torch's ``AllGather``: objects written for torch work unchanged. The group's
+        all-gather then runs flat on CPU too (the exchanges have no single collective to replace).
+        """
+        _comm.check_comm("set_custom_all_gather", comm)
+        group = self._fsdp_state().group
+        if group is not None:
+            group.all_gather_comm = comm
+            group.allocates_from_process_group = False  # the custom comm allocates
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Allocate and run this module's reduce-scatter with ``comm`` (not recursive, as in torch).
+
+        ``comm.allocate(size, *, dtype, device)`` returns the input (rank-major, 1-D) and output
+        buffers in the reduce dtype; ``comm(output_tensor, input_tensor, group, op, async_op)``
+        reduces chunk ``r`` of the input over the ranks into rank ``r``'s output with ``op``
+        (``AVG`` or ``SUM``). The group's reduce-scatter then runs flat on CPU too.
+        """
+        _comm.check_comm("set_custom_reduce_scatter", comm)
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reduce_scatter_comm = comm
+            group.allocates_from_process_group = False  # the custom comm allocates
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate this module's flat communication buffers with the process group's allocator.
+
+        Where the backend has one (NCCL can then register the memory for zero-copy transfers);
+        gloo has none, so on CPU nothing changes. Not with custom comms (``ValueError``).
+        """
+        _check_bool("enable", enable)
+        group = self._fsdp_state().group
+        if group is None:
+            return
+        _no_custom_comms("set_allocate_memory_from_process_group_for_comm", group)
+        group.use_builtin_comms(allocate_from_process_group=enable)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported: fsdp2 does not allocate from symmetric memory.
+
+        ``ValueError`` off CUDA (it needs NCCL); ``NotImplementedError`` on CUDA, naming the way
+        to get it: :meth:`set_custom_all_gather` with a comm whose ``allocate`` uses the
+        symmetric-memory pool.
+        """
+        group = self._fsdp_state().group
+        if group is None or group.device.type != "cuda":
+            device = group.device.type if group is not None else "no parameters"
+            raise ValueError(f"set_symm_mem_for_comm: symmetric memory needs CUDA with NCCL; this module has "
+                             f"{device}")
+        raise NotImplementedError(
+            "set_symm_mem_for_comm: fsdp2 does not allocate from symmetric memory; pass set_custom_all_gather a "
+            "comm whose allocate() uses torch.distributed._symmetric_memory's memory pool instead"
+        )
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce-scatters may stay in flight after this module's group issues its own.
+
+        When a group issues a reduce-scatter, fsdp2 waits for the oldest ones still in flight
+        until at most ``max_input_buffers`` are left (default 1, as in torch): each one in flight
+        holds its gradients and buffers, so a higher number trades memory for fewer waits in
+        backward when the reductions are slower than the compute. The end of backward waits
+        for them all.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, got "
+                            f"{type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be >= 1, got "
+                             f"{max_input_buffers}")
+        for state in self._states_below(recurse):
+            if state.group is not None:
+                state.group.max_reduce_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Reduce-scatter on a process group of its own (True), or on the all-gather's (False).
+
+        One new process group per set of shard ranks (typically one for the whole model), so a
+        reduce-scatter and the next all-gather in backward progress independently (on gloo:
+        their own connections and threads). Collective: call it on every rank, at the same
+        point, as ``fully_shard``.
+        """
+        _check_bool("enable", enable)
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for state in self._states_below(recurse):
+            group = state.group
+            if group is None or group.world == 1:
+                continue
+            if not enable:
+                group.reduce_group = None
+            elif group.reduce_group is None:
+                ranks = tuple(dist.get_process_group_ranks(group.process_group))
+                if ranks not in made:
+                    made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                    if group.device.type == "cpu" and group._may_read:
+                        probe_reads(made[ranks])  # collective on the new group: every member is here
+                group.reduce_group = made[ranks]
+            if group.allocates_from_process_group:  # the reduce-scatter's buffers follow its group
+                group.use_builtin_comms(allocate_from_process_group=True)
+
     def set_check_finite_gradients(self, enabled: bool = True, *, recurse: bool = True) -> None:
         """Raise ``FloatingPointError`` on every rank when a reduced gradient is NaN or infinite.
 
@@ -314,6 +423,15 @@ class FSDPModule:
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _no_custom_comms(method: str, group: Any) -> None:
+    custom = [name for name, comm in (("set_custom_all_gather", group.all_gather_comm),
+                                      ("set_custom_reduce_scatter", group.reduce_scatter_comm))
+              if not _comm.is_builtin(comm)]
+    if custom:
+        raise ValueError(f"{method}: {group.label} has a custom comm ({', '.join(custom)}), which allocates its own "
+                         "buffers; allocate from the process group inside the custom comm instead")
 
 
 def _states_of(method: str, modules: list[Any]) -> list[ModuleState]:
@@ -364,3 +482,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return output
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[Any]) -> None:
+    """Let several roots share one communication context (torch: CUDA streams, e.g. for pipeline stages).
+
+    fsdp2 already keeps one set of side streams per device for every group of every root
+    (``_streams.py``), so there is nothing to share; checks that each module was passed to
+    ``fully_shard`` (``ValueError`` otherwise, as torch).
+    """
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx: expected modules passed to fully_shard, got {type(module).__name__}")

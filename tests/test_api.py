@@ -29,17 +29,15 @@ from tests._parity import train_parity
 PUBLIC_NAMES = {
     "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
     "CPUOffloadPolicy", "register_fsdp_forward_method", "record_schedule", "clip_grad_norm_",
-    "MemoryTracker", "estimate_memory",
+    "MemoryTracker", "estimate_memory", "share_comm_ctx", "AllGather", "ReduceScatter",
 }
 # torch's FSDP2 names fsdp2 does not provide: DataParallelMeshDims only configures
-# fully_shard's ``dp_mesh_dims`` argument (see test_fully_shard_signature_matches_torch), and
-# share_comm_ctx shares CUDA streams between roots.
-TORCH_ONLY_NAMES = {"DataParallelMeshDims", "share_comm_ctx"}
-FSDP_MODULE_METHODS = [
-    "unshard", "reshard", "set_requires_gradient_sync", "set_is_last_backward",
-    "set_reshard_after_forward", "set_reshard_after_backward", "set_modules_to_forward_prefetch",
-    "set_modules_to_backward_prefetch", "set_gradient_divide_factor", "reset_iter_state",
-]
+# fully_shard's ``dp_mesh_dims`` argument (see test_fully_shard_signature_matches_torch).
+TORCH_ONLY_NAMES = {"DataParallelMeshDims"}
+# Every public method of torch's FSDPModule (fsdp2's extra ones aside): same names, same signatures.
+FSDP_MODULE_METHODS = sorted(
+    name for name, value in vars(torch_fsdp.FSDPModule).items() if callable(value) and not name.startswith("_")
+)
 
 
 def _comparable(value):
@@ -61,7 +59,8 @@ def test_all_lists_exactly_the_public_names():
     torch_fsdp2_names = set(torch_fsdp._fully_shard.__all__)
     # Every other FSDP2 name torch exports is here; the rest are fsdp2's own.
     assert torch_fsdp2_names - TORCH_ONLY_NAMES == PUBLIC_NAMES - {
-        "record_schedule", "clip_grad_norm_", "MemoryTracker", "estimate_memory"}
+        "record_schedule", "clip_grad_norm_", "MemoryTracker", "estimate_memory",
+        "AllGather", "ReduceScatter"}  # torch keeps its comm base classes in a private module
 
 
 def test_fully_shard_signature_matches_torch():
@@ -88,6 +87,11 @@ def test_policy_fields_and_defaults_match_torch(name):
     # Frozen-ness may differ: fsdp2's policies are all frozen (torch's OffloadPolicy is not).
     assert dataclasses.asdict(ours()) == dataclasses.asdict(theirs())
     assert issubclass(fsdp2.CPUOffloadPolicy, fsdp2.OffloadPolicy)
+
+
+def test_fsdp_module_has_every_method_of_torchs():
+    assert len(FSDP_MODULE_METHODS) >= 20  # the scan found torch's methods
+    assert [m for m in FSDP_MODULE_METHODS if not hasattr(fsdp2.FSDPModule, m)] == []
 
 
 @pytest.mark.parametrize("method", FSDP_MODULE_METHODS)

@@ -1,0 +1,186 @@
+"""Communication setters: custom all-gather / reduce-scatter objects, their allocators, a separate
+reduce-scatter process group, how many reduce-scatters stay in flight, and the torch names that
+have nothing to do in fsdp2 (``share_comm_ctx``) or are not supported (symmetric memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as TorchAllGather
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as TorchReduceScatter
+
+import fsdp2
+from fsdp2 import _cma, _trace
+from fsdp2._collectives import CPU_COLLECTIVES_ENV
+from fsdp2._state import get_state
+from tests._dist import environ, run_on_ranks
+from tests._models import Transformer
+from tests._parity import train_parity
+
+
+class _CountingAllGather(TorchAllGather):
+    """Written against torch's interface: fsdp2 must accept it unchanged."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, torch.dtype]] = []
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls.append((output_tensor.numel() // input_tensor.numel(), output_tensor.dtype))
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _SummingReduceScatter(TorchReduceScatter):
+    """Sums whatever op it is given and divides itself: the result must still be the average."""
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+        self.groups: list[dist.ProcessGroup] = []
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.ops.append(str(op).rsplit(".", 1)[-1])
+        self.groups.append(group)
+        dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(dist.get_world_size(group))
+        return None  # finished already: fsdp2 accepts a synchronous comm
+
+
+def _custom_comms(transport: str) -> list[object]:
+    gathers, scatters = [], []
+
+    def shard(model: Transformer) -> None:
+        with environ(CPU_COLLECTIVES_ENV, transport):
+            for block in model.layers:
+                fsdp2.fully_shard(block)
+            fsdp2.fully_shard(model)
+        for block in model.layers:
+            gathers.append(_CountingAllGather())
+            scatters.append(_SummingReduceScatter())
+            block.set_custom_all_gather(gathers[-1])
+            block.set_custom_reduce_scatter(scatters[-1])
+
+    train_parity(Transformer, shard, steps=2)
+    # Each block: gathered in forward and again in backward, reduced once, per step; the
+    # root's own group keeps fsdp2's collectives (not recursive).
+    assert [len(g.calls) for g in gathers] == [4, 4, 4]
+    assert {c for g in gathers for c in g.calls} == {(2, torch.uint8)}  # bytes, from 2 ranks
+    assert [s.ops for s in scatters] == [["AVG", "AVG"]] * 3
+    return ["ok"]
+
+
+@pytest.mark.parametrize("transport", ["flat", "read"])
+def test_custom_comms_written_for_torch_run_every_collective_of_their_group(transport):
+    # "read": the blocks would gather by reading each other's memory; a custom comm makes them flat.
+    assert run_on_ranks(_custom_comms, 2, transport) == [["ok"], ["ok"]]
+
+
+def _separate_reduce_scatter_group(transport: str) -> list[object]:
+    seen = _SummingReduceScatter()
+
+    def shard(model: Transformer) -> None:
+        with environ(CPU_COLLECTIVES_ENV, transport):
+            for block in model.layers:
+                fsdp2.fully_shard(block)
+            fsdp2.fully_shard(model)
+        model.set_separate_reduce_scatter_group()
+        if transport == "read":  # probed when made: its exchanges read too
+            assert _cma.usable(get_state(model).group.reduce_group)
+        if transport == "flat":
+            model.layers[0].set_custom_reduce_scatter(seen)
+
+    train_parity(Transformer, shard, steps=2)
+    return []
+
+
+def _separate_group_is_one_new_group() -> list[object]:
+    model = Transformer()
+    for block in model.layers:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    model.set_separate_reduce_scatter_group()
+    groups = [get_state(m).group for m in (*model.layers, model)]
+    separate = {id(g.reduce_group) for g in groups}
+    assert len(separate) == 1 and groups[0].reduce_group is not groups[0].process_group
+    assert dist.get_process_group_ranks(groups[0].reduce_group) == [0, 1]
+    probe = _SummingReduceScatter()
+    model.layers[1].set_custom_reduce_scatter(probe)
+    model(torch.randint(0, 64, (2, 16))).sum().backward()
+    assert probe.groups == [groups[0].reduce_group]  # the collective ran on the separate group
+    model.set_separate_reduce_scatter_group(False)
+    assert all(g.reduce_group is None for g in groups)
+    with pytest.raises(TypeError, match="enable must be a bool, got 'yes'"):
+        model.set_separate_reduce_scatter_group("yes")
+    return ["ok"]
+
+
+@pytest.mark.parametrize("transport", ["flat", "read", "exchange"])
+def test_separate_reduce_scatter_group_trains_the_same(transport):
+    run_on_ranks(_separate_reduce_scatter_group, 2, transport)
+
+
+def test_separate_reduce_scatter_group_is_one_group_used_by_the_reduce_scatters():
+    assert run_on_ranks(_separate_group_is_one_new_group, 2) == [["ok"], ["ok"]]
+
+
+def _reduce_waits(limit: int | None) -> list[str]:
+    """Issues and completions of the reduce-scatters in one backward, with ``limit`` in flight."""
+    model = Transformer(n_layers=4)
+    for block in model.layers:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    if limit is not None:
+        model.set_reduce_scatter_max_input_buffers(limit)
+    loss = model(torch.randint(0, 64, (2, 16))).sum()
+    events: list[str] = []
+    with _trace.on_event(lambda e: events.append(e) if e.startswith("reduce_scatter") else None):
+        loss.backward()
+    with pytest.raises(TypeError, match="max_input_buffers must be an int, got bool"):
+        model.set_reduce_scatter_max_input_buffers(True)
+    with pytest.raises(ValueError, match="max_input_buffers must be >= 1, got 0"):
+        model.set_reduce_scatter_max_input_buffers(0)
+    return [e.replace("reduce_scatter_done", "done").replace("reduce_scatter", "issue") for e in events]
+
+
+def test_reduce_scatter_max_input_buffers_bounds_the_reduce_scatters_in_flight():
+    one = run_on_ranks(_reduce_waits, 2, None)[0]
+    assert one == ["issue layers.3", "issue layers.2", "done layers.3", "issue layers.1", "done layers.2",
+                   "issue layers.0", "done layers.1", "issue root", "done layers.0", "done root"], one
+    three = run_on_ranks(_reduce_waits, 2, 3)[0]
+    assert three == ["issue layers.3", "issue layers.2", "issue layers.1", "issue layers.0", "done layers.3",
+                     "issue root", "done layers.2", "done layers.1", "done layers.0", "done root"], three
+
+
+def _allocators_and_compatibility() -> list[object]:
+    def shard(model: Transformer) -> None:
+        with environ(CPU_COLLECTIVES_ENV, "flat"):
+            for block in model.layers:
+                fsdp2.fully_shard(block)
+            fsdp2.fully_shard(model)
+        for module in (*model.layers, model):
+            module.set_allocate_memory_from_process_group_for_comm(True)  # gloo has none: torch.empty
+        model.set_separate_reduce_scatter_group()
+        fsdp2.share_comm_ctx([model, *model.layers])  # one set of streams per device already
+
+    train_parity(Transformer, shard, steps=2)
+    model = fsdp2.fully_shard(torch.nn.Linear(4, 4))
+    model.set_custom_all_gather(_CountingAllGather())
+    with pytest.raises(ValueError, match="has a custom comm \\(set_custom_all_gather\\)"):
+        model.set_allocate_memory_from_process_group_for_comm(True)
+    with pytest.raises(TypeError, match="set_custom_reduce_scatter: expected an object with allocate"):
+        model.set_custom_reduce_scatter(lambda *args: None)
+    with pytest.raises(ValueError, match="symmetric memory needs CUDA with NCCL; this module has cpu"):
+        model.set_symm_mem_for_comm()
+    with pytest.raises(ValueError, match="share_comm_ctx: expected modules passed to fully_shard, got Linear"):
+        fsdp2.share_comm_ctx([model, torch.nn.Linear(2, 2)])
+    return ["ok"]
+
+
+def test_process_group_allocator_share_comm_ctx_and_unsupported_symmetric_memory():
+    assert run_on_ranks(_allocators_and_compatibility, 2) == [["ok"], ["ok"]]
