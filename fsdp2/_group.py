@@ -28,7 +28,7 @@ from ._param import ShardedParam
 from ._streams import Completion, streams_for
 
 
-__all__ = ["ShardState", "ParamGroup", "ReduceQueue"]
+__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "reduce_scatters_in_flight"]
 
 
 class ShardState(Enum):
@@ -69,6 +69,16 @@ class ReduceQueue:
         """Wait for the reduce-scatters in flight (their buffers must outlive them) but drop the results."""
         while self._pending:
             self._pending.popleft().done.wait()
+
+
+def reduce_scatters_in_flight(exchange: bool) -> int:
+    """How many reduce-scatters stay in flight by default once a group issues its own.
+
+    Flat collectives: 1, as torch. Exchanges (CPU): 2. Each waits for the peers to reach the
+    same group's reduction; one more in flight absorbs their skew (measured, 17M model on 2
+    ranks: steps 1-5% faster in 5 launches of 5) for one more group's gradients alive.
+    """
+    return 2 if exchange else 1
 
 
 class SubGroup:
@@ -115,7 +125,9 @@ class ParamGroup:
         self.reduce_scatter_comm: ReduceScatter = DEFAULT_REDUCE_SCATTER
         self.reduce_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group
         self.allocates_from_process_group = False  # set_allocate_memory_from_process_group_for_comm
-        self.max_reduce_buffers = 1  # set_reduce_scatter_max_input_buffers: reduce-scatters left in flight
+        # set_reduce_scatter_max_input_buffers: reduce-scatters left in flight once this group's
+        # is issued; None: the transport's default (reduce_scatters_in_flight).
+        self.max_reduce_buffers: int | None = None
         self._partial_reduce: dict[torch.dtype, torch.Tensor] = {}
         self.divide_factor: float | None = None
         self.state = ShardState.SHARDED
@@ -459,7 +471,8 @@ class ParamGroup:
                                      _checks.reduce_header(self, params) if exchange else None)
                 for dtype, (params, grads) in buckets.items()
             ]
-        self.reduce_queue.submit(inflight, self.max_reduce_buffers)
+        self.reduce_queue.submit(inflight, self.max_reduce_buffers
+                                 or reduce_scatters_in_flight(exchange and self.world > 1))
 
     def _name_of(self, p: ShardedParam) -> str:
         """``p``'s FQN under the root (as the rank checks name it), once lazy init knows it."""

@@ -336,10 +336,10 @@ class FSDPModule:
         """How many reduce-scatters may stay in flight after this module's group issues its own.
 
         When a group issues a reduce-scatter, fsdp2 waits for the oldest ones still in flight
-        until at most ``max_input_buffers`` are left (default 1, as in torch): each one in flight
-        holds its gradients and buffers, so a higher number trades memory for fewer waits in
-        backward when the reductions are slower than the compute. The end of backward waits
-        for them all.
+        until at most ``max_input_buffers`` are left (default: 1 for flat collectives, as in
+        torch; 2 for CPU exchanges): each one in flight holds its gradients and buffers, so a
+        higher number trades memory for fewer waits in backward when the reductions are slower
+        than the compute. The end of backward waits for them all.
         """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, got "

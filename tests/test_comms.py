@@ -129,12 +129,13 @@ def test_separate_reduce_scatter_group_is_one_group_used_by_the_reduce_scatters(
     assert run_on_ranks(_separate_group_is_one_new_group, 2) == [["ok"], ["ok"]]
 
 
-def _reduce_waits(limit: int | None) -> list[str]:
+def _reduce_waits(limit: int | None, transport: str = "auto") -> list[str]:
     """Issues and completions of the reduce-scatters in one backward, with ``limit`` in flight."""
     model = Transformer(n_layers=4)
-    for block in model.layers:
-        fsdp2.fully_shard(block)
-    fsdp2.fully_shard(model)
+    with environ(CPU_COLLECTIVES_ENV, transport):
+        for block in model.layers:
+            fsdp2.fully_shard(block)
+        fsdp2.fully_shard(model)
     if limit is not None:
         model.set_reduce_scatter_max_input_buffers(limit)
     loss = model(torch.randint(0, 64, (2, 16))).sum()
@@ -149,9 +150,14 @@ def _reduce_waits(limit: int | None) -> list[str]:
 
 
 def test_reduce_scatter_max_input_buffers_bounds_the_reduce_scatters_in_flight():
+    # Default: one left in flight for the flat collectives (as torch), two for CPU exchanges.
     one = run_on_ranks(_reduce_waits, 2, None)[0]
     assert one == ["issue layers.3", "issue layers.2", "done layers.3", "issue layers.1", "done layers.2",
                    "issue layers.0", "done layers.1", "issue root", "done layers.0", "done root"], one
+    assert run_on_ranks(_reduce_waits, 2, 1, "read")[0] == one
+    two = run_on_ranks(_reduce_waits, 2, None, "read")[0]
+    assert two == ["issue layers.3", "issue layers.2", "issue layers.1", "done layers.3", "issue layers.0",
+                   "done layers.2", "issue root", "done layers.1", "done layers.0", "done root"], two
     three = run_on_ranks(_reduce_waits, 2, 3)[0]
     assert three == ["issue layers.3", "issue layers.2", "issue layers.1", "issue layers.0", "done layers.3",
                      "issue root", "done layers.2", "done layers.1", "done layers.0", "done root"], three

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from .._checks import HEADER
 from .._compat import fake_process_group, in_backward
 from .._collectives import exchanges
+from .._group import reduce_scatters_in_flight
 from .._exchange import SMALL as EXCHANGE_SMALL
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._llama import llama_tp_plan
@@ -182,8 +183,9 @@ class _Schedule:
     forward gathers a group, prefetches the next one in forward order and reshards after
     forward per policy (the root keeps its parameters unless ``root_reshard``); backward
     gathers a group again if needed, prefetches the one before it, and once all of its
-    gradients landed reduce-scatters them and reshards; at most one reduce-scatter stays in
-    flight, the output of a finished one becomes the sharded gradients. Change this class
+    gradients landed reduce-scatters them and reshards; at most one reduce-scatter (two for
+    gloo exchanges: ``_group.reduce_scatters_in_flight``) stays in flight after that, the
+    output of a finished one becomes the sharded gradients. Change this class
     with those files and ``_collectives.py`` / ``_exchange.py``. The two transports:
 
     * NCCL (flat): an all-gather fills a send slice (no copy when the shards are packed)
@@ -312,7 +314,7 @@ class _Schedule:
             g = self.sizes[name]
             held = g.exchange(self.gloo) and self.shard > 1 and g.reduce_copies < g.reduce
             self.pending.append((name, drop_grads if held else None))
-            while len(self.pending) > 1:
+            while len(self.pending) > reduce_scatters_in_flight(g.exchange(self.gloo) and self.shard > 1):
                 self.finish(*self.pending.pop(0))
             if not held:
                 drop_grads()  # only now: the reducing function holds them until it returns
