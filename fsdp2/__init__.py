@@ -1,6 +1,6 @@
 """fsdp2: fully sharded data parallelism on DTensor, a drop-in for ``torch.distributed.fsdp.fully_shard``."""
 
-from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._clip import clip_grad_norm_
 from ._comm import AllGather, ReduceScatter
 from ._fully_shard import fully_shard
@@ -15,6 +15,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "AllGather",

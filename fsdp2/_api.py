@@ -7,10 +7,11 @@ reported where the user wrote it, not deep inside the first forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"]
 
 
 def _check_float_dtype(field: str, value: object) -> None:
@@ -86,3 +87,46 @@ class CPUOffloadPolicy(OffloadPolicy):
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
             raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}")
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which axes of a full SPMD mesh are data-parallel (``fully_shard(..., dp_mesh_dims=...)``).
+
+    With it, ``fully_shard``'s ``mesh`` is the whole mesh (e.g. ``("dp", "tp")``) and every
+    parameter is already a DTensor on it with ``Replicate()`` on the data-parallel axes;
+    fsdp2 shards over ``shard`` and replicates over ``replicate`` (HSDP), leaving the other
+    axes' placements as they are.
+
+    Args:
+        shard: the axis name to shard over (a 1-tuple is accepted).
+        replicate: the axis name to replicate over (HSDP), or ``None``.
+    """
+
+    shard: Union[str, tuple[str, ...], None] = None
+    replicate: Union[str, tuple[str, ...], None] = None
+
+    def __post_init__(self) -> None:
+        for field in ("shard", "replicate"):
+            value = getattr(self, field)
+            if value is not None and not isinstance(value, str) and not (
+                    isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+                raise TypeError(f"DataParallelMeshDims.{field} must be a mesh axis name (str) or a tuple of them, "
+                                f"got {value!r}")
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims: set at least one of shard and replicate, e.g. "
+                             "DataParallelMeshDims(shard='dp')")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: Union[str, tuple[str, ...], None]) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._api import MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
+from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from . import _compat
 from ._group import ParamGroup, SubGroup
-from ._mesh import DataParallelMesh
+from ._mesh import DataParallelMesh, SpmdAxes
 from ._module import FSDPModule
 from ._param import ShardedParam
 from ._state import ModuleState, get_state
@@ -36,6 +36,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> ModuleOrModules:
     """Shard ``module``'s parameters across the data-parallel ranks of ``mesh``.
 
@@ -63,6 +64,10 @@ def fully_shard(
         mp_policy: see :class:`MixedPrecisionPolicy`.
         offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on the CPU.
         ignored_params: parameters left untouched (not sharded, not reduced).
+        dp_mesh_dims: :class:`DataParallelMeshDims`: ``mesh`` is then the whole SPMD mesh
+            (e.g. data-parallel x tensor-parallel), every parameter a DTensor on it with
+            ``Replicate()`` on the data-parallel axes; fsdp2 shards over the ``shard`` axis
+            (and replicates over ``replicate``) and keeps the other axes' placements.
 
     Returns:
         ``module``, whose class now also derives from :class:`FSDPModule`.
@@ -72,15 +77,22 @@ def fully_shard(
         is left unchanged.
     """
     modules = _check_modules(module)
-    mesh = _resolve_mesh(mesh)
+    spmd = None
+    if dp_mesh_dims is None:
+        mesh = _resolve_mesh(mesh)
+    else:
+        mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
     found = _collect_params(modules, ignored_params or set())
     dims = _placement_dims(found, shard_placement_fn)
     _check_devices(found, mesh)
-    _check_tensor_parallel(found, mesh, reshard_after_forward)
+    if spmd is None:
+        _check_tensor_parallel(found, mesh, reshard_after_forward)
+    else:
+        _check_spmd_params(found, spmd, reshard_after_forward)
 
-    dp = DataParallelMesh.of(mesh)
+    dp = DataParallelMesh.of(mesh, spmd)
     subgroup = None
     if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
         subgroup = SubGroup(dp, reshard_after_forward)
@@ -164,6 +176,65 @@ def _resolve_mesh(mesh: Any) -> DeviceMesh:
             "init_device_mesh(device, (replicas, shards), mesh_dim_names=('dp_replicate', 'dp_shard'))"
         )
     return mesh
+
+
+def _resolve_spmd_mesh(mesh: Any, dims: Any) -> tuple[DeviceMesh, SpmdAxes]:
+    """``dp_mesh_dims``: check it against the full ``mesh``; the data-parallel sub-mesh (1-D, or
+    (replicate, shard) for HSDP) and where its axes sit in the full mesh."""
+    if not hasattr(dims, "shard_names") or not hasattr(dims, "replicate_names"):
+        raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError("fully_shard: dp_mesh_dims needs mesh= the whole SPMD DeviceMesh the parameters live on, "
+                        f"got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("fully_shard: dp_mesh_dims names mesh axes, but the mesh has no axis names; build it "
+                         "with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+    shard, replicate = tuple(dims.shard_names), tuple(dims.replicate_names)
+    for name in shard + replicate:
+        if name not in names:
+            raise ValueError(f"fully_shard: dp_mesh_dims names axis {name!r}, which the mesh {names} does not have")
+    if not shard:
+        raise ValueError("fully_shard: dp_mesh_dims without a shard axis (replication only) is plain data "
+                         "parallelism; use DistributedDataParallel, or name a shard axis")
+    if len(shard) > 1 or len(replicate) > 1:
+        raise ValueError(
+            f"fully_shard: dp_mesh_dims names several axes to flatten ({shard}, {replicate}); fsdp2 takes one "
+            "shard axis and at most one replicate axis: build the mesh with those axes merged into one"
+        )
+    shard_axis = names.index(shard[0])
+    replicate_axis = names.index(replicate[0]) if replicate else None
+    if replicate_axis == shard_axis:
+        raise ValueError(f"fully_shard: dp_mesh_dims uses axis {shard[0]!r} to both shard and replicate")
+    if replicate_axis is not None and replicate_axis > shard_axis:
+        raise ValueError(
+            f"fully_shard: dp_mesh_dims' replicate axis {replicate[0]!r} comes after its shard axis {shard[0]!r} "
+            "in the mesh; fsdp2 needs (replicate, shard) in mesh order: build the mesh with the replicate axis first"
+        )
+    dp_mesh = mesh[shard[0]] if replicate_axis is None else mesh[replicate[0], shard[0]]
+    return dp_mesh, SpmdAxes(mesh, shard_axis, replicate_axis)
+
+
+def _check_spmd_params(found: list[Found], spmd: SpmdAxes, reshard_after_forward: Any) -> None:
+    """``dp_mesh_dims``: every parameter is a DTensor on the full mesh, replicated on the data-parallel axes."""
+    names = spmd.mesh.mesh_dim_names
+    for param, _locations, fqn in found:
+        if not isinstance(param, DTensor) or param.device_mesh != spmd.mesh:
+            where = f"a DTensor on {param.device_mesh}" if isinstance(param, DTensor) else "a plain tensor"
+            raise ValueError(
+                f"fully_shard: with dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
+                f"fully_shard ({spmd.mesh}); {fqn!r} is {where}. Distribute it first, e.g. "
+                "distribute_tensor / parallelize_module on that mesh with Replicate() on the data-parallel axes"
+            )
+        for axis in sorted(spmd.dp_axes):
+            if not isinstance(param.placements[axis], Replicate):
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} is {param.placements[axis]!r} on data-parallel axis "
+                    f"{names[axis]!r}; with dp_mesh_dims it must be Replicate() there (fsdp2 shards it)"
+                )
+    if found and not isinstance(reshard_after_forward, (bool, type(None))):
+        raise ValueError(f"fully_shard: reshard_after_forward={reshard_after_forward} (int) is not supported with "
+                         "dp_mesh_dims; use True or False")
 
 
 def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> bool | int | None:

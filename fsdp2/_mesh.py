@@ -15,7 +15,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["DataParallelMesh"]
+__all__ = ["DataParallelMesh", "SpmdAxes"]
+
+
+@dataclass(frozen=True)
+class SpmdAxes:
+    """``fully_shard(dp_mesh_dims=...)``: parameters live on this whole mesh; which axes are data-parallel.
+
+    The sharded DTensor then stays on ``mesh``: the shard axis's ``Replicate()`` becomes the
+    FSDP shard, every other axis keeps its placement.
+    """
+
+    mesh: DeviceMesh
+    shard_axis: int
+    replicate_axis: int | None
+
+    @property
+    def dp_axes(self) -> frozenset[int]:
+        axes = {self.shard_axis}
+        if self.replicate_axis is not None:
+            axes.add(self.replicate_axis)
+        return frozenset(axes)
 
 
 @dataclass(frozen=True)
@@ -26,9 +46,10 @@ class DataParallelMesh:
     shard_rank: int
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
+    spmd: SpmdAxes | None = None  # dp_mesh_dims: the full mesh the parameters live on
 
     @classmethod
-    def of(cls, mesh: DeviceMesh) -> DataParallelMesh:
+    def of(cls, mesh: DeviceMesh, spmd: SpmdAxes | None = None) -> DataParallelMesh:
         shard_axis = mesh.ndim - 1
         hsdp = mesh.ndim == 2
         return cls(
@@ -38,6 +59,7 @@ class DataParallelMesh:
             shard_rank=mesh.get_local_rank(shard_axis),
             replicate_group=mesh.get_group(0) if hsdp else None,
             replicate_size=mesh.size(0) if hsdp else 1,
+            spmd=spmd,
         )
 
     @property

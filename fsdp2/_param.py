@@ -129,6 +129,8 @@ class ShardedParam:
         """The mesh and placements of the sharded DTensor users see."""
         if self.tp is None:
             return self.dp.mesh, self.dp.placements(Shard(dim))
+        if self.dp.spmd is not None:  # dp_mesh_dims: the parameter's own mesh, its shard axis now sharded
+            return self.tp[0], self._placements_on_full_mesh(dim)
         tp_mesh, tp_placements = self.tp
         # Pieces TP already cut along ``dim``: the data-parallel chunks interleave with them.
         split = 1
@@ -138,6 +140,23 @@ class ShardedParam:
         shard = _compat.strided_shard(dim, split) if split > 1 else Shard(dim)
         mesh = _compat.concat_meshes([self.dp.mesh, tp_mesh])
         return mesh, self.dp.placements(shard) + tp_placements
+
+    def _placements_on_full_mesh(self, dim: int) -> tuple[Placement, ...]:
+        """``dp_mesh_dims``: the parameter's placements with FSDP's shard on the shard axis.
+
+        This rank holds its FSDP chunk of its TP-local tensor: the axes to the right of the
+        shard axis that shard ``dim`` too cut first, so the chunks interleave with theirs.
+        """
+        mesh, placements = self.tp
+        axis = self.dp.spmd.shard_axis
+        split = 1
+        for right in range(axis + 1, mesh.ndim):
+            placement = placements[right]
+            if isinstance(placement, Shard) and placement.dim == dim:
+                split *= mesh.size(right)
+        out = list(placements)
+        out[axis] = _compat.strided_shard(dim, split) if split > 1 else Shard(dim)
+        return tuple(out)
 
     # ---- dtypes -------------------------------------------------------------------------
     @property
@@ -299,9 +318,12 @@ class ShardedParam:
         """The unsharded parameter's gradient as a plain (TP-local) tensor."""
         grad = self.unsharded.grad if self.unsharded is not None else None
         if isinstance(grad, DTensor):
-            tp_mesh, tp_placements = self.tp
-            if tuple(grad.placements) != tp_placements:  # e.g. Partial sums from TP
-                grad = grad.redistribute(tp_mesh, tp_placements)
+            tp_mesh, want = self.tp
+            if self.dp.spmd is not None:  # the data-parallel axes' partial sums are FSDP's to reduce
+                dp_axes = self.dp.spmd.dp_axes
+                want = tuple(g if axis in dp_axes else t for axis, (g, t) in enumerate(zip(grad.placements, want)))
+            if tuple(grad.placements) != want:  # e.g. Partial sums from TP
+                grad = grad.redistribute(tp_mesh, want)
             grad = grad.to_local()
         return grad
 

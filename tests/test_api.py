@@ -30,10 +30,10 @@ PUBLIC_NAMES = {
     "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
     "CPUOffloadPolicy", "register_fsdp_forward_method", "record_schedule", "clip_grad_norm_",
     "MemoryTracker", "estimate_memory", "share_comm_ctx", "AllGather", "ReduceScatter",
+    "DataParallelMeshDims",
 }
-# torch's FSDP2 names fsdp2 does not provide: DataParallelMeshDims only configures
-# fully_shard's ``dp_mesh_dims`` argument (see test_fully_shard_signature_matches_torch).
-TORCH_ONLY_NAMES = {"DataParallelMeshDims"}
+# torch's FSDP2 names fsdp2 does not provide: none.
+TORCH_ONLY_NAMES: set[str] = set()
 # Every public method of torch's FSDPModule (fsdp2's extra ones aside): same names, same signatures.
 FSDP_MODULE_METHODS = sorted(
     name for name, value in vars(torch_fsdp.FSDPModule).items() if callable(value) and not name.startswith("_")
@@ -66,13 +66,10 @@ def test_all_lists_exactly_the_public_names():
 def test_fully_shard_signature_matches_torch():
     ours = _params(fsdp2.fully_shard)
     theirs = _params(torch_fsdp.fully_shard)
-    # torch 2.13 added ``dp_mesh_dims`` (which axes of a larger mesh are data parallel);
-    # fsdp2 takes the data-parallel mesh itself (``mesh=world_mesh["dp"]``) instead.
-    assert theirs[-1][0] == "dp_mesh_dims"
-    assert ours == theirs[:-1]
+    assert ours == theirs
     assert [name for name, kind, _ in ours if kind is inspect.Parameter.KEYWORD_ONLY] == [
         "mesh", "reshard_after_forward", "shard_placement_fn", "mp_policy", "offload_policy",
-        "ignored_params",
+        "ignored_params", "dp_mesh_dims",
     ]
 
 
@@ -87,6 +84,21 @@ def test_policy_fields_and_defaults_match_torch(name):
     # Frozen-ness may differ: fsdp2's policies are all frozen (torch's OffloadPolicy is not).
     assert dataclasses.asdict(ours()) == dataclasses.asdict(theirs())
     assert issubclass(fsdp2.CPUOffloadPolicy, fsdp2.OffloadPolicy)
+
+
+def test_data_parallel_mesh_dims_matches_torch():
+    ours, theirs = fsdp2.DataParallelMeshDims, torch_fsdp.DataParallelMeshDims
+    assert [(f.name, f.default) for f in dataclasses.fields(ours)] == \
+        [(f.name, f.default) for f in dataclasses.fields(theirs)]
+    for kwargs in ({"shard": "dp"}, {"shard": ("a", "b"), "replicate": "r"}, {"replicate": "r"}):
+        a, b = ours(**kwargs), theirs(**kwargs)
+        assert (a.shard_names, a.replicate_names) == (b.shard_names, b.replicate_names)
+    with pytest.raises(ValueError):
+        theirs()
+    with pytest.raises(ValueError, match="set at least one of shard and replicate"):
+        ours()
+    with pytest.raises(TypeError, match="DataParallelMeshDims.shard must be a mesh axis name"):
+        ours(shard=0)
 
 
 def test_fsdp_module_has_every_method_of_torchs():
