@@ -154,3 +154,36 @@ def _bad_spmd_arguments() -> list[object]:
 
 def test_dp_mesh_dims_errors_leave_the_module_unchanged():
     assert run_on_ranks(_bad_spmd_arguments, 4) == [["ok"]] * 4
+
+
+def _checkpoint_round_trip(path: str) -> list[object]:
+    """State dict, DCP save/load and full-tensor load of parameters sharded on a whole mesh."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dims = fsdp2.DataParallelMeshDims(shard="dp")
+
+    def sharded(scale: float) -> nn.Module:
+        model = _on_mesh(_MLP(), mesh, "tp")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+        return fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+
+    model = sharded(1.0)
+    saved = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    restored = sharded(0.0)
+    state = restored.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    restored.load_state_dict(state)
+    from_full = sharded(0.0)
+    from_full.load_state_dict(saved)
+    for other in (restored, from_full):
+        for key, value in other.state_dict().items():
+            assert torch.equal(value.full_tensor(), saved[key]), key
+    return ["ok"]
+
+
+def test_dp_mesh_dims_checkpoint_round_trip(tmp_path):
+    assert run_on_ranks(_checkpoint_round_trip, 4, str(tmp_path / "ckpt")) == [["ok"]] * 4
