@@ -282,11 +282,7 @@ class FSDPModule:
         interface of torch's ``AllGather``: objects written for torch work unchanged. The group's
         all-gather then runs flat on CPU too (the exchanges have no single collective to replace).
         """
-        _comm.check_comm("set_custom_all_gather", comm)
-        group = self._fsdp_state().group
-        if group is not None:
-            group.all_gather_comm = comm
-            group.allocates_from_process_group = False  # the custom comm allocates
+        self._set_custom_comm("all_gather", comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Allocate and run this module's reduce-scatter with ``comm`` (not recursive, as in torch).
@@ -296,10 +292,13 @@ class FSDPModule:
         reduces chunk ``r`` of the input over the ranks into rank ``r``'s output with ``op``
         (``AVG`` or ``SUM``). The group's reduce-scatter then runs flat on CPU too.
         """
-        _comm.check_comm("set_custom_reduce_scatter", comm)
+        self._set_custom_comm("reduce_scatter", comm)
+
+    def _set_custom_comm(self, kind: str, comm: Any) -> None:
+        _comm.check_comm(f"set_custom_{kind}", comm)
         group = self._fsdp_state().group
         if group is not None:
-            group.reduce_scatter_comm = comm
+            setattr(group, f"{kind}_comm", comm)
             group.allocates_from_process_group = False  # the custom comm allocates
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
