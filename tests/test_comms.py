@@ -190,3 +190,35 @@ def _allocators_and_compatibility() -> list[object]:
 
 def test_process_group_allocator_share_comm_ctx_and_unsupported_symmetric_memory():
     assert run_on_ranks(_allocators_and_compatibility, 2) == [["ok"], ["ok"]]
+
+
+def _custom_comms_on_4_ranks(layout: str) -> list[object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout == "hsdp":
+        mesh, kwargs = init_device_mesh("cpu", (2, 2), mesh_dim_names=("comm_rep", "comm_shard")), {}
+    else:  # backward gathers within pairs of ranks: the custom all-gather runs on that subgroup too
+        mesh, kwargs = init_device_mesh("cpu", (4,)), {"reshard_after_forward": 2}
+    gathers, scatters = [], []
+
+    def shard(model: Transformer) -> None:
+        for block in model.layers:
+            fsdp2.fully_shard(block, mesh=mesh, **kwargs)
+            gathers.append(_CountingAllGather())
+            scatters.append(_SummingReduceScatter())
+            block.set_custom_all_gather(gathers[-1])
+            block.set_custom_reduce_scatter(scatters[-1])
+        fsdp2.fully_shard(model, mesh=mesh)
+
+    train_parity(Transformer, shard, steps=2, atol=1e-4)
+    world = 2 if layout == "hsdp" else 4
+    # Forward over the shard axis; backward over it (HSDP) or over pairs (reshard to 2 ranks).
+    assert {c for g in gathers for c in g.calls} == ({(2, torch.uint8)} if world == 2 else
+                                                     {(4, torch.uint8), (2, torch.uint8)})
+    assert [len(s.ops) for s in scatters] == [2, 2, 2]
+    return ["ok"]
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "reshard_to_pairs"])
+def test_custom_comms_with_hsdp_and_int_reshard_after_forward(layout):
+    assert run_on_ranks(_custom_comms_on_4_ranks, 4, layout) == [["ok"]] * 4
