@@ -45,19 +45,16 @@ class ShardState(Enum):
 class ReduceQueue:
     """Reduce-scatters in flight, oldest first, waited on only when needed.
 
-    Bounded so at most ``limit`` groups' reduce buffers are alive at once; the
-    root's end-of-backward callback drains it.
+    Bounded: each submit leaves at most its group's limit in flight (their buffers and
+    gradients alive); the root's end-of-backward callback drains it.
     """
 
-    def __init__(self, limit: int = 1) -> None:
-        self.limit = limit
+    def __init__(self) -> None:
         self._pending: collections.deque[ReduceScatterInFlight] = collections.deque()
 
-    def submit(self, inflight: Sequence[ReduceScatterInFlight], limit: int | None = None) -> None:
-        """Queue ``inflight``; then finish the oldest until at most ``limit`` (default: the
-        queue's own) are left in flight."""
+    def submit(self, inflight: Sequence[ReduceScatterInFlight], limit: int) -> None:
+        """Queue ``inflight``; then finish the oldest until at most ``limit`` are left in flight."""
         self._pending.extend(inflight)
-        limit = self.limit if limit is None else limit
         while len(self._pending) > limit:
             finish_reduce_scatter(self._pending.popleft())
 
@@ -284,6 +281,15 @@ class ParamGroup:
                 self.process_group, self.reduce_group or self.process_group)
         else:
             self.all_gather_comm, self.reduce_scatter_comm = DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER
+
+    def set_reduce_group(self, pg: dist.ProcessGroup | None) -> None:
+        """Reduce-scatter over ``pg`` (None: the shard group). Collective for a new ``pg``: its
+        reads are probed now, while every member is here (``set_separate_reduce_scatter_group``)."""
+        if pg is not None and self._may_read:
+            probe_reads(pg)  # once per process group
+        self.reduce_group = pg
+        if self.allocates_from_process_group:  # the reduce-scatter's buffers follow its group
+            self.use_builtin_comms(allocate_from_process_group=True)
 
     @property
     def _gathers_by_exchange(self) -> bool:

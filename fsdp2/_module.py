@@ -17,7 +17,6 @@ import torch.nn as nn
 import torch.distributed as dist
 
 from . import _comm
-from ._collectives import probe_reads
 from ._comm import AllGather, ReduceScatter
 from ._group import ShardState
 from ._state import ModuleState, get_state
@@ -365,16 +364,12 @@ class FSDPModule:
             if group is None or group.world == 1:
                 continue
             if not enable:
-                group.reduce_group = None
+                group.set_reduce_group(None)
             elif group.reduce_group is None:
                 ranks = tuple(dist.get_process_group_ranks(group.process_group))
                 if ranks not in made:
                     made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-                    if group.device.type == "cpu" and group._may_read:
-                        probe_reads(made[ranks])  # collective on the new group: every member is here
-                group.reduce_group = made[ranks]
-            if group.allocates_from_process_group:  # the reduce-scatter's buffers follow its group
-                group.use_builtin_comms(allocate_from_process_group=True)
+                group.set_reduce_group(made[ranks])
 
     def set_check_finite_gradients(self, enabled: bool = True, *, recurse: bool = True) -> None:
         """Raise ``FloatingPointError`` on every rank when a reduced gradient is NaN or infinite.
