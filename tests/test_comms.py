@@ -209,9 +209,15 @@ def _custom_comms_on_4_ranks(layout: str) -> list[object]:
             block.set_custom_all_gather(gathers[-1])
             block.set_custom_reduce_scatter(scatters[-1])
         fsdp2.fully_shard(model, mesh=mesh)
+        if layout == "hsdp":  # one new group per replica's shard ranks
+            model.set_separate_reduce_scatter_group()
 
     train_parity(Transformer, shard, steps=2, atol=1e-4)
     world = 2 if layout == "hsdp" else 4
+    if layout == "hsdp":
+        used = {tuple(dist.get_process_group_ranks(g)) for s in scatters for g in s.groups}
+        assert used == {tuple(mesh["comm_shard"].mesh.tolist())}
+        assert all(g is not mesh["comm_shard"].get_group() for s in scatters for g in s.groups)
     # Forward over the shard axis; backward over it (HSDP) or over pairs (reshard to 2 ranks).
     assert {c for g in gathers for c in g.calls} == ({(2, torch.uint8)} if world == 2 else
                                                      {(4, torch.uint8), (2, torch.uint8)})
