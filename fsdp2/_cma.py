@@ -32,6 +32,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from . import _compat
+
 __all__ = ["describe", "probe", "read", "usable"]
 
 _IOV_MAX = 1024  # iovecs per call on Linux
@@ -118,6 +120,9 @@ def probe(pg: dist.ProcessGroup) -> bool:
     entry = _usable.get(id(pg))
     if entry is not None and entry[0] is pg:
         return entry[1]
+    for key, (known, _) in list(_usable.items()):  # let destroyed groups (and their sockets) go
+        if not _compat.is_live_process_group(known):
+            del _usable[key]
     verdict = False
     if pg.size() > 1:
         ranks = dist.get_process_group_ranks(pg)

@@ -32,7 +32,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _checks, _cma, _debug, _exchange, _trace
+from . import _checks, _cma, _debug, _exchange, _pipes, _trace
 from ._checks import HEADER
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
 from ._param import ShardedParam, ShardLayout
@@ -130,8 +130,11 @@ def probe_reads(pg: dist.ProcessGroup) -> bool:
 
     ``FSDP2_CPU_COLLECTIVES=read`` makes a "no" an error instead of a fall-back to messages.
     """
-    if _cma.probe(pg) or cpu_transport() != "read":
-        return _cma.usable(pg)
+    if _cma.probe(pg):
+        _pipes.connect(pg)  # their small messages then skip gloo too
+        return True
+    if cpu_transport() != "read":
+        return False
     raise RuntimeError(
         f"{CPU_COLLECTIVES_ENV}=read: the ranks {dist.get_process_group_ranks(pg)} cannot read each "
         "other's memory with process_vm_readv (different hosts or PID namespaces, ptrace "

@@ -154,3 +154,28 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def is_live_process_group(pg) -> bool:
+    """Whether ``pg`` is still registered (not passed to ``destroy_process_group``).
+
+    The registry is c10d's private ``_world.pg_map``; where it is missing, every group
+    counts as live (resources kept per group are then never released early).
+    """
+    import torch.distributed.distributed_c10d as c10d
+    world = getattr(c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    return pg_map is None or pg in pg_map
+
+
+def process_group_timeout(pg) -> float:
+    """``pg``'s timeout in seconds, as given to ``init_process_group``/``new_group``.
+
+    Read from the CPU backend's private ``options._timeout``; torch's default (30 minutes)
+    where that is missing.
+    """
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        from torch.distributed.constants import default_pg_timeout
+        return default_pg_timeout.total_seconds()

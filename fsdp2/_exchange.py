@@ -39,13 +39,16 @@ interleave with them.
 from __future__ import annotations
 
 import zlib
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from . import _cma
+from . import _cma, _pipes
 from ._checks import HEADER
+
+# What messages go over: a process group, or the pipes connecting its ranks on one host.
+Link = Union[dist.ProcessGroup, _pipes.Pipes]
 
 __all__ = ["TAG", "Exchange", "ReadExchange", "ExchangeAllGather", "start_all_gather", "ExchangeReduceScatter",
            "start_reduce_scatter"]
@@ -85,7 +88,7 @@ class ReadExchange:
 
     __slots__ = ("pg", "what", "pending", "release", "ack", "ack_tag", "descriptors", "defer")
 
-    def __init__(self, pg: dist.ProcessGroup, what: str, ack_tag: int, defer: bool = False) -> None:
+    def __init__(self, pg: Link, what: str, ack_tag: int, defer: bool = False) -> None:
         self.pg, self.what, self.ack_tag, self.defer = pg, what, ack_tag, defer
         self.pending: list[tuple[int, dist.Work, torch.Tensor, list[torch.Tensor]]] = []
         self.release = Exchange([])
@@ -134,7 +137,7 @@ def _tag_of_size(key: str, what: str, nbytes: int) -> int:
     return (zlib.crc32(f"{key}|{what}|{nbytes}".encode()) & 0x3FFFFFFF) | 0x40000000
 
 
-def _post(pg: dist.ProcessGroup, sends: Sequence[tuple[torch.Tensor, int]],
+def _post(pg: Link, sends: Sequence[tuple[torch.Tensor, int]],
           recvs: Sequence[tuple[torch.Tensor, int]], peer: int, works: list[dist.Work]) -> None:
     """Post ``recvs`` from and ``sends`` to group rank ``peer`` (``(tensor, tag)`` pairs), without blocking.
 
@@ -224,7 +227,12 @@ def start_all_gather(
 
 def _read_all_gather(own: list[torch.Tensor], chunks: Sequence[torch.Tensor], header: torch.Tensor,
                      pg: dist.ProcessGroup, key: str) -> ExchangeAllGather:
-    """The all-gather by reading: every peer reads this rank's chunks where they are."""
+    """The all-gather by reading: every peer reads this rank's chunks where they are.
+
+    Its messages (header, descriptor, acknowledgement) go over the group's pipes where the
+    ranks connected them (``_pipes.py``), else over ``pg``.
+    """
+    pg = _pipes.link(pg)
     me, world = pg.rank(), pg.size()
     offered = [t if t.is_contiguous() else t.contiguous() for t in own]
     mine = _cma.describe(offered)
@@ -263,7 +271,7 @@ def _packed_slots(like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torc
     return buffer, slots
 
 
-def _exchange_headers(header: torch.Tensor, pg: dist.ProcessGroup) -> tuple[torch.Tensor, list[dist.Work]]:
+def _exchange_headers(header: torch.Tensor, pg: Link) -> tuple[torch.Tensor, list[dist.Work]]:
     """Send this rank's 16-byte ``header`` to every peer and receive theirs, ahead of the data.
 
     Returns ``(world, HEADER)`` bytes (row ``q``: rank ``q``'s header, once done) and the works.
@@ -334,6 +342,8 @@ def start_reduce_scatter(
         key: names this exchange the same on every rank (group and dtype): its messages' tags.
         read: each peer reads its chunks out of this process (``_cma.py``), no messages.
     """
+    if read:  # its messages on the group's pipes, where the ranks connected them (``_pipes.py``)
+        pg = _pipes.link(pg)
     me, world = pg.rank(), pg.size()
     device = chunks[0].device if chunks else torch.device("cpu")
     sizes = [c[me].numel() for c in chunks]
