@@ -13,7 +13,8 @@ Ranks whose reads were probed (``_cma.probe``) connect (:func:`connect`, collect
 each rank makes one named pipe (FIFO) per peer to receive from, in a private directory
 of its own, and opens each peer's pipe to it for writing. The names are removed once
 every rank has opened its pipes, so nothing is left on disk, and a pipe closes when its
-process exits (the peer then reads an end of file instead of waiting).
+process exits (the peer then reads an end of file instead of waiting). A forked child (a data-loader worker) closes its copies at
+once.
 
 :class:`Pipes` has the part of a process group's interface the exchanges use
 (``rank``, ``size``, ``send``, ``recv``), with gloo's matching: a receive gets the
@@ -231,6 +232,19 @@ def link(pg: dist.ProcessGroup) -> Pipes | dist.ProcessGroup:
     """What the read exchanges over ``pg`` send their messages on: its pipes, or ``pg`` itself."""
     entry = _links.get(id(pg))
     return entry[1] if entry is not None and entry[0] is pg and entry[1] is not None else pg
+
+
+def _forget_all_in_child() -> None:
+    """After ``fork()``, in the child: close every pipe (a data-loader worker never uses them,
+    and its copies of the write ends would keep a dead rank's peers from seeing it exit)."""
+    for pg, pipes in _links.values():
+        if pipes is not None:
+            pipes.close()
+    _links.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_all_in_child)
 
 
 def _forget_destroyed_groups() -> None:

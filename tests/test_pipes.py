@@ -42,6 +42,13 @@ def _connected(timeout_s: float = 60.0, pipes: bool = True) -> Iterator[dist.Pro
         dist.destroy_process_group(pg)
 
 
+def _open_pipes() -> int:
+    """This process's open fsdp2 pipes (removed from disk once open: ".../fsdp2-pipes-.../from-1 (deleted)")."""
+    fds = "/proc/self/fd"
+    return sum("fsdp2-pipes-" in os.readlink(os.path.join(fds, fd)) for fd in os.listdir(fds)
+               if os.path.exists(os.path.join(fds, fd)))
+
+
 def _ints(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
@@ -192,17 +199,12 @@ def test_read_exchanges_train_to_the_reference_with_messages_on_pipes_or_gloo(pi
 def _pipes_open_while_groups_come_and_go() -> list[int]:
     """Each connected group holds two pipes per peer; a destroyed group's are closed at the
     next connect, so connecting groups one after another does not pile them up."""
-    def ours() -> int:  # named pipes, removed from disk once open: "/tmp/fsdp2-pipes-.../from-1 (deleted)"
-        fds = "/proc/self/fd"
-        return sum("fsdp2-pipes-" in os.readlink(os.path.join(fds, fd)) for fd in os.listdir(fds)
-                   if os.path.exists(os.path.join(fds, fd)))
-
     with _connected():
         pass  # closes the pipes of groups earlier tests destroyed
     counts = []
     for _ in range(3):
         with _connected():
-            counts.append(ours())
+            counts.append(_open_pipes())
     return counts
 
 
@@ -212,3 +214,23 @@ def test_pipes_of_destroyed_groups_are_closed():
         # The same count each time (groups earlier tests keep hold pipes too): kept, a
         # destroyed group's pipes would add 6 per round.
         assert counts[0] >= per_group and counts == [counts[0]] * 3, counts
+
+
+def _a_forked_child_closes_its_copies() -> list[int]:
+    """A fork (a data-loader worker) must not keep the pipes open: its copies of the write
+    ends would hide a dead rank from its peers. Counts in the child, then in the parent."""
+    with _connected() as pg:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report and leave at once (no cleanup of the parent's state)
+            os.write(write_end, bytes([min(_open_pipes(), 255), int(_pipes.link(pg) is pg)]))
+            os._exit(0)
+        os.waitpid(pid, 0)
+        child = list(os.read(read_end, 2))
+        os.close(read_end)
+        os.close(write_end)
+        return [*child, int(_open_pipes() >= 2)]
+
+
+def test_a_forked_child_closes_its_copies_of_the_pipes():
+    assert run_on_ranks(_a_forked_child_closes_its_copies, 2) == [[0, 1, 1]] * 2
