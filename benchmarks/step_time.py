@@ -20,6 +20,7 @@ rounds after ``--warmup`` are reported. Rank 0 prints one JSON line per configur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -29,7 +30,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 IMPLS = ("fsdp2", "torch_fsdp2", "ddp", "nocomm")
+# Not run unless named: fsdp2 on a process group of its own whose reads send their small
+# messages over gloo instead of pipes (FSDP2_CPU_PIPES=0), to compare the two in one launch.
+EXTRA_IMPLS = ("fsdp2_gloo",)
 RATIOS = (("fsdp2", "torch_fsdp2"), ("fsdp2", "ddp"), ("fsdp2", "nocomm"),
-          ("torch_fsdp2", "nocomm"), ("ddp", "nocomm"))
+          ("torch_fsdp2", "nocomm"), ("ddp", "nocomm"), ("fsdp2", "fsdp2_gloo"))
 
 
 # ---- model ------------------------------------------------------------------------------
@@ -139,6 +143,11 @@ def wrap(impl: str, model: GPT, mesh: DeviceMesh, device: torch.device, how: str
     if impl == "fsdp2":
         from fsdp2 import fully_shard
         return shard_model(model, mesh, fully_shard, how)
+    if impl == "fsdp2_gloo":
+        from fsdp2 import fully_shard
+        group = dist.new_group(dist.get_process_group_ranks(mesh.get_group()))
+        own = DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=("gloo_messages",))
+        return shard_model(model, own, fully_shard, how)
     if impl == "torch_fsdp2":
         from torch.distributed.fsdp import fully_shard
         return shard_model(model, mesh, fully_shard, how)
@@ -148,6 +157,22 @@ def wrap(impl: str, model: GPT, mesh: DeviceMesh, device: torch.device, how: str
     if impl == "nocomm":
         return model
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+
+
+@contextlib.contextmanager
+def _pipes_off(off: bool) -> Iterator[None]:
+    """``FSDP2_CPU_PIPES=0`` inside the block when ``off``."""
+    before = os.environ.get("FSDP2_CPU_PIPES")
+    if off:
+        os.environ["FSDP2_CPU_PIPES"] = "0"
+    try:
+        yield
+    finally:
+        if off:
+            if before is None:
+                del os.environ["FSDP2_CPU_PIPES"]
+            else:
+                os.environ["FSDP2_CPU_PIPES"] = before
 
 
 def make_batch(rank: int, step: int, cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +266,8 @@ def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
             dist.barrier()
             faulted = minor_faults()
             start = time.perf_counter()
-            losses[impl] = train_step(models[impl], opts[impl], inputs, targets)
+            with _pipes_off(impl == "fsdp2_gloo"):  # its group connects at its first all-gather
+                losses[impl] = train_step(models[impl], opts[impl], inputs, targets)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
@@ -287,7 +313,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each implementation)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"comma-separated subset of {','.join(IMPLS + EXTRA_IMPLS)} (fsdp2_gloo: fsdp2 with its "
+                        "reads' small messages on gloo instead of pipes, on a process group of its own)")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="NAMES",
                    help=f"run presets instead of --dim.. --batch; bare --sweep means {DEFAULT_SWEEP}; "
                         f"known: {','.join(PRESETS)}")
@@ -303,7 +331,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = p.parse_args()
     args.impls = [i for i in args.impls.split(",") if i]
-    unknown = [i for i in args.impls if i not in IMPLS]
+    unknown = [i for i in args.impls if i not in IMPLS + EXTRA_IMPLS]
     if unknown or not args.impls or len(set(args.impls)) != len(args.impls):
         p.error(f"--impls: give distinct names from {','.join(IMPLS)}, got {args.impls}")
     if args.steps < 1 or args.warmup < 0:

@@ -237,7 +237,7 @@ def link(pg: dist.ProcessGroup) -> Pipes | dist.ProcessGroup:
 def _forget_all_in_child() -> None:
     """After ``fork()``, in the child: close every pipe (a data-loader worker never uses them,
     and its copies of the write ends would keep a dead rank's peers from seeing it exit)."""
-    for pg, pipes in _links.values():
+    for _, pipes in _links.values():
         if pipes is not None:
             pipes.close()
     _links.clear()

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import faulthandler
 import importlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -156,6 +157,22 @@ def shutdown_pools() -> None:
 
 
 atexit.register(shutdown_pools)
+
+
+@contextlib.contextmanager
+def info_records(logger: logging.Logger) -> Iterator[list[logging.LogRecord]]:
+    """The records ``logger`` emits at INFO and above inside the block (its level lowered to INFO)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ must train to the unsharded reference either way.
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -27,7 +26,7 @@ from fsdp2 import _cma, _exchange
 from fsdp2._collectives import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES, probe_reads
 from fsdp2._state import get_state
 from tests import test_2d, test_mixed_precision, test_parity
-from tests._dist import environ, run_on_ranks
+from tests._dist import environ, info_records, run_on_ranks
 from tests._parity import assert_grads_are_average
 from tests._models import MLP
 
@@ -242,22 +241,14 @@ def _probe_with_one_rank_unable(transport: str) -> str:
     saved = _cma._readv
     if dist.get_rank() == 1:
         _cma._readv = False
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    _cma.logger.addHandler(handler)
-    level = _cma.logger.level
-    _cma.logger.setLevel(logging.INFO)
     try:
-        with environ(CPU_COLLECTIVES_ENV, transport):
+        with info_records(_cma.logger) as records, environ(CPU_COLLECTIVES_ENV, transport):
             try:
                 verdict = f"reads={probe_reads(pg)}"
             except RuntimeError as e:
                 return str(e)
         return verdict + "".join(f" | {r.levelname}: {r.getMessage()}" for r in records)
     finally:
-        _cma.logger.removeHandler(handler)
-        _cma.logger.setLevel(level)
         _cma._readv = saved
         dist.destroy_process_group(pg)
 

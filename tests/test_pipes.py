@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 import os
 import tempfile
 from typing import Iterator
@@ -25,7 +24,7 @@ import fsdp2
 from fsdp2 import _exchange, _pipes
 from fsdp2._collectives import CPU_COLLECTIVES_ENV, probe_reads
 from fsdp2._state import get_state
-from tests._dist import environ, run_on_ranks
+from tests._dist import environ, info_records, run_on_ranks
 from tests._models import MLP
 from tests._parity import assert_grads_are_average
 
@@ -135,23 +134,16 @@ def test_a_closed_pipe_fails_the_wait_at_once():
 def _connect_with_one_rank_unable(env: str) -> list[object]:
     """Rank 1 cannot make its pipes (its temporary directory does not exist), or pipes are off:
     every rank keeps gloo, and says why in fsdp2's log (INFO) when it wanted pipes."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    _pipes.logger.addHandler(handler)
-    level = _pipes.logger.level
-    _pipes.logger.setLevel(logging.INFO)
     saved = tempfile.tempdir
     if dist.get_rank() == 1:
         tempfile.tempdir = "/nonexistent/fsdp2"
     try:
-        with environ(_pipes.PIPES_ENV, env), _connected(pipes=env != "0") as pg:
+        with info_records(_pipes.logger) as records, environ(_pipes.PIPES_ENV, env), \
+                _connected(pipes=env != "0") as pg:
             on_gloo = _pipes.link(pg) is pg
         return [on_gloo, *(r.getMessage() for r in records)]
     finally:
         tempfile.tempdir = saved
-        _pipes.logger.removeHandler(handler)
-        _pipes.logger.setLevel(level)
 
 
 def test_ranks_keep_gloo_alike_when_one_cannot_make_pipes():
