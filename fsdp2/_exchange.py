@@ -28,7 +28,9 @@ parameter, each one from where it lives to where it is needed:
 Ranks on one host (probed once per group, ``_cma.py``) move the data by reading each
 other's memory instead (``ReadExchange``): after the header, each rank sends every peer
 a descriptor of where its chunks are, the peer reads them straight into place (no
-packing needed: one call reads any number of chunks) and acknowledges.
+packing needed: one call reads any number of chunks) and acknowledges. Those small
+messages (headers, descriptors, acknowledgements) go over pipes between the ranks
+(``_pipes.py``) where they connected, not through gloo.
 
 Messages between two ranks are matched in the order they were posted, the same on
 every rank because every rank runs the same schedule; they use a tag of their own
