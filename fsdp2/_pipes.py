@@ -91,9 +91,6 @@ class _Sent:
     def wait(self, timeout: object = None) -> bool:
         return True
 
-    def is_completed(self) -> bool:
-        return True
-
 
 _SENT = _Sent()
 
@@ -105,9 +102,6 @@ class _Receive:
 
     def __init__(self, pipes: Pipes, peer: _Peer, tag: int, n: int, tensor: torch.Tensor) -> None:
         self.pipes, self.peer, self.tag, self.n, self.tensor = pipes, peer, tag, n, tensor
-
-    def is_completed(self) -> bool:
-        return (self.tag, self.n) in self.peer.stash
 
     def wait(self, timeout: object = None) -> bool:
         key = (self.tag, self.n)
@@ -130,7 +124,6 @@ class Pipes:
     """A process group's ranks on one host, connected by pipes (see the module docstring)."""
 
     def __init__(self, pg: dist.ProcessGroup, peers: dict[int, _Peer], timeout_s: float) -> None:
-        self.pg = pg
         self.peers = peers  # group rank -> _Peer
         self.timeout_s = timeout_s
         self._rank, self._size = pg.rank(), pg.size()
