@@ -2,8 +2,8 @@
 
 * **Rank agreement** (once, at the root's lazy init): every rank that shares the
   model must have built the same groups, parameters (FQN, global shape, dtype,
-  ``requires_grad``, shard dim) and meshes. Checked with ``all_gather_object``
-  over each axis of the model's own meshes (a hash first, the details only on
+  ``requires_grad``, shard dim) and meshes. Checked with an all-gather of JSON text
+  (``_wire``) over each axis of the model's own meshes (a hash first, the details only on
   a mismatch); agreement along every axis of a connected mesh is agreement
   across it. Raises ``ValueError`` on every rank, naming the first difference.
 * **All-gather headers** (every all-gather): each rank's slice starts with 16
@@ -26,13 +26,13 @@
 from __future__ import annotations
 
 import hashlib
-import pickle
+import json
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _debug
+from . import _debug, _wire
 from ._compat import root_mesh
 
 __all__ = [
@@ -130,7 +130,7 @@ def check_rank_agreement(diag: Diagnostics) -> None:
     order: a hang, a backend error far from the cause, or silently wrong numbers.
     """
     lines = diag.describe()
-    digest = hashlib.sha256(pickle.dumps(lines)).hexdigest()
+    digest = hashlib.sha256(json.dumps(lines).encode()).hexdigest()
     problem: str | None = None
     # Pass 1 finds differences along each axis; pass 2 spreads the verdict along every
     # axis again, so that a difference found along one axis reaches the whole mesh.
@@ -151,9 +151,7 @@ def check_rank_agreement(diag: Diagnostics) -> None:
 
 
 def _gather(obj: Any, pg: dist.ProcessGroup) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(out, obj, group=pg)
-    return out
+    return _wire.all_gather_json(obj, pg)
 
 
 def _first_difference(all_lines: list[list[str]], pg: dist.ProcessGroup) -> str:

@@ -1,6 +1,7 @@
 """The few private PyTorch entry points fsdp2 needs, in one place.
 
-Checked against torch 2.6 through 2.13. Each has no public equivalent.
+Checked against torch 2.13, the version pyproject.toml allows and CI runs. Each has no
+public equivalent.
 """
 
 from __future__ import annotations

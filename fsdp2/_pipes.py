@@ -43,7 +43,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from . import _compat, _wire
 
 __all__ = ["PIPES_ENV", "Pipes", "connect", "link"]
 
@@ -300,8 +300,7 @@ def connect(pg: dist.ProcessGroup) -> bool:
             directory, inboxes = _open_inboxes(world, me)
         except OSError as e:
             why = f"making the pipes: {e}"
-    directories: list[str | None] = [None] * world
-    dist.all_gather_object(directories, directory if wanted and not why else None, group=pg)
+    directories: list[str | None] = _wire.all_gather_json(directory if wanted and not why else None, pg)
     missing = [q for q, directory in enumerate(directories) if directory is None]
     if wanted and not why and missing:
         why = f"rank {dist.get_global_rank(pg, missing[0])} could not make its pipes"

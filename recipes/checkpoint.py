@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp2.checkpoint as ckpt
+from fsdp2._wire import broadcast_json
 
 __all__ = ["Checkpointer", "check_export", "export_model"]
 
@@ -53,12 +54,10 @@ def _rank() -> int:
 
 
 def _from_rank0(value: Any) -> Any:
-    """``value`` as rank 0 has it, on every rank (itself without a process group)."""
+    """``value`` (JSON-serialisable) as rank 0 has it, on every rank (itself without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_json(value)
 
 
 class Checkpointer:
@@ -92,7 +91,8 @@ class Checkpointer:
                     found = (step, self._dir(step))
                     break
                 logger.warning("skipping corrupted checkpoint %s: %s", self._dir(step), "; ".join(problems))
-        return _from_rank0(found)
+        found = _from_rank0([found[0], str(found[1])] if found else None)
+        return (found[0], Path(found[1])) if found else None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler, *, extra: dict[str, Any] | None = None) -> Path:

@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
+from .. import _wire
+
 __all__ = ["MARKER", "CorruptCheckpointError", "save", "load", "verify", "find_complete", "single_process_ok"]
 
 logger = logging.getLogger(__name__)
@@ -79,10 +81,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         raise FileExistsError(f"fsdp2.checkpoint.save: {path} exists and is not an fsdp2 checkpoint; "
                               "refusing to replace it (pick another path or remove it)")
     distributed = dist.is_available() and dist.is_initialized()
-    token = [uuid.uuid4().hex[:12]]
+    token = uuid.uuid4().hex[:12]
     if distributed:
-        dist.broadcast_object_list(token, src=0)  # every rank writes into the same directory
-    tmp = path.with_name(f"{path.name}.tmp-{token[0]}")
+        token = _wire.broadcast_json(token)  # every rank writes into the same directory
+    tmp = path.with_name(f"{path.name}.tmp-{token}")
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -100,7 +102,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                   "extra": extra is not None, "world_size": dist.get_world_size() if distributed else 1,
                   "torch": torch.__version__, "files": files, "bytes": sum(files.values())}
         _write_synced(tmp / MARKER, json.dumps(marker, indent=1).encode())
-        old = path.with_name(f"{path.name}.old-{token[0]}")
+        old = path.with_name(f"{path.name}.old-{token}")
         if path.exists():
             os.rename(path, old)
         os.rename(tmp, path)
@@ -131,12 +133,12 @@ def load(path: str | os.PathLike, model: nn.Module,
         ValueError: an optimizer was given but the checkpoint has none.
     """
     distributed = dist.is_available() and dist.is_initialized()
-    checked: list[Any] = [None]
+    checked: Any = None
     if not distributed or dist.get_rank() == 0:
-        checked[0] = _check(path)
+        checked = _check(path)
     if distributed:
-        dist.broadcast_object_list(checked, src=0)
-    found, not_found, problems = checked[0]
+        checked = _wire.broadcast_json(checked)
+    found, not_found, problems = checked
     if not_found is not None:
         raise FileNotFoundError(not_found)
     path = Path(found)
@@ -238,7 +240,7 @@ def _size(file: Path) -> int | None:
 
 
 def _check(path: str | os.PathLike) -> tuple[str | None, str | None, list[str]]:
-    """(the complete checkpoint to load, why there is none, what is wrong with it), picklable."""
+    """(the complete checkpoint to load, why there is none, what is wrong with it), JSON-serialisable."""
     try:
         found = find_complete(path)
     except FileNotFoundError as e:

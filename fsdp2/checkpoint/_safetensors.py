@@ -19,6 +19,8 @@ from typing import BinaryIO
 
 import torch
 
+from .._wire import as_memoryview
+
 __all__ = ["DTYPES", "StreamingWriter", "import_safetensors"]
 
 DTYPES: dict[torch.dtype, str] = {
@@ -76,7 +78,7 @@ class StreamingWriter:
             raise ValueError(f"safetensors writer: {name!r} is {tuple(tensor.shape)} {tensor.dtype}, "
                              f"the header says {tuple(shape)} {dtype}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(data.numpy().data)  # a view: no second copy of the tensor
+        self._file.write(as_memoryview(data))  # a view: no second copy of the tensor
         self._next += 1
 
     def close(self) -> None:
