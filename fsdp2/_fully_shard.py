@@ -20,6 +20,7 @@ from ._group import ParamGroup, SubGroup
 from ._mesh import DataParallelMesh, SpmdAxes
 from ._module import FSDPModule
 from ._param import ShardedParam
+from ._errors import FSDPTypeError, FSDPValueError
 from ._state import ModuleState, get_state
 
 __all__ = ["fully_shard"]
@@ -143,8 +144,14 @@ def _check_modules(module: Any) -> list[nn.Module]:
             f"fully_shard expects an nn.Module or a non-empty list of nn.Modules, got {type(module).__name__}"
         )
     for m in modules:
-        if get_state(m) is not None:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
+                f"fully_shard: a {type(m).__name__} has no forward, so its hooks would never run; pass its "
+                f"modules as a list to make one group of them (fully_shard(list(container), ...)), or "
+                "shard each of them, or the module that calls them"
+            )
+        if get_state(m) is not None:
+            raise FSDPValueError(
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
                 "(bottom-up: blocks first, then the root)"
             )
@@ -241,7 +248,7 @@ def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> bool | int | N
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
-        raise TypeError(
+        raise FSDPTypeError(
             f"fully_shard: reshard_after_forward must be None, a bool or an int, got {value!r}"
         )
     size = mesh.size(mesh.ndim - 1)  # the shard axis
@@ -329,12 +336,12 @@ def _placement_dims(found: list[Found], placement_fn: Callable | None) -> list[i
             dims.append(0)
             continue
         if not isinstance(placement, Shard):
-            raise TypeError(
+            raise FSDPTypeError(
                 f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; return Shard(dim) or None"
             )
         dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
         if param.ndim == 0 or not 0 <= dim < param.ndim:
-            raise ValueError(
+            raise FSDPValueError(
                 f"fully_shard: shard_placement_fn chose Shard({placement.dim}) for {fqn!r} of shape "
                 f"{tuple(param.shape)}; pick a dim in [0, {param.ndim})"
             )

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from . import _comm
 from ._comm import AllGather, ReduceScatter
 from ._group import ShardState
+from ._errors import FSDPTypeError
 from ._state import ModuleState, get_state
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -416,7 +417,7 @@ class FSDPModule:
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
+        raise FSDPTypeError(f"{name} must be a bool, got {value!r}")
 
 
 def _no_custom_comms(method: str, group: Any) -> None:
@@ -433,7 +434,7 @@ def _states_of(method: str, modules: list[Any]) -> list[ModuleState]:
     for module in modules:
         state = get_state(module) if isinstance(module, nn.Module) else None
         if state is None:
-            raise TypeError(f"{method}: expected modules passed to fully_shard, got {type(module).__name__}")
+            raise FSDPTypeError(f"{method}: expected modules passed to fully_shard, got {type(module).__name__}")
         states.append(state)
     return states
 

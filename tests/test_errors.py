@@ -182,3 +182,51 @@ def test_register_fsdp_forward_method_on_unsharded_module_raises():
     mlp = MLP(8)
     _expect_rejected(mlp, lambda: register_fsdp_forward_method(mlp, "forward"), ValueError,
                      r"register_fsdp_forward_method: MLP is not fully_shard-ed; call fully_shard\(module\) first")
+
+
+# ---- code written for torch's FSDP2 catches what it caught -----------------------------------
+def _torch_exception(name: str) -> type[BaseException] | None:
+    """The exception torch's ``fully_shard`` raises for ``name`` (None: it accepts the call)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    global fully_shard
+    ours, fully_shard = fully_shard, torch_fully_shard  # _case calls the module-level name
+    try:
+        _module, call, _exc, _match = _case(name)
+        call()
+    except Exception as e:  # noqa: BLE001 - which type torch raises is the point
+        return type(e)
+    finally:
+        fully_shard = ours
+    return None
+
+
+def _exception_types(name: str) -> tuple[type | None, type]:
+    theirs = _torch_exception(name)
+    _module, call, exc, _match = _case(name)
+    with pytest.raises(exc) as raised:
+        call()
+    return theirs, raised.type
+
+
+# Where torch 2.13 does not raise a deliberate error (docs/comparison.md lists these): it
+# accepts the call, or fails with an AttributeError deep inside.
+_TORCH_ACCEPTS = {"param_shared_between_groups", "param_shared_with_root", "params_on_meta_and_cpu"}
+_TORCH_ATTRIBUTE_ERROR = {"mesh_is_process_group", "mesh_is_string"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_what_torch_raises_is_caught_by_the_same_except_clause(case):
+    theirs, ours = run_on_ranks(_exception_types, 2, case)[0]
+    if case in _TORCH_ACCEPTS:
+        assert theirs is None
+    elif case in _TORCH_ATTRIBUTE_ERROR:
+        assert theirs is AttributeError
+    else:
+        assert issubclass(ours, theirs), f"torch raises {theirs.__name__}, fsdp2 {ours.__name__}"
+
+
+def test_a_container_without_forward_is_refused():
+    mlps = nn.ModuleList([MLP(8), MLP(8)])
+    _expect_rejected(mlps, lambda: fully_shard(mlps), ValueError,
+                     r"a ModuleList has no forward, so its hooks would never run; pass its modules as a list")
