@@ -1,0 +1,192 @@
+"""The runtime's own CPU time per training step, with communication taken out.
+
+    python benchmarks/overhead.py                    # world 8, 32 groups
+    python benchmarks/overhead.py --sweep            # worlds 8 and 64 x groups 8, 32 and 64
+    python benchmarks/overhead.py --profile          # and where fsdp2's share goes, per function
+
+What a GPU job feels of an FSDP runtime, beyond the collectives, is the Python work it adds
+to every step on the host: hooks, copies in and out of the communication buffers, DTensor
+construction. This measures that work alone. One process joins torch's fake process group
+(``torch.testing._internal.distributed.fake_pg``) as rank 0 of ``--world`` ranks: every
+collective returns at once, without moving data, so a step's time is computation plus the
+runtime's own overhead. The same model is built three ways, each with its own
+``AdamW(foreach=True)``:
+
+- ``plain``:       the model itself, unsharded (the floor);
+- ``fsdp2``:       ``fsdp2.fully_shard`` per block then the root, on the flat collectives NCCL
+                   takes (``FSDP2_CPU_COLLECTIVES=flat``: the CPU exchange is not what a GPU
+                   user runs);
+- ``torch_fsdp2``: ``torch.distributed.fsdp.fully_shard``, applied the same way.
+
+The model is ``--groups`` blocks of LayerNorm + Linear + GELU + Linear (``--dim`` wide), so
+the per-group and per-parameter work dominates, as it does for small or latency-bound GPU
+jobs. Steps (zero_grad, forward, sum, backward, optimizer step) are interleaved round-robin
+with the starting implementation rotating, and a step's overhead is its time minus the plain
+model's step in the same round; the median over ``--steps`` rounds after ``--warmup`` is
+reported, as is ``fsdp2/torch_fsdp2``, the ratio of the two overheads. One JSON line per
+configuration goes to stdout (and is appended to ``--out`` if given).
+
+Note the optimizer: the sharded models step 1/world of the parameters, the plain model all
+of them, so part of a sharded model's overhead is hidden by its cheaper optimizer step; it
+is the same for both runtimes, and the ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import contextlib
+import datetime
+import gc
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from typing import Callable, Iterator
+
+os.environ.setdefault("FSDP2_CPU_COLLECTIVES", "flat")  # before fsdp2 builds any group
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+IMPLS = ("plain", "fsdp2", "torch_fsdp2")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, dim)
+        self.down = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, dim: int, groups: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(groups))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build(impl: str, dim: int, groups: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Model(dim, groups)
+    if impl != "plain":
+        if impl == "fsdp2":
+            from fsdp2 import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+
+def step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    optim.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    optim.step()
+
+
+@contextlib.contextmanager
+def fake_world(world: int) -> Iterator[None]:
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore(),
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(world: int, groups: int, dim: int, batch: int, steps: int, warmup: int,
+            profile: bool) -> dict:
+    x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1))
+    with fake_world(world):
+        built = {impl: build(impl, dim, groups, world) for impl in IMPLS}
+        times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+        gc.collect()
+        gc.disable()  # a collection landing in one implementation's step is noise
+        try:
+            for r in range(warmup + steps):
+                order = IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]
+                for impl in order:
+                    start = time.perf_counter()
+                    step(*built[impl], x)
+                    if r >= warmup:
+                        times[impl].append(time.perf_counter() - start)
+        finally:
+            gc.enable()
+        top = profile_fsdp2(*built["fsdp2"], x, steps) if profile else None
+    overhead = {impl: statistics.median(t - p for t, p in zip(times[impl], times["plain"]))
+                for impl in IMPLS[1:]}
+    result = {
+        "config": {"world": world, "groups": groups, "dim": dim, "batch": batch, "steps": steps,
+                   "warmup": warmup, "params": sum(p.numel() for p in Model(dim, groups).parameters()),
+                   "transport": "flat (fake process group)", "torch": torch.__version__},
+        "median_step_ms": {impl: round(1e3 * statistics.median(times[impl]), 3) for impl in IMPLS},
+        "overhead_ms": {impl: round(1e3 * v, 3) for impl, v in overhead.items()},
+        "ratio": {"fsdp2/torch_fsdp2": round(overhead["fsdp2"] / overhead["torch_fsdp2"], 3)
+                  if overhead["torch_fsdp2"] > 0 else None},
+    }
+    if top is not None:
+        result["fsdp2_profile_ms_per_step"] = top
+    return result
+
+
+def profile_fsdp2(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, steps: int) -> list:
+    """fsdp2's own functions by time spent in them (excluding callees) per step, largest first."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step(model, optim, x)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, callers)
+    rows = []
+    for (file, line, name), (_calls, ncalls, tottime, cumtime, _callers) in stats.items():
+        if f"{os.sep}fsdp2{os.sep}" in file:
+            where = f"{file.split(os.sep + 'fsdp2' + os.sep, 1)[1]}:{line} {name}"
+            rows.append([where, round(ncalls / steps, 1), round(1e3 * tottime / steps, 3),
+                         round(1e3 * cumtime / steps, 3)])
+    rows.sort(key=lambda r: -r[2])
+    return [["function", "calls/step", "own ms/step", "cumulative ms/step"], *rows[:25]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=8, help="ranks the fake process group pretends to have")
+    parser.add_argument("--groups", type=int, default=32, help="blocks, each one fully_shard group")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30, help="timed rounds (one step of each model per round)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="worlds 8 and 64 x groups 8, 32 and 64")
+    parser.add_argument("--profile", action="store_true", help="add fsdp2's own functions, by time per step")
+    parser.add_argument("--out", help="append the JSON lines to this file too")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # the overhead is single-threaded host work; keep compute comparable
+    configs = [(w, g) for w in (8, 64) for g in (8, 32, 64)] if args.sweep else [(args.world, args.groups)]
+    for world, groups in configs:
+        result = measure(world, groups, args.dim, args.batch, args.steps, args.warmup, args.profile)
+        line = json.dumps(result)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
