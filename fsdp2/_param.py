@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -50,15 +51,16 @@ class ShardLayout:
         """The same padded tensor cut into ``world`` chunks (``world`` divides ours)."""
         return ShardLayout(self.shape, self.dim, world, self.chunk * self.world // world)
 
-    @property
+    # Read for every parameter at every all-gather and reduce-scatter: computed once.
+    @cached_property
     def padded_shape(self) -> torch.Size:
         return self._resize_dim(self.chunk * self.world)
 
-    @property
+    @cached_property
     def local_shape(self) -> torch.Size:
         return self._resize_dim(self.chunk)
 
-    @property
+    @cached_property
     def local_numel(self) -> int:
         return math.prod(self.local_shape)
 
