@@ -256,6 +256,8 @@ class ModuleState:
                 self._reshard_after_forward(group, backward_follows)
             if backward_follows:
                 torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
+            elif torch.is_grad_enabled() and torch._C._are_functorch_transforms_active():
+                output = map_tensors(self._hook_output_under_transform, output)
             self.training_state = TrainingState.IDLE
         if self.is_root and not recompute:
             self.ctx.in_forward = False
@@ -264,6 +266,10 @@ class ModuleState:
                     if state.group is not None and state.group.state is ShardState.GATHERING:
                         state.group.reshard()
         return self._cast_output(output)
+
+    def _hook_output_under_transform(self, t: torch.Tensor) -> torch.Tensor:
+        """``torch.func``: a floating output may take part in a backward outside the transform."""
+        return _PreBackward.apply(self, t) if t.is_floating_point() or t.is_complex() else t
 
     def _reshard_after_forward(self, group: ParamGroup, backward_follows: bool) -> None:
         if not backward_follows:
@@ -401,15 +407,53 @@ class _InputsGradReady(torch.autograd.Function):
     after the trainable ones have theirs (``ParamGroup.waits_for_inputs``).
     """
 
+    generate_vmap_rule = True  # forward-mode AD and torch.func transforms pass through
+
     @staticmethod
-    def forward(ctx: Any, group: ParamGroup, token: _Pending, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.token = group, token
+    def forward(group: ParamGroup, token: _Pending, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group, ctx.token = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.group.inputs_grad_ready(ctx.token)
         return (None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _group: Any, _token: Any, *tangents: torch.Tensor | None) -> tuple[Any, ...]:
+        # The outputs are the inputs themselves, so autograd wants views for their tangents too.
+        return tuple(t if t is None else t.view_as(t) for t in tangents)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a forward output whose backward runs the module's pre-backward.
+
+    Used under ``torch.func`` transforms only, where outputs that backward will reach may
+    report ``requires_grad=False`` inside the transform, so the usual gradient hook on the
+    outputs cannot be registered. Applied to the tangent as well, for a backward through it.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(state: ModuleState, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.state = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        ctx.state._pre_backward(grad)
+        return None, grad
+
+    @staticmethod
+    def jvp(ctx: Any, _state: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tangent is None else _PreBackward.apply(ctx.state, tangent)
 
 
 class _Pending:

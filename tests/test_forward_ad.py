@@ -76,3 +76,43 @@ def test_jvp_under_mixed_precision_matches_torch(reshard_after_forward):
 
 def test_jvp_with_exchange_collectives():
     run_on_ranks(_jvp_then_train, 2, False, "exchange", 16)
+
+
+def _backward_through_jvp(transport: str) -> None:
+    """A loss on ``jvp``'s output and tangent (as a Jacobian penalty does), back-propagated
+    outside the transform, with a frozen parameter in a group: the same gradients as torch's
+    FSDP2 and as the unsharded model averaged over the ranks."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = _model(16)
+    ref[0].bias.requires_grad_(False)
+    with environ(CPU_COLLECTIVES_ENV, transport):
+        ours = _shard(copy.deepcopy(ref), fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy(), True)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    theirs = _shard(copy.deepcopy(ref), torch_fully_shard, MixedPrecisionPolicy(), True)
+    g = torch.Generator().manual_seed(rank)
+    x, v = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    inputs = {}
+    for name, model in (("ref", ref), ("fsdp2", ours), ("torch", theirs)):
+        inputs[name] = x.clone().requires_grad_(True)
+        out, tangent = torch.func.jvp(model, (inputs[name],), (v,))
+        (out.square().sum() + tangent.square().sum()).backward()
+    for p in ref.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+    for (name, p_ref), p, p_theirs in zip(ref.named_parameters(), ours.parameters(), theirs.parameters()):
+        if p_ref.grad is None:
+            assert p.grad is None and p_theirs.grad is None, name
+            continue
+        torch.testing.assert_close(full(p.grad), p_ref.grad, msg=lambda m: f"{name} vs unsharded: {m}")
+        torch.testing.assert_close(full(p.grad), full(p_theirs.grad), msg=lambda m: f"{name} vs torch: {m}")
+    torch.testing.assert_close(inputs["fsdp2"].grad, inputs["ref"].grad)
+
+
+@pytest.mark.parametrize("transport", ["flat", "exchange"])
+def test_backward_through_jvp_with_a_frozen_parameter(transport):
+    run_on_ranks(_backward_through_jvp, 2, transport)
