@@ -58,7 +58,7 @@ def _jvp_then_train(reshard_after_forward: bool, transport: str, dim: int) -> No
             assert a.dtype == torch.bfloat16, (what, a.dtype)
             torch.testing.assert_close(a, b, msg=lambda m: f"call {call} {what} vs torch: {m}")
             torch.testing.assert_close(a, c, msg=lambda m: f"call {call} {what} vs unsharded: {m}")
-    with fwAD.dual_level():  # torch's FSDP2 refuses this one (a custom Function returning a view)
+    with fwAD.dual_level():  # torch's FSDP2 may refuse this one (a custom Function returning a view)
         got = fwAD.unpack_dual(ours(fwAD.make_dual(x, v)))
         want = fwAD.unpack_dual(bf16_ref(fwAD.make_dual(x.bfloat16(), v.bfloat16())))
     for what, a, c in zip(("output", "tangent"), got, want):
