@@ -88,6 +88,10 @@ def test_optimizer_in_backward_matches_a_step_after_backward_and_torch(transport
     assert run_on_ranks(_train_in_backward, 2, False, transport) == [[[1]] * 3] * 2
 
 
+def test_optimizer_in_backward_on_one_rank():  # no collective: the gradient is the shard
+    assert run_on_ranks(_train_in_backward, 1, False, "flat") == [[[1]] * 3]
+
+
 def test_optimizer_in_backward_on_hsdp():
     assert run_on_ranks(_train_in_backward, 4, True, "flat", timeout=300) == [[[1]] * 3] * 4
 
