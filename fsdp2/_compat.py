@@ -146,6 +146,11 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
             hook(param)
 
 
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``jvp``, ``vmap``, ``grad``...) is running (private, torch 2.0 to 2.13)."""
+    return torch._C._are_functorch_transforms_active()
+
+
 @contextlib.contextmanager
 def outside_functorch() -> Iterator[None]:
     """Run fsdp2's own tensor work outside any ``torch.func`` transform (``jvp``, ``vmap``...).
@@ -156,7 +161,7 @@ def outside_functorch() -> Iterator[None]:
     transform must see the gathered parameters as plain constants. ``_DisableFuncTorch``
     (private, torch 2.0 to 2.13) is the only way out of an active transform.
     """
-    if torch._C._are_functorch_transforms_active():
+    if functorch_active():
         with torch._C._DisableFuncTorch():
             yield
     else:

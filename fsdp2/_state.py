@@ -256,7 +256,7 @@ class ModuleState:
                 self._reshard_after_forward(group, backward_follows)
             if backward_follows:
                 torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
-            elif torch.is_grad_enabled() and torch._C._are_functorch_transforms_active():
+            elif torch.is_grad_enabled() and _compat.functorch_active():
                 output = map_tensors(self._hook_output_under_transform, output)
             self.training_state = TrainingState.IDLE
         if self.is_root and not recompute:
