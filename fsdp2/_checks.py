@@ -80,7 +80,7 @@ def _join(prefix: str, name: str) -> str:
 
 def _param_str(fqn: str, p: Any) -> str:
     text = f"{fqn} {tuple(p.global_shape)} {str(p.orig_dtype).removeprefix('torch.')}"
-    if not p.requires_grad:
+    if not p.sharded.requires_grad:  # as it is now: it may have changed since fully_shard
         text += " requires_grad=False"
     if p.layout.dim != 0:
         text += f" Shard({p.layout.dim})"

@@ -427,7 +427,8 @@ def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grad
 
 
 def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
-    """Wait, all-reduce across replicas (HSDP), add each rank's chunk into the sharded ``.grad``."""
+    """Wait, all-reduce across replicas (HSDP), add each rank's chunk into the sharded ``.grad``,
+    then run the sharded parameter's post-accumulate-grad hooks (none while HSDP defers its all-reduce)."""
     target = inflight.target
     sizes = f"{target.world} x {sum(p.layout.local_numel for p in inflight.params)} elements"
     if inflight.exchange is not None:  # the headers first: data that does not match may never come
@@ -460,4 +461,5 @@ def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
         _checks.record_nonfinite(target.root, inflight.params, shards)
     for p, shard in zip(inflight.params, shards):
         p.add_sharded_grad(shard)
+        p.run_sharded_grad_hooks()  # the user's, e.g. an optimizer step per parameter
     _trace.emit("reduce_scatter_done", target.label, scheduled=False)

@@ -133,6 +133,42 @@ def prepend_post_accumulate_grad_hook(param, hook):
     return handle
 
 
+def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Run the hooks registered on ``param`` with ``register_post_accumulate_grad_hook``, in order.
+
+    A sharded parameter never reaches autograd's gradient accumulation (its unsharded alias
+    does), so fsdp2 runs its hooks once the gradient shard is final, as torch's FSDP2 does.
+    The hooks live in the private ordered dict ``_post_accumulate_grad_hooks`` (torch 2.6 to
+    2.13; absent or None when none was registered); there is no public way to run them.
+    """
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if hooks:
+        for hook in list(hooks.values()):
+            hook(param)
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``jvp``, ``vmap``, ``grad``...) is running (private, torch 2.0 to 2.13)."""
+    return torch._C._are_functorch_transforms_active()
+
+
+@contextlib.contextmanager
+def outside_functorch() -> Iterator[None]:
+    """Run fsdp2's own tensor work outside any ``torch.func`` transform (``jvp``, ``vmap``...).
+
+    Under a transform, tensors created by factory functions come back wrapped for it: a
+    gathered parameter buffer or a collective's output allocated inside ``torch.func.jvp``
+    would be a wrapper that dies with the transform (and gloo cannot read it). The
+    transform must see the gathered parameters as plain constants. ``_DisableFuncTorch``
+    (private, torch 2.0 to 2.13) is the only way out of an active transform.
+    """
+    if functorch_active():
+        with torch._C._DisableFuncTorch():
+            yield
+    else:
+        yield
+
+
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A default process group of ``world_size`` ranks, as rank 0, whose collectives do nothing.

@@ -9,6 +9,7 @@ parameter objects autograd refers to never change.
 from __future__ import annotations
 
 import collections
+import weakref
 from enum import Enum, auto
 from typing import Any, Sequence
 
@@ -141,7 +142,14 @@ class ParamGroup:
         self.backward_started = False
         self.post_backward_done = False
         self._grads_ready: set[int] = set()
-        self._num_trainable = sum(p.requires_grad for p in params)
+        self._count_trainable()
+        # Forwards whose inputs' gradients backward has yet to compute (groups that wait for
+        # them, see waits_for_inputs): one token each, held by the autograd graph, so a graph
+        # dropped without a backward (an evaluation with gradients on) drops out by itself.
+        self.inputs_pending: weakref.WeakSet[Any] = weakref.WeakSet()
+        # A forward of this iteration had no input requiring grad: nothing tells when backward
+        # is done with the frozen parameters, so the end of backward reduces (as torch).
+        self.unhooked_forward = False
         # CPU: point-to-point exchanges instead of flat collectives (unless the group is small).
         self.exchange = exchanges(device, self._unsharded_bytes())
         self._may_read = may_read(device)  # same-host ranks read each other (_cma.py), once probed
@@ -162,7 +170,7 @@ class ParamGroup:
             raise RuntimeError(f"group {self.label} must be resharded before converting its module")
         self._plans.clear()
         self._buffer, self._regions = None, []
-        self._num_trainable = sum(p.requires_grad for p in self.params)
+        self._count_trainable()
         self.exchange = exchanges(self.device, self._unsharded_bytes())  # the dtypes may have changed
         self._may_read = may_read(self.device)
         self._probed = False  # an exchange group now (the dtypes changed) probes at its next gather
@@ -407,6 +415,32 @@ class ParamGroup:
         elif policy is not False and policy is not None:
             self.reshard_to_subgroup()
 
+    # ---- trainable parameters -----------------------------------------------------------
+    def _count_trainable(self) -> None:
+        self._num_trainable = sum(p.requires_grad for p in self.params)
+        self.has_frozen = self._num_trainable < len(self.params)
+
+    def refresh_requires_grad(self) -> None:
+        """Follow ``requires_grad`` changes on the sharded parameters since the last forward.
+
+        Called at each pre-forward: one flag comparison per parameter; counts are rebuilt only
+        when one changed. Frozen parameters get no gradient, no reduce-scatter, and so no
+        ``.grad`` for the optimizer to step with.
+        """
+        if any([p.sync_requires_grad() for p in self.params]):  # a list: sync every parameter
+            self._count_trainable()
+
+    @property
+    def waits_for_inputs(self) -> bool:
+        """Whether this group's reduction waits for the gradients of its module's inputs.
+
+        Frozen parameters take no gradient, so no hook says when backward stops using them
+        (a frozen LoRA base weight still computes its input's gradient after the adapters'
+        gradients are in): the module's inputs' gradients come after every such use.
+        ``set_reduce_scatter_unused_params`` groups reduce there too (see ``_state.py``).
+        """
+        return self.reduce_unused or self.has_frozen
+
     # ---- backward -----------------------------------------------------------------------
     def pre_backward(self) -> None:
         self.backward_started = True
@@ -422,7 +456,23 @@ class ParamGroup:
                 "with fully_shard instead, or turn set_reduce_scatter_unused_params off"
             )
         self._grads_ready.add(id(param))
-        if len(self._grads_ready) == self._num_trainable and not self.post_backward_done:
+        if self.post_backward_done or len(self._grads_ready) < self._num_trainable:
+            return
+        if not self.has_frozen or self._inputs_done():
+            self.post_backward()
+
+    def _inputs_done(self) -> bool:
+        """Backward has computed the gradients of every (still live) forward's inputs."""
+        return not self.inputs_pending and not self.unhooked_forward
+
+    def inputs_grad_ready(self, token: Any) -> None:
+        """The gradients of one forward's inputs are computed: that forward's backward is over."""
+        self.inputs_pending.discard(token)
+        if not self.backward_started or self.post_backward_done or not self._inputs_done():
+            return
+        # reduce_unused: parameters that got no gradient on this rank will not get one now:
+        # reduce (zeros for them), at the same point of backward on every rank.
+        if self.reduce_unused or len(self._grads_ready) == self._num_trainable:
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -448,6 +498,7 @@ class ParamGroup:
                     p.add_sharded_grad(grad.view(p.layout.local_shape))
                     if self.check_finite:
                         _checks.record_nonfinite(self.root, [p], [grad])
+                    p.run_sharded_grad_hooks()
             return
         buckets: dict[torch.dtype, tuple[list[ShardedParam], list[torch.Tensor]]] = {}
         for p in self.params:
@@ -487,11 +538,11 @@ class ParamGroup:
 
     def _gradient_to_reduce(self, p: ShardedParam) -> torch.Tensor | None:
         """``p``'s unsharded gradient (cleared on the parameter); zeros where it got none and
-        the group reduces unused parameters; None otherwise."""
-        if not p.requires_grad:
-            return None
+        the group reduces unused parameters; None otherwise.
+
+        A parameter frozen since an unsynced backward still reduces the gradient it kept."""
         grad = p.take_unsharded_grad()
-        if grad is None and self.reduce_unused:
+        if grad is None and self.reduce_unused and p.requires_grad:
             grad = p.zero_unsharded_grad()
         return grad
 
@@ -504,6 +555,7 @@ class ParamGroup:
         self.backward_started = False
         self.post_backward_done = False
         self._grads_ready.clear()
+        self.unhooked_forward = False
 
     def reset(self) -> None:
         """Return to a clean sharded state after an exception mid-iteration."""
@@ -521,6 +573,8 @@ class ParamGroup:
                 p.unsharded.grad = None
             p.accumulated_grad = None
         self._partial_reduce.clear()
+        self.inputs_pending.clear()
         self.backward_started = False
         self.post_backward_done = False
         self._grads_ready.clear()
+        self.unhooked_forward = False

@@ -106,6 +106,8 @@ class ShardedParam:
         self.fqn = fqn
         self.dp = dp
         self.rank = dp.shard_rank
+        # The sharded parameter's flag as of the last sync_requires_grad(): the user may
+        # freeze or unfreeze it at any time; the group reads it once per forward.
         self.requires_grad = param.requires_grad
         self.global_shape = param.shape
         # Tensor parallelism: the parameter is already a DTensor on a TP mesh. FSDP shards
@@ -123,6 +125,8 @@ class ShardedParam:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._home_device = device
         self.unsharded: nn.Parameter | None = None
+        self._on_grad_ready: Callable[[ShardedParam], None] | None = None  # the group's, set at bind
+        self._grad_hooked = False  # the unsharded parameter's post-accumulate-grad hook is registered
         # Sum of unsynced gradients kept in reduce dtype (see ParamGroup.post_backward).
         self.accumulated_grad: torch.Tensor | None = None
         self._init_sharded(local.detach())
@@ -300,8 +304,38 @@ class ShardedParam:
                     shape=self.global_shape, stride=contiguous_stride(self.global_shape),
                 )
         self.unsharded = _compat.parameter(view, self.requires_grad)
-        if self.requires_grad:
-            self.unsharded.register_post_accumulate_grad_hook(lambda _p: on_grad_ready(self))
+        self._on_grad_ready, self._grad_hooked = on_grad_ready, False
+        self._hook_grad_ready()
+
+    def _hook_grad_ready(self) -> None:
+        """Tell the group when autograd accumulated the unsharded gradient (trainable parameters only:
+        a tensor that does not require grad takes no such hook, so a frozen one gets it when unfrozen)."""
+        if self.requires_grad and not self._grad_hooked:
+            self.unsharded.register_post_accumulate_grad_hook(lambda _p: self._on_grad_ready(self))
+            self._grad_hooked = True
+
+    def sync_requires_grad(self) -> bool:
+        """Follow the sharded parameter's ``requires_grad`` (frozen or unfrozen since the last call).
+
+        Returns whether it changed. The unsharded parameter, which autograd sees, takes the flag:
+        a frozen parameter then gets no gradient, an unfrozen one gets one again.
+        """
+        flag = self.sharded.requires_grad
+        if flag == self.requires_grad:
+            return False
+        self.requires_grad = flag
+        if self.unsharded is not None:
+            self.unsharded.requires_grad_(flag)
+            self._hook_grad_ready()
+        return True
+
+    def run_sharded_grad_hooks(self) -> None:
+        """Run the hooks the user registered on the sharded parameter with
+        ``register_post_accumulate_grad_hook``: its gradient shard is final.
+
+        Autograd never runs them itself (it accumulates into the unsharded parameter).
+        """
+        _compat.run_post_accumulate_grad_hooks(self.sharded)
 
     def to_unsharded(self) -> None:
         assert self.unsharded is not None, "bind_unsharded() must run before to_unsharded()"

@@ -9,9 +9,10 @@ Lifecycle of one training step (see docs/design.md):
 3. pre-backward (first gradient reaching the outputs): unshard, prefetch the
    group that ran before this one in forward, and (once per backward) queue
    the root's end-of-backward callback.
-4. post-backward (every trainable parameter's gradient accumulated, or, for a
-   group that reduces unused parameters, the gradients of the module's inputs
-   computed): reduce-scatter, reshard.
+4. post-backward (every trainable parameter's gradient accumulated and, for a
+   group with frozen parameters, the gradients of the module's inputs computed;
+   for a group that reduces unused parameters, the inputs' gradients alone):
+   reduce-scatter, reshard.
 5. end of backward (root callback): finish groups whose hooks did not fire,
    wait for reduce-scatters, reset per-iteration state.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import weakref
 from enum import Enum, auto
 from typing import Any
 
@@ -102,10 +102,6 @@ class ModuleState:
         self.implicit_prefetch = True
         self.prefetch_limit: int | None = None  # the root's becomes its RootContext's
         self._modules_to_run: set[nn.Module] = set()
-        # Forwards whose inputs' gradients backward has yet to compute (reduce_unused groups):
-        # one token each, held by the autograd graph, so a graph dropped without a backward
-        # (an evaluation with gradients on) drops out by itself.
-        self._inputs_pending: weakref.WeakSet[_Pending] = weakref.WeakSet()
         self._handles: list[Any] = []
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
@@ -175,9 +171,22 @@ class ModuleState:
         return self.pre_forward(args, kwargs)
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        recompute = _compat.in_backward()  # a forward re-run by backward (activation checkpointing)
+        with _compat.outside_functorch():  # torch.func.jvp: gather plain tensors, not the transform's
+            self._unshard_for_forward(recompute)
+        group = self.group
+        if group is not None and not recompute and group.waits_for_inputs and torch.is_grad_enabled():
+            args, kwargs = self._hook_inputs_grad_ready(args, kwargs)
+        policy = self.mp_policy
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        return args, kwargs
+
+    def _unshard_for_forward(self, recompute: bool) -> None:
+        """Lazy init, then gather this group (and prefetch the next) for forward."""
         self.lazy_init()
         ctx = self.ctx
-        if self.is_root and not ctx.in_forward and not _compat.in_backward():
+        if self.is_root and not ctx.in_forward and not recompute:
             ctx.in_forward = True
             ctx.iteration += 1
             if ctx.forward_order:
@@ -185,7 +194,7 @@ class ModuleState:
             ctx.forward_order.clear()
         group = self.group
         if group is not None:
-            if _compat.in_backward():  # recomputation (activation checkpointing)
+            if recompute:
                 group.wait_for_unshard()
             else:
                 self.training_state = TrainingState.FORWARD
@@ -193,14 +202,9 @@ class ModuleState:
                 group.unshard(async_op=True)
                 ctx.prefetch(self._forward_prefetch_targets())  # in flight while this group computes
                 group.wait_for_unshard()
+                group.refresh_requires_grad()  # frozen or unfrozen since the last forward
                 if group not in ctx.forward_order:
                     ctx.forward_order.append(group)
-                if group.reduce_unused and torch.is_grad_enabled():
-                    args, kwargs = self._hook_inputs_grad_ready(args, kwargs)
-        policy = self.mp_policy
-        if policy.param_dtype is not None and policy.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
-        return args, kwargs
 
     def _make_post_forward_hook(self, module: nn.Module):
         def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
@@ -243,24 +247,37 @@ class ModuleState:
             self.ctx.interrupted = True
 
     def _post_forward(self, output: Any) -> Any:
+        recompute = _compat.in_backward()
         group = self.group
-        if group is not None and not _compat.in_backward():
+        if group is not None and not recompute:
             grad_outputs = [t for t in iter_tensors(output) if t.requires_grad]
-            if not (torch.is_grad_enabled() and grad_outputs):
-                group.reshard()  # no backward can follow: never leave full parameters behind
-            else:
-                if all(m.training for m in self.modules):
-                    group.reshard_after_forward_step()
-                else:  # eval: backward is unlikely; if it comes, the hook gathers again
-                    group.reshard()
+            backward_follows = torch.is_grad_enabled() and bool(grad_outputs)
+            with _compat.outside_functorch():
+                self._reshard_after_forward(group, backward_follows)
+            if backward_follows:
                 torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
+            elif torch.is_grad_enabled() and _compat.functorch_active():
+                output = map_tensors(self._hook_output_under_transform, output)
             self.training_state = TrainingState.IDLE
-        if self.is_root and not _compat.in_backward():
+        if self.is_root and not recompute:
             self.ctx.in_forward = False
-            for state in self.ctx.states:  # a prefetch this forward never used: free it
-                if state.group is not None and state.group.state is ShardState.GATHERING:
-                    state.group.reshard()
+            with _compat.outside_functorch():
+                for state in self.ctx.states:  # a prefetch this forward never used: free it
+                    if state.group is not None and state.group.state is ShardState.GATHERING:
+                        state.group.reshard()
         return self._cast_output(output)
+
+    def _hook_output_under_transform(self, t: torch.Tensor) -> torch.Tensor:
+        """``torch.func``: a floating output may take part in a backward outside the transform."""
+        return _PreBackward.apply(self, t) if t.is_floating_point() or t.is_complex() else t
+
+    def _reshard_after_forward(self, group: ParamGroup, backward_follows: bool) -> None:
+        if not backward_follows:
+            group.reshard()  # no backward can follow: never leave full parameters behind
+        elif all(m.training for m in self.modules):
+            group.reshard_after_forward_step()
+        else:  # eval: backward is unlikely; if it comes, the hook gathers again
+            group.reshard()
 
     def _cast_output(self, output: Any) -> Any:
         dtype = self.mp_policy.output_dtype
@@ -270,20 +287,12 @@ class ModuleState:
         """Route the inputs that require grad through ``_InputsGradReady`` (see there)."""
         tensors = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
         if not tensors:  # e.g. token ids: the end of backward reduces this group
+            self.group.unhooked_forward = True
             return args, kwargs
         token = _Pending()
-        self._inputs_pending.add(token)
-        aliases = dict(zip(map(id, tensors), _InputsGradReady.apply(self, token, *tensors)))
+        self.group.inputs_pending.add(token)
+        aliases = dict(zip(map(id, tensors), _InputsGradReady.apply(self.group, token, *tensors)))
         return map_tensors(lambda t: aliases.get(id(t), t), (args, kwargs))
-
-    def _inputs_grad_ready(self, token: _Pending) -> None:
-        """The gradients of one forward's inputs are computed: that forward's backward is over."""
-        self._inputs_pending.discard(token)
-        group = self.group
-        if not self._inputs_pending and group.backward_started and not group.post_backward_done:
-            # Parameters that got no gradient on this rank will not get one now: reduce
-            # (zeros for them), at the same point of backward on every rank.
-            group.post_backward()
 
     # ---- backward -----------------------------------------------------------------------
     def _pre_backward(self, _grad: torch.Tensor) -> None:
@@ -384,7 +393,6 @@ class ModuleState:
                 state.group.reset()
             state.training_state = TrainingState.IDLE
             state._modules_to_run.clear()
-            state._inputs_pending.clear()
 
 
 class _InputsGradReady(torch.autograd.Function):
@@ -394,22 +402,62 @@ class _InputsGradReady(torch.autograd.Function):
     Groups that reduce unused parameters (``set_reduce_scatter_unused_params``) reduce
     there: waiting for every parameter's gradient would wait until the end of backward
     on a rank that skipped a branch, and the ranks would then issue their reduce-scatters
-    in different orders.
+    in different orders. Groups with frozen parameters reduce no earlier (and once every
+    trainable gradient is in): backward may use a frozen weight for its input's gradient
+    after the trainable ones have theirs (``ParamGroup.waits_for_inputs``).
     """
 
+    generate_vmap_rule = True  # forward-mode AD and torch.func transforms pass through
+
     @staticmethod
-    def forward(ctx: Any, state: ModuleState, token: _Pending, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state, ctx.token = state, token
+    def forward(group: ParamGroup, token: _Pending, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group, ctx.token = inputs[0], inputs[1]
+
+    @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state._inputs_grad_ready(ctx.token)
+        ctx.group.inputs_grad_ready(ctx.token)
         return (None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _group: Any, _token: Any, *tangents: torch.Tensor | None) -> tuple[Any, ...]:
+        # The outputs are the inputs themselves, so autograd wants views for their tangents too.
+        return tuple(t if t is None else t.view_as(t) for t in tangents)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a forward output whose backward runs the module's pre-backward.
+
+    Used under ``torch.func`` transforms only, where outputs that backward will reach may
+    report ``requires_grad=False`` inside the transform, so the usual gradient hook on the
+    outputs cannot be registered. Applied to the tangent as well, for a backward through it.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(state: ModuleState, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.state = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        ctx.state._pre_backward(grad)
+        return None, grad
+
+    @staticmethod
+    def jvp(ctx: Any, _state: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tangent is None else _PreBackward.apply(ctx.state, tangent)
 
 
 class _Pending:
-    """One forward's inputs awaiting their gradients (``ModuleState._inputs_pending``)."""
+    """One forward's inputs awaiting their gradients (``ParamGroup.inputs_pending``)."""
 
     __slots__ = ("__weakref__",)
 
