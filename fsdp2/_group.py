@@ -15,7 +15,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from . import _checks, _cma, _debug, _trace
 from ._collectives import (
@@ -342,7 +341,7 @@ class ParamGroup:
         else:
             plan, group = self._plan(self.world), self.process_group
         _trace.emit("unshard", self.label)
-        with record_function(f"fsdp2::all_gather {self.label}"), _trace.issuing("all_gather", self.label):
+        with _trace.profiled(f"fsdp2::all_gather {self.label}"), _trace.issuing("all_gather", self.label):
             header = _checks.before_all_gather(self, plan, group)
             if self._gathers_by_exchange:  # CPU: the chunks arrive in the unsharded buffer itself
                 self._alloc_unsharded()
@@ -368,7 +367,7 @@ class ParamGroup:
         if self.state is ShardState.UNSHARDED:
             return
         gather = self._gather
-        with record_function(f"fsdp2::all_gather_wait {self.label}"):
+        with _trace.profiled(f"fsdp2::all_gather_wait {self.label}"):
             _checks.wait_all_gather(self, gather)  # errors name the group; compares the ranks' headers
             self._alloc_unsharded()
             finish_all_gather(gather, self._regions)
@@ -522,7 +521,7 @@ class ParamGroup:
             hook=self.all_reduce_hook, comm=self.reduce_scatter_comm,
         )
         _trace.emit("reduce_scatter", self.label)
-        with record_function(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):
+        with _trace.profiled(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):
             inflight = [
                 start_reduce_scatter(params, grads, dtype, target, self.device,
                                      _checks.reduce_header(self, params) if exchange else None)

@@ -11,6 +11,10 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator
 
+from torch.profiler import record_function
+
+from . import _compat
+
 __all__ = ["record_schedule", "on_event", "issuing"]
 
 # Active recorders. A list, not a context variable: autograd may run backward
@@ -27,13 +31,25 @@ def emit(kind: str, label: str, *, scheduled: bool = True) -> None:
                 log.append(event)
 
 
-@contextlib.contextmanager
-def issuing(kind: str, label: str) -> Iterator[None]:
+_NOTHING = contextlib.nullcontext()
+
+
+def issuing(kind: str, label: str) -> contextlib.AbstractContextManager:
     """Brackets the issue of a collective with ``"begin <kind> <label>"`` / ``"end ..."`` events.
 
     Seen by :func:`on_event` callbacks only (the memory tracker: what is allocated in
     between is a communication buffer), not by :func:`record_schedule` logs.
     """
+    return _issuing(kind, label) if _ACTIVE else _NOTHING
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager:
+    """A range named ``name`` in torch's profiler while it records; nothing otherwise."""
+    return record_function(name) if _compat.profiler_enabled() else _NOTHING
+
+
+@contextlib.contextmanager
+def _issuing(kind: str, label: str) -> Iterator[None]:
     emit(f"begin {kind}", label, scheduled=False)
     try:
         yield

@@ -173,3 +173,22 @@ reshard layers.1
 compute layers.2 begins; all-gathers in flight: nothing
 compute layers.2 ends
 reshard layers.2""")
+
+
+def _profiled_step() -> list[str]:
+    """fsdp2's profiler ranges in a step under torch.profiler (they are skipped when it is off)."""
+    model = Transformer()
+    for block in model.layers:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    inputs, targets = make_batch(dist.get_rank(), 0)
+    lm_loss(model(inputs), targets).backward()  # lazy init outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        lm_loss(model(inputs), targets).backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("fsdp2::")})
+
+
+def test_collectives_are_named_in_the_profile():
+    seen = run_on_ranks(_profiled_step, 2)[0]
+    assert "fsdp2::all_gather layers.0" in seen and "fsdp2::all_gather_wait layers.0" in seen
+    assert "fsdp2::reduce_scatter layers.0" in seen, seen
