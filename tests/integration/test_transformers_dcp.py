@@ -2,10 +2,11 @@
 
 A tiny Llama (tied embeddings) or GPT-2 sharded with one implementation trains two AdamW
 steps; ``get_state_dict(model, optim)`` and ``dcp.save`` write it; a model built from other
-random weights and sharded with the other implementation loads it with ``dcp.load`` and
-``set_state_dict``. The loaded model holds the saved parameters and optimizer state bit for
-bit, and both go on training in lockstep: equal losses and parameters, bit for bit.
-"""
+random weights, sharded with the other implementation and given another learning rate loads
+it with ``dcp.load`` (in place, into the shards) and ``set_state_dict`` (which also brings the
+optimizer's hyperparameters). The loaded model holds the saved parameters and optimizer
+state bit for bit, and both go on training in lockstep: equal losses and parameters, bit
+for bit."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ STEPS_BEFORE, STEPS_AFTER = 2, 2
 N_PARAMS = {"llama-tied": 2 * 9 + 2, "gpt2": 2 * 12 + 4}
 
 
-def _sharded(arch: str, impl: str, seed: int):
+def _sharded(arch: str, impl: str, seed: int, lr: float):
     model = _hf.shard(_hf.build(arch, seed=seed), impl)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 def _optim_state(model, opt) -> dict[str, torch.Tensor]:
@@ -39,16 +40,17 @@ def _save_then_load(arch: str, src_impl: str, dst_impl: str, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    src, src_opt = _sharded(arch, src_impl, seed=0)
+    src, src_opt = _sharded(arch, src_impl, seed=0, lr=1e-2)
     for step in range(STEPS_BEFORE):
         _hf.train_step(src, src_opt, step)
     msd, osd = get_state_dict(src, src_opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
-    dst, dst_opt = _sharded(arch, dst_impl, seed=1)
+    # Other weights and another learning rate: the checkpoint must bring both.
+    dst, dst_opt = _sharded(arch, dst_impl, seed=1, lr=1e-3)
     differed_before = _hf.first_difference(_hf.full_params(src), _hf.full_params(dst)) is not None
     msd, osd = get_state_dict(dst, dst_opt)  # initialises AdamW's state so DCP has tensors to load into
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)  # in place, into the DTensor shards
     set_state_dict(dst, dst_opt, model_state_dict=msd, optim_state_dict=osd)
     dist.barrier()
 
@@ -63,6 +65,7 @@ def _save_then_load(arch: str, src_impl: str, dst_impl: str, path: str) -> dict:
         "loaded_params": loaded_params,
         "loaded_optim": loaded_optim,
         "optim_keys": len(_optim_state(dst, dst_opt)),
+        "lr": dst_opt.param_groups[0]["lr"],
         "losses": {k: torch.stack(v) for k, v in losses.items()},
         "trained_params": _hf.first_difference(_hf.full_params(src), _hf.full_params(dst)),
         "tied": dst.lm_head.weight is dst.get_input_embeddings().weight,
@@ -78,6 +81,7 @@ def test_dcp_checkpoint_resumes_across_implementations(arch, src_impl, dst_impl,
         assert r["loaded_params"] is None, r["loaded_params"]
         assert r["loaded_optim"] is None, r["loaded_optim"]
         assert r["optim_keys"] == 3 * N_PARAMS[arch]  # AdamW: step, exp_avg, exp_avg_sq
+        assert r["lr"] == 1e-2
         assert torch.equal(r["losses"]["src"], r["losses"]["dst"]), r["losses"]
         assert r["trained_params"] is None, r["trained_params"]
         assert r["tied"]
