@@ -95,7 +95,8 @@ def _checkpointed(arch: str, precision: str, use_reentrant: bool) -> dict:
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
-@pytest.mark.parametrize("arch,precision", [("llama-tied", "fp32"), ("llama-untied", "bf16"), ("gpt2", "fp32")])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", _hf.ARCHS)
 def test_hf_gradient_checkpointing_matches_torch(arch, precision, use_reentrant):
     results = run_on_ranks(_checkpointed, 2, arch, precision, use_reentrant)
     _check(results, arch)
