@@ -88,7 +88,7 @@ def _checkpointed(arch: str, precision: str, use_reentrant: bool) -> dict:
         _hf.loss_of(model, STEPS).backward()
     result = _summary(out, _hf.full_params(_hf.build(arch)))
     result["forwards"] = forwards
-    result["grads_equal"] = _hf.first_difference(
+    result["torch_grad_diff"] = _hf.first_difference(
         {n: _hf.full(p.grad) for n, p in out["models"]["fsdp2"].named_parameters()},
         {n: _hf.full(p.grad) for n, p in out["models"]["torch"].named_parameters()})
     return result
@@ -102,7 +102,7 @@ def test_hf_gradient_checkpointing_matches_torch(arch, precision, use_reentrant)
     _check(results, arch)
     for r in results:
         assert r["forwards"] == {"fsdp2": 2, "torch": 2}, "the layer was recomputed in backward"
-        assert r["grads_equal"] is None, r["grads_equal"]
+        assert r["torch_grad_diff"] is None, r["torch_grad_diff"]
 
 
 def _generate(arch: str) -> dict:
