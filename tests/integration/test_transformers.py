@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from tests._dist import run_on_ranks
+from fsdp2._collectives import CPU_COLLECTIVES_ENV, probe_reads
+from fsdp2._state import get_state
+from tests._dist import environ, run_on_ranks
 
 pytest.importorskip("transformers")
 
@@ -45,10 +48,21 @@ def _summary(out: dict, init: dict[str, torch.Tensor]) -> dict:
     }
 
 
-def _train(arch: str, precision: str) -> dict:
+def _train(arch: str, precision: str, transport: str) -> dict | None:
+    """``transport``: fsdp2's CPU collectives (``FSDP2_CPU_COLLECTIVES``), whatever the
+    environment says: gloo's flat collectives (the path NCCL takes, and what "auto" picks for
+    groups this small), or point-to-point exchanges by messages or by reads."""
+    if transport == "read":
+        with environ(CPU_COLLECTIVES_ENV, "auto"):  # a "no" answer, not an error
+            if not probe_reads(dist.group.WORLD):
+                return None  # ptrace rules forbid reading a sibling process here
     mp = _hf.BF16 if precision == "bf16" else None
-    out = _hf.train_three_ways(lambda: _hf.build(arch), mp, STEPS)
-    return _summary(out, _hf.full_params(_hf.build(arch)))
+    with environ(CPU_COLLECTIVES_ENV, transport):
+        out = _hf.train_three_ways(lambda: _hf.build(arch), mp, STEPS)
+    result = _summary(out, _hf.full_params(_hf.build(arch)))
+    groups = [get_state(m).group for m in out["models"]["fsdp2"].modules() if get_state(m) is not None]
+    result["exchange"] = {g.exchange for g in groups}
+    return result
 
 
 def _check(results: list[dict], arch: str) -> None:
@@ -64,10 +78,15 @@ def _check(results: list[dict], arch: str) -> None:
     assert not torch.equal(results[0]["losses"]["fsdp2"], results[1]["losses"]["fsdp2"]), "ranks see different data"
 
 
+@pytest.mark.parametrize("transport", ["flat", "exchange", "read"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("arch", _hf.ARCHS)
-def test_training_matches_torch_and_reference(arch, precision):
-    _check(run_on_ranks(_train, 2, arch, precision), arch)
+def test_training_matches_torch_and_reference(arch, precision, transport):
+    results = run_on_ranks(_train, 2, arch, precision, transport)
+    if results[0] is None:
+        pytest.skip("the ranks cannot read each other's memory here (kernel.yama.ptrace_scope)")
+    _check(results, arch)
+    assert results[0]["exchange"] == {transport != "flat"}
 
 
 def _checkpointed(arch: str, precision: str, use_reentrant: bool) -> dict:
