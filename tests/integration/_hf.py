@@ -150,8 +150,9 @@ def train_three_ways(build_model: Callable[[], nn.Module], mp: dict | None, step
                      prepare: Callable[[nn.Module], None] = lambda m: None) -> dict[str, Any]:
     """Train fsdp2, torch's ``fully_shard`` and the unsharded reference from one initial model.
 
-    ``prepare`` runs on each copy before sharding (e.g. enabling activation checkpointing).
-    Returns the models, the losses by impl and step, and the fsdp2 and reference models.
+    ``prepare`` runs on the initial model before it is copied and sharded (e.g. to enable
+    activation checkpointing). Returns ``{"models": {"fsdp2": ..., "torch": ...}, "losses":
+    {"fsdp2" | "torch" | "ref": [loss per step]}, "ref": the reference model}``.
     """
     base = build_model()
     prepare(base)
