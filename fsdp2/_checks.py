@@ -306,7 +306,7 @@ def raise_if_nonfinite(root: Any) -> None:
         return
     by_rank = {dist.get_rank(): int(counts[index].item())}
     for pg in diag.process_groups:
-        for other in _gather(by_rank, pg):
+        for other in _gather(sorted(by_rank.items()), pg):  # JSON: (rank, count) pairs, not int keys
             by_rank.update(other)
     found = ", ".join(f"{c} on rank {r}" for r, c in sorted(by_rank.items()) if c > 0)
     raise FloatingPointError(
