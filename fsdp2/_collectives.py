@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from . import _checks, _cma, _debug, _exchange, _pipes, _trace
 from ._checks import HEADER
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
-from ._param import ShardedParam, ShardLayout
+from ._param import ShardedParam, ShardLayout, contiguous_stride
 from ._streams import Completion, streams_for
 
 __all__ = [
@@ -80,9 +81,37 @@ class GatherPlan:
 
     def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s place in a rank's slice ``buffer``, typed and shaped ``local_shape``."""
-        lay, dtype = self.layouts[i], self.dtypes[i]
-        nbytes = lay.local_numel * dtype.itemsize
-        return buffer[self.offsets[i]:self.offsets[i] + nbytes].view(dtype).view(lay.local_shape)
+        return self.slots(buffer)[i]
+
+    def slots(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's place in a rank's slice ``buffer`` (``slice_bytes`` bytes)."""
+        return self._views(buffer, 1)
+
+    def rank_major(self, output: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's chunks in a flat all-gather ``output``, each ``(world, *local_shape)``."""
+        return self._views(output, self.world)
+
+    def _views(self, buffer: torch.Tensor, ranks: int) -> list[torch.Tensor]:
+        # One typed view of the bytes per dtype, then one as_strided per parameter: the views
+        # are made for every parameter at every collective, so they take as few ops as can be.
+        typed = {dtype: buffer.view(dtype) for dtype in self._dtype_set}
+        views = []
+        for dtype, shape, stride, offset in self._specs:
+            base = typed[dtype]
+            size, strides = ((ranks, *shape), (self.slice_bytes // dtype.itemsize, *stride)) if ranks > 1 \
+                else (shape, stride)
+            views.append(base.as_strided(size, strides, base.storage_offset() + offset))
+        return views
+
+    @cached_property
+    def _specs(self) -> tuple[tuple[torch.dtype, torch.Size, tuple[int, ...], int], ...]:
+        """(dtype, local shape, its contiguous stride, offset in elements of dtype) per parameter."""
+        return tuple((dtype, lay.local_shape, contiguous_stride(lay.local_shape), off // dtype.itemsize)
+                     for lay, dtype, off in zip(self.layouts, self.dtypes, self.offsets))
+
+    @cached_property
+    def _dtype_set(self) -> frozenset[torch.dtype]:
+        return frozenset(self.dtypes)
 
 
 CPU_COLLECTIVES_ENV = "FSDP2_CPU_COLLECTIVES"
@@ -201,46 +230,39 @@ def start_all_gather(
 
 def exchange_all_gather(
     sources: Sequence[torch.Tensor], plan: GatherPlan, group: dist.ProcessGroup,
-    regions: Sequence[torch.Tensor], header: torch.Tensor | None, label: str, read: bool = False,
+    chunks: Sequence[torch.Tensor], header: torch.Tensor | None, label: str, read: bool = False,
 ) -> AllGatherInFlight:
-    """Issue the all-gather as an exchange straight into ``regions`` (the unsharded buffer).
+    """Issue the all-gather as an exchange straight into ``chunks`` (the unsharded buffer).
 
-    ``sources``: this rank's shard of each parameter; ``regions[i]``: parameter ``i``'s
-    padded full tensor (typed, shaped ``padded_shape``); ``label``: the group's, the same
-    on every rank; ``read``: the peers read this rank's chunks (``_cma.py``).
+    ``sources``: this rank's shard of each parameter; ``chunks[i]``: parameter ``i``'s
+    padded full tensor in the unsharded buffer, viewed ``(world, *local_shape)``
+    (``ShardLayout.chunks_view``); ``label``: the group's, the same on every rank;
+    ``read``: the peers read this rank's chunks (``_cma.py``).
     """
     if header is None:
         header = torch.zeros(HEADER, dtype=torch.uint8)
-    chunks = [lay.chunks_view(region) for lay, region in zip(plan.layouts, regions)]
     gather = _exchange.start_all_gather(sources, chunks, header.view(torch.uint8), group,
                                         key=f"all_gather {label} {plan.world}", read=read)
     return AllGatherInFlight(Completion(work=gather.exchange), plan, gather.headers, exchange=gather,
                              headers_done=Completion(work=gather.header_exchange))
 
 
-def finish_all_gather(inflight: AllGatherInFlight, regions: Sequence[torch.Tensor]) -> None:
-    """After the wait: put the gathered parameters in place in ``regions``."""
+def finish_all_gather(inflight: AllGatherInFlight, chunks: Sequence[torch.Tensor]) -> None:
+    """After the wait: put the gathered parameters in place in ``chunks`` (the unsharded buffer)."""
     if inflight.exchange is not None:
         inflight.exchange.finish()
     else:
-        copy_out(inflight, regions)
+        copy_out(inflight, chunks)
 
 
-def copy_out(inflight: AllGatherInFlight, regions: Sequence[torch.Tensor]) -> None:
-    """Scatter the rank-major gathered bytes into parameter-major ``regions``.
+def copy_out(inflight: AllGatherInFlight, chunks: Sequence[torch.Tensor]) -> None:
+    """Scatter the rank-major gathered bytes into the parameter-major unsharded buffer.
 
-    ``regions[i]`` is parameter ``i``'s padded full tensor (typed, shaped ``padded_shape``).
+    ``chunks[i]`` is parameter ``i``'s padded full tensor there, viewed ``(world,
+    *local_shape)`` (``ShardLayout.chunks_view``): one foreach copy moves everything.
     """
-    plan = inflight.plan
-    by_rank = inflight.output.view(plan.world, plan.slice_bytes)
-    sources, targets = [], []
-    for i, region in enumerate(regions):
-        lay, dtype = plan.layouts[i], plan.dtypes[i]
-        nbytes = lay.local_numel * dtype.itemsize
-        sources.append(by_rank[:, plan.offsets[i]:plan.offsets[i] + nbytes].view(dtype).unflatten(1, lay.local_shape))
-        targets.append(lay.chunks_view(region))
     with torch.no_grad():
-        torch._foreach_copy_(targets, sources)
+        torch._foreach_copy_(list(chunks), inflight.plan.rank_major(inflight.output))
 
 
 @dataclass

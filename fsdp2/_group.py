@@ -133,10 +133,12 @@ class ParamGroup:
         self._partial_send: torch.Tensor | None = None
         self._buffer: torch.Tensor | None = None
         self._regions: list[torch.Tensor] = []
+        self._chunk_views: dict[int, list[torch.Tensor]] = {}  # world -> each region as (world, *local_shape)
         self._plans: dict[int, GatherPlan] = {}
         # The shards packed back to back in the all-gather's send layout (None when a
         # cast or a device move makes a copy-in necessary anyway): see _pack_shards.
         self._packed: torch.Tensor | None = None
+        self._packed_slots: list[torch.Tensor] = []  # each parameter's place in ``_packed``
         # Per-backward bookkeeping.
         self.backward_started = False
         self.post_backward_done = False
@@ -169,6 +171,7 @@ class ParamGroup:
             raise RuntimeError(f"group {self.label} must be resharded before converting its module")
         self._plans.clear()
         self._buffer, self._regions = None, []
+        self._chunk_views.clear()
         self._count_trainable()
         self.exchange = exchanges(self.device, self._unsharded_bytes())  # the dtypes may have changed
         self._may_read = may_read(self.device)
@@ -190,16 +193,15 @@ class ParamGroup:
             return
         plan = self._plan(self.world)
         packed = torch.zeros(plan.slice_bytes, dtype=torch.uint8, device=self.device)
-        for i, p in enumerate(self.params):
-            p.adopt_padded_local(plan.slot(packed, i))
+        self._packed_slots = plan.slots(packed)
+        for p, slot in zip(self.params, self._packed_slots):
+            p.adopt_padded_local(slot)
         self._packed = packed
 
     def _shards(self, plan: GatherPlan) -> list[torch.Tensor]:
         """Each parameter's padded shard, repacked first where the local data was rebound."""
-        packed = self._packed
-        if packed is not None:
-            for i, p in enumerate(self.params):
-                slot = plan.slot(packed, i)
+        if self._packed is not None:
+            for p, slot in zip(self.params, self._packed_slots):
                 if not p.lives_in(slot):  # rebound since packing (param.data = ...): pack again
                     p.repad_from_local()
                     p.adopt_padded_local(slot)
@@ -214,7 +216,7 @@ class ParamGroup:
         with streams.side("copy_in"):
             send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
-                torch._foreach_copy_([plan.slot(send, i) for i in range(len(self.params))], shards,
+                torch._foreach_copy_(plan.slots(send), shards,
                                      non_blocking=True)
             copied = streams.issued(None)
         return send, copied
@@ -253,6 +255,15 @@ class ParamGroup:
         storage = self._buffer.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self._buffer.numel())
+
+    def _chunks(self, plan: GatherPlan) -> list[torch.Tensor]:
+        """The unsharded buffer's regions viewed as ``plan.world`` chunks each, where the
+        all-gather puts them. Made once per world: the views outlive the buffer's frees."""
+        views = self._chunk_views.get(plan.world)
+        if views is None:
+            views = [lay.chunks_view(region) for lay, region in zip(plan.layouts, self._regions)]
+            self._chunk_views[plan.world] = views
+        return views
 
     @staticmethod
     def _typed(buffer: torch.Tensor, p: ShardedParam, start: int, size: int) -> torch.Tensor:
@@ -346,10 +357,10 @@ class ParamGroup:
             if self._gathers_by_exchange:  # CPU: the chunks arrive in the unsharded buffer itself
                 self._alloc_unsharded()
                 if partial:
-                    sources = [plan.slot(self._partial_send, i) for i in range(len(self.params))]
+                    sources = plan.slots(self._partial_send)
                 else:
                     sources = self._shards(plan)
-                self._gather = exchange_all_gather(sources, plan, group, self._regions, header, self.label,
+                self._gather = exchange_all_gather(sources, plan, group, self._chunks(plan), header, self.label,
                                                    read=self._reads(group))
             else:
                 send, copied = (self._partial_send, None) if partial else self._send_buffer(plan)
@@ -370,7 +381,7 @@ class ParamGroup:
         with _trace.profiled(f"fsdp2::all_gather_wait {self.label}"):
             _checks.wait_all_gather(self, gather)  # errors name the group; compares the ranks' headers
             self._alloc_unsharded()
-            finish_all_gather(gather, self._regions)
+            finish_all_gather(gather, self._chunks(gather.plan))
         if gather.release is not None:
             self._unreleased = gather
         self._gather = None  # only now: if the copy raised, reset() still finds the collective
