@@ -434,7 +434,8 @@ def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grad
     with torch.no_grad():
         for p, grad, off in zip(params, grads, offsets):
             lay = p.layout
-            dst = by_rank[:, off:off + lay.local_numel].unflatten(1, lay.local_shape)
+            dst = by_rank.as_strided((world, *lay.local_shape), (by_rank.stride(0), *contiguous_stride(lay.local_shape)),
+                                     by_rank.storage_offset() + off)
             if lay.shape[lay.dim] == lay.chunk * world:
                 targets.append(dst)
                 sources.append(lay.chunks_view(grad.contiguous()))

@@ -70,7 +70,16 @@ class ShardLayout:
 
     def chunks_view(self, padded_full: torch.Tensor) -> torch.Tensor:
         """View a padded full tensor as ``(world, *local_shape)``, chunk ``r`` at index ``r``."""
+        if padded_full.is_contiguous():  # the usual case, in one op (this runs per parameter per step)
+            size, stride = self._chunks_spec
+            return padded_full.as_strided(size, stride, padded_full.storage_offset())
         return padded_full.unflatten(self.dim, (self.world, self.chunk)).movedim(self.dim, 0)
+
+    @cached_property
+    def _chunks_spec(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Size and stride of ``chunks_view`` of a contiguous padded full tensor."""
+        stride = contiguous_stride(self.padded_shape)
+        return (self.world, *self.local_shape), (self.chunk * stride[self.dim], *stride)
 
     def _resize_dim(self, size: int) -> torch.Size:
         shape = list(self.shape)
