@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import _checks, _cma, _debug, _exchange, _pipes, _trace
 from ._checks import HEADER
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
-from ._param import ShardedParam, ShardLayout, contiguous_stride
+from ._param import ShardedParam, ShardLayout
 from ._streams import Completion, streams_for
 
 __all__ = [
@@ -106,7 +106,7 @@ class GatherPlan:
     @cached_property
     def _specs(self) -> tuple[tuple[torch.dtype, torch.Size, tuple[int, ...], int], ...]:
         """(dtype, local shape, its contiguous stride, offset in elements of dtype) per parameter."""
-        return tuple((dtype, lay.local_shape, contiguous_stride(lay.local_shape), off // dtype.itemsize)
+        return tuple((dtype, lay.local_shape, lay.local_stride, off // dtype.itemsize)
                      for lay, dtype, off in zip(self.layouts, self.dtypes, self.offsets))
 
     @cached_property
@@ -434,7 +434,7 @@ def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grad
     with torch.no_grad():
         for p, grad, off in zip(params, grads, offsets):
             lay = p.layout
-            dst = by_rank.as_strided((world, *lay.local_shape), (by_rank.stride(0), *contiguous_stride(lay.local_shape)),
+            dst = by_rank.as_strided((world, *lay.local_shape), (by_rank.stride(0), *lay.local_stride),
                                      by_rank.storage_offset() + off)
             if lay.shape[lay.dim] == lay.chunk * world:
                 targets.append(dst)
@@ -478,7 +478,8 @@ def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
         out.div_(inflight.post_divide)
     if target.hook is not None:
         _run_all_reduce_hook(*target.hook, out)
-    shards = [out[off:off + p.layout.local_numel].view(p.layout.local_shape)
+    base = out.storage_offset()
+    shards = [out.as_strided(p.layout.local_shape, p.layout.local_stride, base + off)
               for p, off in zip(inflight.params, inflight.offsets)]
     if target.check_finite:
         _checks.record_nonfinite(target.root, inflight.params, shards)

@@ -61,6 +61,11 @@ class ShardLayout:
         return self._resize_dim(self.chunk)
 
     @cached_property
+    def local_stride(self) -> tuple[int, ...]:
+        """The contiguous stride of ``local_shape``."""
+        return contiguous_stride(self.local_shape)
+
+    @cached_property
     def local_numel(self) -> int:
         return math.prod(self.local_shape)
 
