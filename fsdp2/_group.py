@@ -139,6 +139,7 @@ class ParamGroup:
         # cast or a device move makes a copy-in necessary anyway): see _pack_shards.
         self._packed: torch.Tensor | None = None
         self._packed_slots: list[torch.Tensor] = []  # each parameter's place in ``_packed``
+        self._packed_ptrs: list[int] = []  # the DTensors' local data pointers once packed
         # Per-backward bookkeeping.
         self.backward_started = False
         self.post_backward_done = False
@@ -196,15 +197,21 @@ class ParamGroup:
         self._packed_slots = plan.slots(packed)
         for p, slot in zip(self.params, self._packed_slots):
             p.adopt_padded_local(slot)
+        self._packed_ptrs = [p.sharded._local_tensor.data_ptr() for p in self.params]
         self._packed = packed
 
     def _shards(self, plan: GatherPlan) -> list[torch.Tensor]:
         """Each parameter's padded shard, repacked first where the local data was rebound."""
         if self._packed is not None:
-            for p, slot in zip(self.params, self._packed_slots):
-                if not p.lives_in(slot):  # rebound since packing (param.data = ...): pack again
-                    p.repad_from_local()
-                    p.adopt_padded_local(slot)
+            # One pointer per parameter per all-gather: the DTensors' local data still starts at
+            # its slot unless something rebound it (param.data = ..., swap_tensors): pack again.
+            ptrs = [p.sharded._local_tensor.data_ptr() for p in self.params]
+            if ptrs != self._packed_ptrs:
+                for p, slot, ptr, packed_ptr in zip(self.params, self._packed_slots, ptrs, self._packed_ptrs):
+                    if ptr != packed_ptr:
+                        p.repad_from_local()
+                        p.adopt_padded_local(slot)
+                self._packed_ptrs = [p.sharded._local_tensor.data_ptr() for p in self.params]
         return [p.padded_local for p in self.params]
 
     def _send_buffer(self, plan: GatherPlan) -> tuple[torch.Tensor, Completion | None]:

@@ -291,14 +291,6 @@ class ShardedParam:
             padded.narrow(self.layout.dim, 0, self.layout.rows(self.rank)).copy_(local)
         self.padded_local = padded
 
-    def lives_in(self, slot: torch.Tensor) -> bool:
-        """Whether the registered parameter's values are still stored in ``slot``.
-
-        False after something rebound the local data (e.g. ``param.data = ...``):
-        the group then packs the new values again.
-        """
-        return self.padded_local.data_ptr() == slot.data_ptr() == self.sharded._local_tensor.data_ptr()
-
     # ---- unsharded side -----------------------------------------------------------------
     def bind_unsharded(self, region: torch.Tensor, on_grad_ready: Callable[[ShardedParam], None]) -> None:
         """Create the unsharded parameter as a view of ``region`` (once).
@@ -414,13 +406,19 @@ class ShardedParam:
         ``reduced`` is a slice of a reduce-scatter output allocated for this step
         alone, so a new ``.grad`` may keep a view of it instead of a copy.
         """
-        local = reduced.narrow(self.layout.dim, 0, self.layout.rows(self.rank))
-        target_device = self.padded_local.device
+        # Per parameter per step: skip the dispatcher wherever a call would return its input.
+        rows = self.layout.rows(self.rank)
+        local = reduced if rows == self.layout.chunk else reduced.narrow(self.layout.dim, 0, rows)
+        padded = self.padded_local
+        move = local.dtype != padded.dtype or self.offload_to_cpu
         grad = self.sharded.grad
         if grad is None:
-            local = local.to(device=target_device, dtype=self.orig_dtype).contiguous()
+            if move:
+                local = local.to(device=padded.device, dtype=padded.dtype)
+            if rows != self.layout.chunk:
+                local = local.contiguous()
             # Same mesh, placements, shape and dtype as the parameter: reuse its spec.
             self.sharded.grad = _compat.dtensor_like(self.sharded, local)
         else:
             with torch.no_grad():
-                grad.to_local().add_(local.to(target_device))
+                grad._local_tensor.add_(local.to(padded.device) if move else local)
