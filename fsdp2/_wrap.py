@@ -53,8 +53,8 @@ def fully_shard_auto(
 
     Args:
         module: the root module; it is sharded last.
-        classes: a module class, a class name, or an iterable of them. Each must match at least
-            one submodule.
+        classes: a module class, a class name, or an iterable of them. Each must match the root
+            or at least one submodule.
         predicate: ``(name, submodule) -> bool`` choosing candidates; combined with ``classes``
             by "or". The root is never a candidate (it is always sharded).
         **fully_shard_kwargs: keyword arguments of :func:`fully_shard` (``mesh``,
@@ -150,7 +150,9 @@ def _post_order(module: nn.Module, prefix: str = "", seen: set[int] | None = Non
 
 def _candidates(root: nn.Module, specs: list[ClassSpec], predicate: Predicate | None) -> dict[str, nn.Module]:
     found: dict[str, nn.Module] = {}
-    hits = {i: 0 for i in range(len(specs))}
+    # The root counts as a match (naming the model's own class is no mistake) but is never a
+    # candidate: it is sharded last in any case.
+    hits = {i: int(_class_matches(root, spec)) for i, spec in enumerate(specs)}
     for name, sub in _post_order(root):
         matched = False
         for i, spec in enumerate(specs):

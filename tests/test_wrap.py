@@ -177,6 +177,7 @@ def _selections() -> dict:
         "class": _wrap_and_log(Transformer, classes=Block),
         "name": _wrap_and_log(Transformer, classes=["Block"]),
         "qualified": _wrap_and_log(Transformer, classes="tests._models.Block"),
+        "with_root": _wrap_and_log(Transformer, classes=[Transformer, "Block"]),
         "predicate": _wrap_and_log(Transformer, predicate=lambda n, m: n.startswith("layers.")
                                    and n.count(".") == 1),
         "nested": _wrap_and_log(Transformer, classes=[MLP], predicate=is_block),
@@ -191,7 +192,7 @@ def _selections() -> dict:
 def test_selected_modules_get_their_own_groups():
     r = run_on_ranks(_selections, 2)[0]
     blocks = ["", "layers.0", "layers.1", "layers.2"]
-    for way in ("class", "name", "qualified", "predicate"):
+    for way in ("class", "name", "qualified", "with_root", "predicate"):
         assert r[way]["groups"] == blocks, way
         assert r[way]["fsdp"] == blocks, way
         assert r[way]["log"] == [], way
