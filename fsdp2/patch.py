@@ -195,13 +195,13 @@ def _restore(state: _State) -> None:
             namespace[name] = original
     # torch's own modules imported while patched took fsdp2's objects from the namespaces;
     # torch never imports fsdp2, so every such binding came from the patch.
-    back = {id(ours): original for original, ours in state.replacements.values()}
+    back = {id(ours): (ours, original) for original, ours in state.replacements.values()}
     for module_name in set(sys.modules) - state.modules_before:
         module = sys.modules.get(module_name)
         if not _is_torch(module_name) or not isinstance(module, types.ModuleType):
             continue
         namespace = vars(module)
         for name, value in list(namespace.items()):
-            if id(value) in back:
-                namespace[name] = back[id(value)]
+            if id(value) in back and back[id(value)][0] is value:
+                namespace[name] = back[id(value)][1]
     state.swapped, state.rebound = [], []

@@ -16,7 +16,6 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2

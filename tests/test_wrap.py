@@ -5,7 +5,6 @@ unsharded reference; bad arguments leave the model untouched.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -17,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2
 from fsdp2._state import get_state
-from tests._dist import run_on_ranks
+from tests._dist import info_records, run_on_ranks
 from tests._models import MLP, Block, Transformer, lm_loss, make_batch
 from tests._parity import train_parity
 
@@ -143,27 +142,10 @@ def test_a_problem_in_any_planned_group_leaves_the_model_unsharded():
 
 
 # ---- which modules get groups ---------------------------------------------------------------
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _wrap_and_log(build, **kwargs) -> dict:
-    handler = _Records()
-    log = logging.getLogger("fsdp2._wrap")
-    log.addHandler(handler)
-    old_level = log.level
-    log.setLevel(logging.INFO)
-    try:
+    with info_records(logging.getLogger("fsdp2._wrap")) as records:
         model = fsdp2.fully_shard_auto(build(), mesh=_mesh(), **kwargs)
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(old_level)
-    return {"groups": _groups(model), "params": _group_params(model), "log": handler.messages,
+    return {"groups": _groups(model), "params": _group_params(model), "log": [r.getMessage() for r in records],
             "fsdp": [n for n, m in model.named_modules() if isinstance(m, fsdp2.FSDPModule)]}
 
 

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from fsdp2._state import get_state
-from tests._dist import run_on_ranks
+from tests._dist import info_records, run_on_ranks
 
 pytest.importorskip("transformers")
 
@@ -45,28 +45,12 @@ def _selection(model: nn.Module, way: str) -> dict:
     return {"predicate": lambda name, m: isinstance(m, (layer_cls, nn.Embedding)) or m is head}
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _auto(model: nn.Module, way: str) -> list[str]:
     """Shard with fully_shard_auto; the INFO messages it logged."""
-    handler, log = _Records(), logging.getLogger("fsdp2._wrap")
-    log.addHandler(handler)
-    level = log.level
-    log.setLevel(logging.INFO)
-    try:
+    with info_records(logging.getLogger("fsdp2._wrap")) as records:
         fsdp2.fully_shard_auto(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
                                **_selection(model, way))
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-    return handler.messages
+    return [r.getMessage() for r in records]
 
 
 def _train(arch: str, way: str) -> dict:
