@@ -6,10 +6,14 @@ from ._comm import AllGather, ReduceScatter
 from ._fully_shard import fully_shard
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from ._trace import record_schedule
+from ._wrap import fully_shard_auto
+from .patch import patch_torch
 from .memory import MemoryTracker, estimate_memory
 
 __all__ = [
     "fully_shard",
+    "fully_shard_auto",
+    "patch_torch",
     "FSDPModule",
     "UnshardHandle",
     "MixedPrecisionPolicy",
