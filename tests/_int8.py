@@ -61,7 +61,7 @@ class Int8Rows(torch.Tensor):
         return Int8Rows(inner["qdata"], inner["scale"], dtype)
 
     def _like(self, qdata: torch.Tensor, scale: torch.Tensor) -> Int8Rows:
-        return Int8Rows(qdata, scale, self.dtype)
+        return type(self)(qdata, scale, self.dtype)
 
     # ---- FSDP's all-gather extension ------------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -185,9 +185,6 @@ class Int8RowsV1(Int8Rows):
     def fsdp_pre_all_gather(self, mesh):
         Int8Rows.pre_calls += 1
         return (self.qdata.contiguous(), self.scale.contiguous()), None
-
-    def _like(self, qdata, scale):
-        return Int8RowsV1(qdata, scale, self.dtype)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         if out is not None:

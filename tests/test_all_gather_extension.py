@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
 from fsdp2._collectives import CPU_COLLECTIVES_ENV, HEADER
@@ -186,3 +186,142 @@ def test_uneven_rows_padded_by_the_hook(transport):
     # refuses inputs of another shape than the padded shard (the scales), so: the reference only.
     results = run_on_ranks(_train, 2, False, transport, rows=9, torch_too=False)
     assert all(r["pre_calls"] > 0 for r in results)
+
+
+# ---- state dict ---------------------------------------------------------------------------
+def _state_dicts() -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ours = _shard(_build(False), fsdp2.fully_shard, mesh)
+    theirs = _shard(_build(False), torch_fully_shard, mesh)
+    x = torch.randn(4, DIM)
+    ours(x).sum().backward()  # after a step's gathers and rebuilds too
+    theirs(x).sum().backward()
+    sd, torch_sd = ours.state_dict(), theirs.state_dict()
+    assert sd.keys() == torch_sd.keys()
+    for key, value in sd.items():
+        other = torch_sd[key]
+        assert isinstance(value, DTensor) and value.placements == other.placements, key
+        local, torch_local = value.to_local(), other.to_local()
+        assert type(local) is type(torch_local), (key, type(local), type(torch_local))
+        torch.testing.assert_close(_dense(local), _dense(torch_local), atol=0, rtol=0)
+    # Loading our own state dict back (copy_ into the Int8Rows shards) keeps the values.
+    before = {k: _dense(v.to_local()).clone() for k, v in sd.items()}
+    ours.load_state_dict(sd)
+    for key, value in ours.state_dict().items():
+        torch.testing.assert_close(_dense(value.to_local()), before[key], atol=0, rtol=0)
+    ours(x).sum().backward()
+
+
+def test_state_dict_holds_the_subclass_shards_like_torch():
+    run_on_ranks(_state_dicts, 2)
+
+
+# ---- errors -------------------------------------------------------------------------------
+class PreOnly(torch.Tensor):
+    """Defines the pre-all-gather hook but not the post one."""
+
+    def fsdp_pre_all_gather(self, mesh):
+        return (self,), None
+
+
+class ThreeArgs(Int8Rows):
+    def fsdp_pre_all_gather(self, mesh, outer_size, module):
+        return (self.qdata, self.scale), None
+
+
+class ReturnsTensor(Int8Rows):
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return self.qdata
+
+
+class ReturnsSubclass(Int8Rows):
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self,), None
+
+
+class WrongPostShape(Int8Rows):
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        return Int8Rows(outputs[0][:3], outputs[1][:3]), tuple(outputs)
+
+
+class PostReturnsTensor(Int8Rows):
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        return Int8Rows(outputs[0], outputs[1])
+
+
+class ChangingInputs(Int8Rows):
+    calls = 0
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        ChangingInputs.calls += 1
+        scale = self.scale if ChangingInputs.calls == 1 else self.scale.double()
+        return (self.qdata, scale), None
+
+
+def _error(build, run=True, **kwargs) -> str:
+    """The error fully_shard (or, with ``run``, a forward and backward) raises: type and message."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build()
+    before = [id(p) for p in model.parameters()]
+    try:
+        fsdp2.fully_shard(model, mesh=mesh, **kwargs)
+        if run:
+            for _ in range(2):
+                model(torch.randn(4, DIM)).sum().backward()
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        if not run:  # refused up front: the module is unchanged
+            assert [id(p) for p in model.parameters()] == before
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _errors() -> dict[str, str]:
+    def one(cls):
+        return lambda: QuantLinear(DIM, DIM, frozen=False, cls=cls)
+
+    def pre_only():
+        m = nn.Linear(DIM, DIM)
+        m.weight = nn.Parameter(torch.Tensor._make_subclass(PreOnly, torch.randn(DIM, DIM)))
+        return m
+
+    return {
+        "pre_only": _error(pre_only, run=False),
+        "arity": _error(one(ThreeArgs), run=False),
+        "dim": _error(one(Int8Rows), run=False, shard_placement_fn=lambda p: Shard(p.dim() - 1)),
+        "returns_tensor": _error(one(ReturnsTensor)),
+        "returns_subclass": _error(one(ReturnsSubclass)),
+        "post_shape": _error(one(WrongPostShape)),
+        "post_tensor": _error(one(PostReturnsTensor)),
+        "changing": _error(one(ChangingInputs)),
+        # 9 rows on 2 ranks, and a hook that does not pad: the ranks gather different shapes.
+        "uneven": _error(lambda: QuantLinear(DIM, 9, frozen=False, cls=Int8RowsV1)),
+    }
+
+
+def test_bad_hooks_get_clear_errors():
+    errors = run_on_ranks(_errors, 2)
+    for rank_errors in errors:
+        e = rank_errors
+        assert e["pre_only"].startswith("TypeError") and "PreOnly" in e["pre_only"] \
+            and "fsdp_post_all_gather" in e["pre_only"], e["pre_only"]
+        assert e["arity"].startswith("TypeError") and "ThreeArgs" in e["arity"] and "mp_policy" in e["arity"]
+        assert e["dim"].startswith("NotImplementedError") and "Shard(0)" in e["dim"], e["dim"]
+        assert e["returns_tensor"].startswith("TypeError") and "ReturnsTensor" in e["returns_tensor"] \
+            and "(inputs, metadata)" in e["returns_tensor"], e["returns_tensor"]
+        assert e["returns_subclass"].startswith("TypeError") and "plain" in e["returns_subclass"]
+        assert e["post_shape"].startswith("ValueError") and "WrongPostShape" in e["post_shape"] \
+            and "(32, 32)" in e["post_shape"], e["post_shape"]
+        assert e["post_tensor"].startswith("TypeError") and "inner_tensors_to_free" in e["post_tensor"]
+        assert e["changing"].startswith("ValueError") and "same shapes and dtypes" in e["changing"], e["changing"]
+        assert e["uneven"].startswith("ValueError") and "pad the inputs" in e["uneven"], e["uneven"]
+
+
+def _int_reshard_error() -> str:
+    return _error(lambda: QuantLinear(DIM, DIM, frozen=False), run=False, reshard_after_forward=2)
+
+
+def test_int_reshard_after_forward_is_refused_as_in_torch():
+    for e in run_on_ranks(_int_reshard_error, 4):
+        assert e.startswith("NotImplementedError") and "True or False" in e, e
