@@ -282,20 +282,30 @@ class GroupExtension:
         layouts, dtypes = self.entries(world)
         return [math.prod(lay.padded_shape) * dtype.itemsize for lay, dtype in zip(layouts, dtypes)]
 
-    def bind(self, regions: Sequence[torch.Tensor], param_regions: Sequence[torch.Tensor],
-             on_grad_ready: Callable[[ShardedParam], None]) -> None:
-        """Hand each parameter its regions of the unsharded buffer: a plain parameter's becomes its
-        unsharded view, an extension parameter's are its all-gather outputs (``param_regions``: the
-        same regions as views of the buffer's ``.data``, without its version counter)."""
+    def bind(self, buffer: torch.Tensor, param_base: torch.Tensor, starts: Sequence[int], sizes: Sequence[int],
+             plan: Any, on_grad_ready: Callable[[ShardedParam], None]) -> list[torch.Tensor]:
+        """Cut the unsharded buffer into one region per entry of ``plan`` (at ``starts``) and hand them out.
+
+        A plain parameter's region becomes its unsharded view, an extension parameter's
+        regions its all-gather outputs; both are taken from ``param_base`` (the buffer's
+        ``.data``, without its version counter). Returns the regions as views of ``buffer``
+        (where the all-gather writes).
+        """
+        def regions(base: torch.Tensor) -> list[torch.Tensor]:
+            return [base[start:start + size].view(dtype).view(lay.padded_shape)
+                    for lay, dtype, start, size in zip(plan.layouts, plan.dtypes, starts, sizes)]
+
+        mine = regions(param_base)
         i = 0
         for p in self.params:
             if p.ext is None:
-                p.bind_unsharded(param_regions[i], on_grad_ready)
+                p.bind_unsharded(mine[i], on_grad_ready)
                 i += 1
             else:
                 n = len(p.ext.specs)
-                p.ext.bind_outputs(param_regions[i:i + n])
+                p.ext.bind_outputs(mine[i:i + n])
                 i += n
+        return regions(buffer)
 
     def post_all_gather(self, on_grad_ready: Callable[[ShardedParam], None], buffer: torch.Tensor) -> None:
         self.sources = []

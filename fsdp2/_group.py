@@ -168,7 +168,8 @@ class ParamGroup:
             if self._ext is not None:  # one entry per extension input (known once its hook ran)
                 layouts, dtypes = self._ext.entries(world)
             else:
-                layouts, dtypes = [p.layout.with_world(world) for p in self.params], [p.param_dtype for p in self.params]
+                layouts = [p.layout.with_world(world) for p in self.params]
+                dtypes = [p.param_dtype for p in self.params]
             self._plans[world] = GatherPlan.build(layouts, dtypes)
         return self._plans[world]
 
@@ -208,10 +209,8 @@ class ParamGroup:
         self._packed = packed
 
     def _shards(self, plan: GatherPlan) -> list[torch.Tensor]:
-        """Each parameter's padded shard, repacked first where the local data was rebound.
-
-        With extension parameters: each entry of the all-gather (their hooks' inputs)."""
-        if self._ext is not None:
+        """Each parameter's padded shard, repacked first where the local data was rebound."""
+        if self._ext is not None:  # each all-gather entry: shards and the extension hooks' inputs
             return self._ext.sources
         if self._packed is not None:
             for p, slot in zip(self.params, self._packed_slots):
@@ -264,8 +263,9 @@ class ParamGroup:
             # buffer each step must not look like an in-place change to autograd, which
             # saved these parameters in forward and reads them again in backward.
             param_base = self._buffer.data
-            if self._ext is not None:
-                self._bind_entries(param_base, starts, sizes)
+            if self._ext is not None:  # one region per all-gather entry
+                self._regions = self._ext.bind(self._buffer, param_base, starts, sizes, self._plan(self.world),
+                                               self._on_grad_ready)
                 return
             for p, start, size in zip(self.params, starts, sizes):
                 self._regions.append(self._typed(self._buffer, p, start, size))
@@ -274,16 +274,6 @@ class ParamGroup:
         storage = self._buffer.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self._buffer.numel())
-
-    def _bind_entries(self, param_base: torch.Tensor, starts: list[int], sizes: list[int]) -> None:
-        """The unsharded buffer's regions per all-gather entry (extension groups)."""
-        plan = self._plan(self.world)
-        typed = [(buffer[start:start + size].view(dtype).view(lay.padded_shape))
-                 for buffer in (self._buffer, param_base)
-                 for lay, dtype, start, size in zip(plan.layouts, plan.dtypes, starts, sizes)]
-        n = len(starts)
-        self._regions = typed[:n]
-        self._ext.bind(self._regions, typed[n:], self._on_grad_ready)
 
     def _chunks(self, plan: GatherPlan) -> list[torch.Tensor]:
         """The unsharded buffer's regions viewed as ``plan.world`` chunks each, where the
@@ -360,8 +350,8 @@ class ParamGroup:
         Computed at construction and after ``invalidate()`` (``self._aliases``): the
         per-step paths read the cached answer.
         """
-        return (self.world == 1 and self.dp.replicate_group is None and self.subgroup is None
-                and self._ext is None and all(p.tp is None and p.param_dtype == p.orig_dtype and p.padded_local.device == self.device
+        return (self.world == 1 and self.dp.replicate_group is None and self.subgroup is None and self._ext is None
+                and all(p.tp is None and p.param_dtype == p.orig_dtype and p.padded_local.device == self.device
                         for p in self.params))
 
     def unshard(self, async_op: bool = False) -> None:
