@@ -94,7 +94,8 @@ class _CountingAllGather:
 
 
 def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cls: type = Int8Rows,
-           steps: int = 3, torch_too: bool = True, mp: bool = False, count: bool = False) -> dict:
+           steps: int = 3, torch_too: bool = True, mp: bool = False, count: bool = False,
+           offload: bool = False) -> dict:
     """Train fsdp2, torch's fully_shard (when ``torch_too``) and the unsharded reference; compare every step."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -104,6 +105,10 @@ def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cl
         else init_device_mesh("cpu", (world,))
     policy = dict(mp_policy=fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)) if mp else {}
     torch_policy = dict(mp_policy=TorchMP(param_dtype=torch.bfloat16)) if mp else {}
+    if offload:  # on CPU the moves are no-ops: this pins that the hooks see the shard where it lives
+        from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+
+        policy["offload_policy"], torch_policy["offload_policy"] = fsdp2.CPUOffloadPolicy(), TorchOffload(pin_memory=False)
     with environ(CPU_COLLECTIVES_ENV, transport):
         models = {"ref": _build(frozen, rows, cls),
                   "fsdp2": _shard(_build(frozen, rows, cls), fsdp2.fully_shard, mesh, **policy)}
@@ -202,6 +207,11 @@ def test_hsdp(transport):
 
 def test_old_one_argument_pre_all_gather():
     results = run_on_ranks(_train, 2, False, "exchange", cls=Int8RowsV1)
+    assert all(r["pre_calls"] > 0 for r in results)
+
+
+def test_cpu_offload():
+    results = run_on_ranks(_train, 2, True, "exchange", offload=True, steps=2)
     assert all(r["pre_calls"] > 0 for r in results)
 
 
