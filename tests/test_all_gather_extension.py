@@ -124,6 +124,8 @@ def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cl
     models["fsdp2"].blocks[0].register_forward_pre_hook(
         lambda m, _args: seen.append((type(m.weight).__name__, str(m.weight.dtype))))
     tol = dict(atol=2e-2, rtol=2e-2) if mp else dict(atol=1e-5, rtol=1e-5)
+    # In the same order on every rank (full_tensor is a collective): a list, not a set.
+    others = [name for name in models if name != "ref"]
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + dist.get_rank())
         x = torch.randn(4, DIM, generator=g)
@@ -137,7 +139,7 @@ def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cl
                 p.grad /= world
         named = {name: dict(m.named_parameters()) for name, m in models.items()}
         for pname, ref in named["ref"].items():
-            for other in named.keys() - {"ref"}:
+            for other in others:
                 p = named[other][pname]
                 assert (p.grad is None) == (ref.grad is None), (step, other, pname)
                 if ref.grad is not None:
@@ -149,7 +151,7 @@ def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cl
             opt.step()
             opt.zero_grad(set_to_none=True)
         for pname, ref in named["ref"].items():
-            for other in named.keys() - {"ref"}:
+            for other in others:
                 if mp and "torch" in named:  # bf16 compute drifts from the fp32 reference: torch's bits instead
                     torch.testing.assert_close(_dense(named[other][pname].detach()),
                                                _dense(named["torch"][pname].detach()), atol=0, rtol=0)
@@ -157,7 +159,7 @@ def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cl
                 # Requantizing after the step may round an element one step apart: one quantum of slack.
                 torch.testing.assert_close(_dense(named[other][pname].detach()), _dense(ref.detach()),
                                            atol=2e-2, rtol=0, msg=lambda m: f"step {step} {other} {pname}: {m}")
-        for other in losses.keys() - {"ref"}:
+        for other in others:
             torch.testing.assert_close(losses[other].float(), losses["ref"], **tol)
     group = models["fsdp2"].blocks[0]._fsdp2_state.group
     return {"pre_calls": Int8Rows.pre_calls, "slice_bytes": group._plans[group.world].slice_bytes,
