@@ -22,6 +22,7 @@ from ._collectives import (
     probe_reads,
     finish_all_gather, finish_reduce_scatter, start_all_gather, start_reduce_scatter,
 )
+from ._extension import GroupExtension
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter, is_builtin, process_group_comms
 from ._mesh import DataParallelMesh
 from ._param import ShardedParam
@@ -152,6 +153,9 @@ class ParamGroup:
         # A forward of this iteration had no input requiring grad: nothing tells when backward
         # is done with the frozen parameters, so the end of backward reduces (as torch).
         self.unhooked_forward = False
+        # Parameters whose local tensor subclass gathers compact data (_extension.py); None if none do.
+        self._ext = GroupExtension.of(params, dp, subgroup is not None)
+        self.mp_policy: Any = None  # the MixedPrecisionPolicy, handed to extensions' pre-all-gather
         # CPU: point-to-point exchanges instead of flat collectives (unless the group is small).
         self.exchange = exchanges(device, self._unsharded_bytes())
         self._may_read = may_read(device)  # same-host ranks read each other (_cma.py), once probed
@@ -162,8 +166,12 @@ class ParamGroup:
     # ---- layout -------------------------------------------------------------------------
     def _plan(self, world: int) -> GatherPlan:
         if world not in self._plans:
-            layouts = [p.layout.with_world(world) for p in self.params]
-            self._plans[world] = GatherPlan.build(layouts, [p.param_dtype for p in self.params])
+            if self._ext is not None:  # one entry per extension input (known once its hook ran)
+                layouts, dtypes = self._ext.entries(world)
+            else:
+                layouts = [p.layout.with_world(world) for p in self.params]
+                dtypes = [p.param_dtype for p in self.params]
+            self._plans[world] = GatherPlan.build(layouts, dtypes)
         return self._plans[world]
 
     def invalidate(self) -> None:
@@ -174,6 +182,8 @@ class ParamGroup:
         self._buffer, self._regions = None, []
         self._chunk_views.clear()
         self._count_trainable()
+        if self._ext is not None:
+            self._ext.reset()
         self.exchange = exchanges(self.device, self._unsharded_bytes())  # the dtypes may have changed
         self._may_read = may_read(self.device)
         self._probed = False  # an exchange group now (the dtypes changed) probes at its next gather
@@ -188,7 +198,7 @@ class ParamGroup:
         with a cast (mixed precision) or CPU offload the copy-in does real work.
         """
         self._packed = None
-        if self.world == 1 or not all(
+        if self.world == 1 or self._ext is not None or not all(
             p.param_dtype == p.orig_dtype and p.padded_local.device == self.device for p in self.params
         ) or self.device.type == "meta":
             return
@@ -202,6 +212,8 @@ class ParamGroup:
 
     def _shards(self, plan: GatherPlan) -> list[torch.Tensor]:
         """Each parameter's padded shard, repacked first where the local data was rebound."""
+        if self._ext is not None:  # each all-gather entry: shards and the extension hooks' inputs
+            return self._ext.sources
         if self._packed is not None:
             # One pointer per parameter per all-gather: the DTensors' local data still starts at
             # its slot unless something rebound it (param.data = ..., swap_tensors): pack again.
@@ -231,7 +243,10 @@ class ParamGroup:
     def _unsharded_layout(self) -> tuple[list[int], list[int], int]:
         """Byte offsets and sizes of each parameter's padded full tensor in the unsharded
         buffer (16-byte aligned), and the buffer's size."""
-        sizes = [p.layout.padded_shape.numel() * p.param_dtype.itemsize for p in self.params]
+        if self._ext is not None and self._ext.known:  # per entry: each extension input gathered
+            sizes = self._ext.region_bytes(self.world)
+        else:
+            sizes = [p.layout.padded_shape.numel() * p.param_dtype.itemsize for p in self.params]
         starts, total = [], 0
         for size in sizes:
             starts.append(total)
@@ -255,6 +270,10 @@ class ParamGroup:
             # buffer each step must not look like an in-place change to autograd, which
             # saved these parameters in forward and reads them again in backward.
             param_base = self._buffer.data
+            if self._ext is not None:  # one region per all-gather entry
+                self._regions = self._ext.bind(self._buffer, param_base, starts, sizes, self._plan(self.world),
+                                               self._on_grad_ready)
+                return
             for p, start, size in zip(self.params, starts, sizes):
                 self._regions.append(self._typed(self._buffer, p, start, size))
                 p.bind_unsharded(self._typed(param_base, p, start, size), self._on_grad_ready)
@@ -283,6 +302,8 @@ class ParamGroup:
                         f"{gather.plan.world} ranks x {gather.plan.slice_bytes} bytes (the peers' reads)", self.root)
         if self._buffer is not None:
             self._buffer.untyped_storage().resize_(0)
+        if self._ext is not None:
+            self._ext.free()
 
     def probe_transport(self) -> None:
         """Exchange groups: find out once whether the ranks can read each other (collective).
@@ -336,7 +357,7 @@ class ParamGroup:
         Computed at construction and after ``invalidate()`` (``self._aliases``): the
         per-step paths read the cached answer.
         """
-        return (self.world == 1 and self.dp.replicate_group is None and self.subgroup is None
+        return (self.world == 1 and self.dp.replicate_group is None and self.subgroup is None and self._ext is None
                 and all(p.tp is None and p.param_dtype == p.orig_dtype and p.padded_local.device == self.device
                         for p in self.params))
 
@@ -353,6 +374,8 @@ class ParamGroup:
             return
         if not self._probed:
             self.probe_transport()
+        if self._ext is not None:  # the subclasses' hooks give the inputs to gather (and their layout)
+            self._ext.pre_all_gather(self.mp_policy, self.device)
         partial = self.state is ShardState.PARTIAL
         if partial:
             plan, group = self._plan(self.subgroup.size), self.subgroup.group
@@ -389,6 +412,8 @@ class ParamGroup:
             _checks.wait_all_gather(self, gather)  # errors name the group; compares the ranks' headers
             self._alloc_unsharded()
             finish_all_gather(gather, self._chunks(gather.plan))
+            if self._ext is not None:  # rebuild the subclasses' unsharded tensors from what arrived
+                self._ext.post_all_gather(self._on_grad_ready, self._buffer)
         if gather.release is not None:
             self._unreleased = gather
         self._gather = None  # only now: if the copy raised, reset() still finds the collective

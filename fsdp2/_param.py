@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from . import _compat
+from . import _compat, _extension
 from ._mesh import DataParallelMesh
 
 __all__ = ["ShardLayout", "ShardedParam", "contiguous_stride"]
@@ -134,6 +134,11 @@ class ShardedParam:
             local = param
         self.spmd_mesh, self.placements = self._spmd_layout(dim)
         self.layout = ShardLayout.even(local.shape, dim, dp.shard_size)
+        # A local tensor subclass that gathers compact data (``_extension.py``); None for the rest.
+        self.ext: _extension.ParamExtension | None = None
+        if _extension.has_extension(local, fqn):
+            self._check_extension(local, dim)
+            self.ext = _extension.ParamExtension(self, local)
         self._mp = (param_dtype, reduce_dtype)
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory and torch.cuda.is_available()
@@ -144,6 +149,22 @@ class ShardedParam:
         # Sum of unsynced gradients kept in reduce dtype (see ParamGroup.post_backward).
         self.accumulated_grad: torch.Tensor | None = None
         self._init_sharded(local.detach())
+
+    def _check_extension(self, local: torch.Tensor, dim: int) -> None:
+        """What the all-gather extension supports here: dim-0 sharding of a plain (non-TP) parameter."""
+        name = type(local).__name__
+        if self.tp is not None:
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.fqn!r} is a DTensor whose local tensor ({name}) defines "
+                f"{_extension.PRE}; the all-gather extension is supported for data-parallel parameters only "
+                "(no tensor parallelism): shard it with fully_shard alone, or use a plain local tensor"
+            )
+        if dim != 0:
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.fqn!r} ({name}, which defines {_extension.PRE}) is sharded on "
+                f"dim {dim}; parameters using the all-gather extension are sharded on dim 0: return Shard(0) "
+                "from shard_placement_fn for it"
+            )
 
     def _spmd_layout(self, dim: int) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """The mesh and placements of the sharded DTensor users see."""
@@ -202,12 +223,32 @@ class ShardedParam:
             device = full.device
         else:  # a CPU-built model on an accelerator mesh moves there, as with torch's FSDP2
             device = torch.device("cpu") if self.offload_to_cpu else self._home_device
-        padded = torch.zeros(layout.local_shape, dtype=full.dtype, device=device)
-        if rows > 0 and full.device.type != "meta":
-            padded.narrow(dim, 0, rows).copy_(full.narrow(dim, self.rank * layout.chunk, rows))
+        if self.ext is not None:
+            padded = self._cut_subclass(full, device)
+        else:
+            padded = torch.zeros(layout.local_shape, dtype=full.dtype, device=device)
+            if rows > 0 and full.device.type != "meta":
+                padded.narrow(dim, 0, rows).copy_(full.narrow(dim, self.rank * layout.chunk, rows))
         if self.pin_memory and device.type == "cpu":
             padded = padded.pin_memory()
         self._set_padded_local(padded)
+
+    def _cut_subclass(self, full: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This rank's padded chunk of an extension parameter, kept in its subclass.
+
+        Only the ops such subclasses implement for torch's FSDP2 too: ``torch.chunk``,
+        ``new_zeros``, a dim-0 ``narrow`` and ``copy_``.
+        """
+        layout = self.layout
+        rows = layout.rows(self.rank)
+        with torch.no_grad():
+            if full.device != device and full.device.type != "meta":
+                full = full.to(device)
+            pieces = torch.chunk(full, layout.world, dim=0)
+            padded = full.new_zeros(layout.local_shape)
+            if rows > 0 and full.device.type != "meta":
+                padded.narrow(0, 0, rows).copy_(pieces[self.rank])
+        return padded
 
     def _set_padded_local(self, padded: torch.Tensor) -> None:
         self.padded_local = padded
@@ -261,7 +302,10 @@ class ShardedParam:
         if local.data_ptr() == self.padded_local.data_ptr() and local.device == self.padded_local.device \
                 and local.dtype == self.padded_local.dtype and local.device.type != "meta":
             return
-        padded = torch.zeros(self.layout.local_shape, dtype=local.dtype, device=local.device)
+        if self.ext is not None:  # keep the subclass (new_zeros dispatches to it)
+            padded = local.new_zeros(self.layout.local_shape)
+        else:
+            padded = torch.zeros(self.layout.local_shape, dtype=local.dtype, device=local.device)
         rows = self.layout.rows(self.rank)
         if local.device.type != "meta":
             padded.narrow(self.layout.dim, 0, rows).copy_(local)
@@ -310,6 +354,12 @@ class ShardedParam:
                     shape=self.global_shape, stride=contiguous_stride(self.global_shape),
                 )
         self.unsharded = _compat.parameter(view, self.requires_grad)
+        self._on_grad_ready, self._grad_hooked = on_grad_ready, False
+        self._hook_grad_ready()
+
+    def bind_unsharded_tensor(self, tensor: torch.Tensor, on_grad_ready: Callable[[ShardedParam], None]) -> None:
+        """Create the unsharded parameter from an extension's rebuilt tensor (once)."""
+        self.unsharded = _compat.parameter(tensor, self.requires_grad)
         self._on_grad_ready, self._grad_hooked = on_grad_ready, False
         self._hook_grad_ready()
 
@@ -385,6 +435,8 @@ class ShardedParam:
         """Zeros shaped and typed as the unsharded gradient (TP-local): a gradient this rank did not produce."""
         with torch.no_grad():
             param = self.unsharded
+            if self.ext is not None:  # a plain gradient, not the subclass zeros_like would make
+                return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
             return torch.zeros_like(param.to_local() if isinstance(param, DTensor) else param)
 
     def stash_unsynced_grad(self) -> None:

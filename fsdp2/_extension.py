@@ -1,0 +1,326 @@
+"""Parameters whose local tensor gathers compact data: torch's all-gather extension protocol.
+
+A tensor subclass (torchao's float8 weights, NF4 for QLoRA, ...) may define two methods
+that FSDP calls around its all-gather:
+
+* ``fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)`` (or the
+  older ``fsdp_pre_all_gather(self, mesh)``), called on the sharded local tensor before
+  every all-gather, returns ``(inputs, metadata)``: the plain tensors to gather (e.g.
+  int8 data and its scales) and anything the rebuild needs;
+* ``fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None)`` gets each
+  input gathered over the shard ranks, concatenated along dim 0 in rank order. The
+  first time it returns ``(unsharded_tensor, inner_tensors_to_free)``; afterwards it is
+  called with ``out=`` that same unsharded tensor (the parameter autograd knows) and
+  refreshes it in place, the outputs being the same tensors (same storage) as before.
+
+How it fits fsdp2's layout: each input is one more entry of the group's all-gather,
+laid out as a dim-0 sharded tensor of its own (``ShardLayout`` with the input's shape as
+the local shape), so the byte slice, the unsharded buffer and every transport (flat,
+exchange, reads) carry it like any parameter. The outputs are views of the unsharded
+buffer: freeing the buffer at reshard frees them, and they keep their storage object
+across gathers (subclasses check that ``out``'s data is the all-gather output). Inner
+tensors the subclass allocated itself are freed (storage resized to 0) at reshard and
+re-allocated before the next ``out=`` call, as torch does. A group holding no such
+parameter has no ``GroupExtension`` and takes none of these paths.
+
+Mixed precision does not cast these inputs: ``param_dtype`` is handed to the rebuild.
+Gradients of the unsharded tensor are plain tensors, reduced like any other.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+# Module imports both ways (_param builds a ParamExtension): names are looked up at call time.
+from . import _param
+
+if TYPE_CHECKING:
+    from ._mesh import DataParallelMesh
+    from ._param import ShardedParam
+
+__all__ = ["PRE", "POST", "has_extension", "ParamExtension", "GroupExtension"]
+
+PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
+_SIGNATURE = (f"{PRE}(self, mesh, outer_size, outer_stride, module, mp_policy) -> (inputs, metadata), "
+              f"or the older {PRE}(self, mesh)")
+
+
+def has_extension(local: torch.Tensor, fqn: str) -> bool:
+    """Whether ``local`` (a parameter's local tensor) defines the extension; both methods or neither."""
+    pre, post = hasattr(local, PRE), hasattr(local, POST)
+    if pre != post:
+        have, missing = (PRE, POST) if pre else (POST, PRE)
+        raise TypeError(
+            f"fully_shard: parameter {fqn!r} is a {type(local).__name__} that defines {have} but not {missing}; "
+            f"define both ({PRE} returns the tensors to all-gather, {POST} rebuilds the unsharded tensor "
+            "from them) or neither"
+        )
+    return pre
+
+
+def _pre_arity(local: torch.Tensor, fqn: str) -> int:
+    """How many arguments ``local.fsdp_pre_all_gather`` takes: 1 (mesh) or 5 (as torch detects)."""
+    count = len(inspect.signature(getattr(local, PRE)).parameters)
+    if count not in (1, 5):
+        raise TypeError(
+            f"fully_shard: parameter {fqn!r}: {type(local).__name__}.{PRE} takes {count} arguments; "
+            f"define it as {_SIGNATURE}"
+        )
+    return count
+
+
+class ParamExtension:
+    """One parameter's extension state: the hooks' results between an all-gather and its rebuild.
+
+    ``specs`` (shape and dtype of each input, fixed at the first all-gather) lay out the
+    group's plan; ``outputs`` are the persistent views of the unsharded buffer the inputs
+    are gathered into; ``to_free`` the inner tensors outside that buffer (with their sizes).
+    """
+
+    def __init__(self, p: ShardedParam, local: torch.Tensor) -> None:
+        self.param = p
+        self.cls = type(local).__name__
+        self.arity = _pre_arity(local, p.fqn)
+        self.specs: tuple[tuple[torch.Size, torch.dtype], ...] | None = None
+        self.inputs: list[torch.Tensor] = []  # this all-gather's, until it is issued
+        self.metadata: Any = None
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.to_free: list[tuple[torch.Tensor, int]] = []
+
+    # ---- before the all-gather ---------------------------------------------------------
+    def pre_all_gather(self, mesh: DeviceMesh, module: torch.nn.Module, mp_policy: Any,
+                       device: torch.device) -> list[torch.Tensor]:
+        """Run the subclass's pre-all-gather on the sharded local tensor; check and keep its inputs."""
+        p = self.param
+        local = p.sharded._local_tensor
+        if local.device != device:  # CPU offload: the hook sees the tensor on the compute device
+            local = local.to(device, non_blocking=True)
+        hook = getattr(local, PRE)
+        shape = p.layout.shape
+        with torch.no_grad():
+            result = hook(mesh) if self.arity == 1 else \
+                hook(mesh, shape, _param.contiguous_stride(shape), module, mp_policy)
+        inputs, self.metadata = self._check_pre(result, device)
+        specs = tuple((_entry_shape(t), t.dtype) for t in inputs)
+        if self.specs is None:
+            self.specs = specs
+        elif specs != self.specs:
+            raise ValueError(
+                f"fsdp2: {self.cls}.{PRE} of parameter {p.fqn!r} returned inputs {_describe(specs)}, but "
+                f"{_describe(self.specs)} at the first all-gather; return the same shapes and dtypes every "
+                "time (the group's all-gather layout and the persistent outputs are built from the first)"
+            )
+        self.inputs = [t.reshape(_entry_shape(t)) for t in inputs]
+        return self.inputs
+
+    def _check_pre(self, result: Any, device: torch.device) -> tuple[list[torch.Tensor], Any]:
+        where = f"{self.cls}.{PRE} of parameter {self.param.fqn!r}"
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise TypeError(f"fsdp2: {where} returned {type(result).__name__}; return a pair (inputs, metadata), "
+                            "inputs being a tuple of plain tensors to all-gather")
+        inputs, metadata = result
+        if not isinstance(inputs, (tuple, list)) or not inputs:
+            raise TypeError(f"fsdp2: {where} returned inputs of type {type(inputs).__name__}; return a non-empty "
+                            "tuple of plain tensors (e.g. (data, scale)) as the first item")
+        for i, t in enumerate(inputs):
+            if type(t) is not torch.Tensor:  # noqa: E721 - the bytes of a subclass are not its values
+                raise TypeError(f"fsdp2: {where} returned input {i} of type {type(t).__name__}; return plain "
+                                "torch.Tensors (the subclass's inner data), not tensor subclasses")
+            if t.device != device:
+                raise ValueError(f"fsdp2: {where} returned input {i} on {t.device}; return it on the compute "
+                                 f"device {device}")
+        return [t.detach() for t in inputs], metadata
+
+    # ---- after the all-gather ----------------------------------------------------------
+    def bind_outputs(self, regions: Sequence[torch.Tensor]) -> None:
+        """Keep the views of the unsharded buffer each input is gathered into (persistent)."""
+        self.outputs = tuple(regions)
+
+    def post_all_gather(self, on_grad_ready: Callable[[ShardedParam], None], buffer: torch.Tensor) -> None:
+        """Rebuild the unsharded tensor from ``outputs``: created the first time, refreshed with ``out=`` after."""
+        p = self.param
+        local = p.sharded._local_tensor
+        hook = getattr(local, POST)
+        metadata, self.metadata, self.inputs = self.metadata, None, []
+        with torch.no_grad():
+            if p.unsharded is not None:
+                for t, nbytes in self.to_free:
+                    t.untyped_storage().resize_(nbytes)
+                hook(self.outputs, metadata, p.param_dtype, out=p.unsharded)
+                return
+            result = hook(self.outputs, metadata, p.param_dtype)
+        tensor, inner = self._check_post(result)
+        shape = p.layout.shape
+        if tensor.shape != shape:  # the padded rows (uneven sharding) are not part of the parameter
+            tensor = torch.as_strided(tensor, shape, _param.contiguous_stride(shape), 0)
+        base = buffer.untyped_storage().data_ptr()
+        self.to_free = [(t, t.untyped_storage().nbytes()) for t in inner if t.untyped_storage().data_ptr() != base]
+        p.bind_unsharded_tensor(tensor, on_grad_ready)
+
+    def _check_post(self, result: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        p = self.param
+        where = f"{self.cls}.{POST} of parameter {p.fqn!r}"
+        fix = "return (unsharded_tensor, inner_tensors_to_free) when out is None"
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise TypeError(f"fsdp2: {where} returned {type(result).__name__}; {fix}")
+        tensor, inner = result
+        if not isinstance(tensor, torch.Tensor) or not isinstance(inner, (tuple, list)) \
+                or not all(isinstance(t, torch.Tensor) for t in inner):
+            raise TypeError(f"fsdp2: {where} returned ({type(tensor).__name__}, {type(inner).__name__}); {fix} "
+                            "(a tensor and a tuple of tensors)")
+        padded = p.layout.padded_shape
+        if tensor.shape not in (padded, p.layout.shape):
+            raise ValueError(
+                f"fsdp2: {where} returned a tensor of shape {tuple(tensor.shape)}; the unsharded parameter is "
+                f"{tuple(p.layout.shape)} ({tuple(padded)} with the padding rows of uneven sharding): rebuild "
+                "it from the gathered outputs, each the inputs of every rank concatenated along dim 0"
+            )
+        return tensor, tuple(inner)
+
+    def free(self) -> None:
+        """Reshard: free the inner tensors the subclass allocated outside the unsharded buffer."""
+        for t, _nbytes in self.to_free:
+            t.untyped_storage().resize_(0)
+
+
+def _entry_shape(t: torch.Tensor) -> torch.Size:
+    """The shape an input is gathered as: a 0-d input is one element per rank."""
+    return t.shape if t.dim() > 0 else torch.Size([1])
+
+
+def _describe(specs: Sequence[tuple[torch.Size, torch.dtype]]) -> str:
+    return "(" + ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in specs) + ")"
+
+
+class GroupExtension:
+    """The extension side of one group: which entries of its all-gather belong to which parameter.
+
+    The all-gather's entries are, in parameter order, a plain parameter's padded shard, or
+    each input of an extension parameter. Built only for groups holding such a parameter.
+    """
+
+    def __init__(self, params: Sequence[ShardedParam], dp: DataParallelMesh) -> None:
+        self.params = params
+        # The shard axis's 1-D mesh (HSDP: the last axis), as the hooks expect.
+        self.mesh = dp.mesh if dp.mesh.ndim == 1 else dp.mesh[dp.mesh.mesh_dim_names[-1]]
+        self.pg = dp.shard_group
+        self.agreed = False  # the ranks compared their inputs' shapes (once, at the first all-gather)
+        self.sources: list[torch.Tensor] = []
+
+    @classmethod
+    def of(cls, params: Sequence[ShardedParam], dp: DataParallelMesh, partial: bool) -> GroupExtension | None:
+        extended = [p for p in params if p.ext is not None]
+        if not extended:
+            return None
+        if partial:
+            raise NotImplementedError(
+                f"fully_shard: reshard_after_forward as an int is not supported with parameters that define "
+                f"{PRE} ({extended[0].fqn!r}, a {extended[0].ext.cls}), as in torch; use True or False"
+            )
+        return cls(params, dp)
+
+    @property
+    def known(self) -> bool:
+        """Every extension parameter's inputs are known (after the first all-gather's hooks)."""
+        return all(p.ext is None or p.ext.specs is not None for p in self.params)
+
+    def pre_all_gather(self, mp_policy: Any, device: torch.device) -> None:
+        """Run every extension parameter's pre-all-gather; ``sources`` then holds the entries to send."""
+        sources = []
+        for p in self.params:
+            if p.ext is None:
+                sources.append(p.padded_local)
+            else:
+                sources += p.ext.pre_all_gather(self.mesh, p.locations[0][0], mp_policy, device)
+        if not self.agreed:
+            self._agree()
+        self.sources = sources
+
+    def _agree(self) -> None:
+        """Check once that every rank gathers inputs of the same shapes (collective on the shard group).
+
+        A rank whose inputs differ (uneven sharding that a hook did not pad) would otherwise
+        make the collective fail or hang on some ranks only.
+        """
+        mine = [(p.fqn, _describe(p.ext.specs)) for p in self.params if p.ext is not None]
+        world = dist.get_world_size(self.pg)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=self.pg)
+        for rank, theirs in enumerate(everyone):
+            for (fqn, spec), (_, other) in zip(mine, theirs):
+                if spec != other:
+                    p = next(q for q in self.params if q.fqn == fqn)
+                    raise ValueError(
+                        f"fsdp2: {p.ext.cls}.{PRE} of parameter {fqn!r} returned inputs {spec} on shard rank "
+                        f"{dist.get_rank(self.pg)} but {other} on shard rank {rank}: every rank must gather the "
+                        "same shapes; with uneven sharding, pad the inputs to the padded shard "
+                        f"({tuple(p.layout.local_shape)} rows and all; outer_size and the mesh give it)"
+                    )
+        self.agreed = True
+
+    def entries(self, world: int) -> tuple[list[_param.ShardLayout], list[torch.dtype]]:
+        """The layouts and dtypes of the all-gather's entries over ``world`` ranks."""
+        layouts, dtypes = [], []
+        for p in self.params:
+            if p.ext is None:
+                layouts.append(p.layout.with_world(world))
+                dtypes.append(p.param_dtype)
+                continue
+            for shape, dtype in p.ext.specs:
+                layouts.append(_param.ShardLayout(torch.Size([world * shape[0], *shape[1:]]), 0, world, shape[0]))
+                dtypes.append(dtype)
+        return layouts, dtypes
+
+    def region_bytes(self, world: int) -> list[int]:
+        """Bytes of each entry's gathered region in the unsharded buffer."""
+        layouts, dtypes = self.entries(world)
+        return [math.prod(lay.padded_shape) * dtype.itemsize for lay, dtype in zip(layouts, dtypes)]
+
+    def bind(self, buffer: torch.Tensor, param_base: torch.Tensor, starts: Sequence[int], sizes: Sequence[int],
+             plan: Any, on_grad_ready: Callable[[ShardedParam], None]) -> list[torch.Tensor]:
+        """Cut the unsharded buffer into one region per entry of ``plan`` (at ``starts``) and hand them out.
+
+        A plain parameter's region becomes its unsharded view, an extension parameter's
+        regions its all-gather outputs; both are taken from ``param_base`` (the buffer's
+        ``.data``, without its version counter). Returns the regions as views of ``buffer``
+        (where the all-gather writes).
+        """
+        def regions(base: torch.Tensor) -> list[torch.Tensor]:
+            return [base[start:start + size].view(dtype).view(lay.padded_shape)
+                    for lay, dtype, start, size in zip(plan.layouts, plan.dtypes, starts, sizes)]
+
+        mine = regions(param_base)
+        i = 0
+        for p in self.params:
+            if p.ext is None:
+                p.bind_unsharded(mine[i], on_grad_ready)
+                i += 1
+            else:
+                n = len(p.ext.specs)
+                p.ext.bind_outputs(mine[i:i + n])
+                i += n
+        return regions(buffer)
+
+    def post_all_gather(self, on_grad_ready: Callable[[ShardedParam], None], buffer: torch.Tensor) -> None:
+        self.sources = []
+        for p in self.params:
+            if p.ext is not None:
+                p.ext.post_all_gather(on_grad_ready, buffer)
+
+    def free(self) -> None:
+        for p in self.params:
+            if p.ext is not None:
+                p.ext.free()
+
+    def reset(self) -> None:
+        """After ``nn.Module._apply`` (devices or dtypes changed): outputs and rebuilt tensors are stale."""
+        self.sources = []
+        for p in self.params:
+            if p.ext is not None:
+                p.ext.outputs, p.ext.to_free, p.ext.inputs, p.ext.metadata = (), [], [], None
