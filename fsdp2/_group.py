@@ -18,17 +18,18 @@ import torch.distributed as dist
 
 from . import _checks, _cma, _debug, _trace
 from ._collectives import (
-    ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, ReduceTarget, exchange_all_gather, exchanges, may_read,
+    ALIGN, AllGatherInFlight, GatherPlan, ReducedGrads, ReduceScatterInFlight, ReduceTarget, exchange_all_gather, exchanges, may_read,
     probe_reads,
     finish_all_gather, finish_reduce_scatter, start_all_gather, start_reduce_scatter,
 )
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter, is_builtin, process_group_comms
 from ._mesh import DataParallelMesh
 from ._param import ShardedParam
+from ._checks import HEADER
 from ._streams import Completion, streams_for
 
 
-__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "reduce_scatters_in_flight"]
+__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "reduce_scatters_in_flight", "send_aliases_shards"]
 
 
 class ShardState(Enum):
@@ -46,26 +47,41 @@ class ReduceQueue:
     """Reduce-scatters in flight, oldest first, waited on only when needed.
 
     Bounded: each submit leaves at most its group's limit in flight (their buffers and
-    gradients alive); the root's end-of-backward callback drains it.
+    gradients alive); the root's end-of-backward callback drains it. On CUDA, a finished
+    reduce-scatter leaves work on the all-reduce stream (``ReducedGrads``): kept here until
+    the drain orders the compute stream after it.
     """
 
     def __init__(self) -> None:
         self._pending: collections.deque[ReduceScatterInFlight] = collections.deque()
+        self._reduced: list[ReducedGrads] = []
 
     def submit(self, inflight: Sequence[ReduceScatterInFlight], limit: int) -> None:
         """Queue ``inflight``; then finish the oldest until at most ``limit`` are left in flight."""
         self._pending.extend(inflight)
         while len(self._pending) > limit:
-            finish_reduce_scatter(self._pending.popleft())
+            self._finish(self._pending.popleft())
+
+    def _finish(self, inflight: ReduceScatterInFlight) -> None:
+        reduced = finish_reduce_scatter(inflight)
+        if reduced is not None:
+            self._reduced.append(reduced)
 
     def drain(self) -> None:
         while self._pending:
-            finish_reduce_scatter(self._pending.popleft())
+            self._finish(self._pending.popleft())
+        self._land()
+
+    def _land(self) -> None:
+        while self._reduced:
+            self._reduced.pop(0).land()
 
     def discard(self) -> None:
         """Wait for the reduce-scatters in flight (their buffers must outlive them) but drop the results."""
         while self._pending:
             self._pending.popleft().done.wait()
+        while self._reduced:  # the all-reduce stream's work: waited, its offloaded gradients dropped
+            self._reduced.pop(0).done.wait()
 
 
 def reduce_scatters_in_flight(exchange: bool) -> int:
@@ -79,13 +95,51 @@ def reduce_scatters_in_flight(exchange: bool) -> int:
 
 
 class SubGroup:
-    """The smaller process group an int ``reshard_after_forward`` reshards to."""
+    """The smaller process group an int ``reshard_after_forward`` reshards to.
+
+    One per (shard process group, size): every ``fully_shard(..., reshard_after_forward=k)``
+    on the same mesh shares it, so a model of many blocks makes one process group (one NCCL
+    communicator) for ``k``, not one per block.
+    """
+
+    # The shard group -> {(size, blocks): the subgroup}; dropped with the group (a new
+    # world after destroy_process_group gets new subgroups).
+    _cache: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGroup]] = \
+        weakref.WeakKeyDictionary()
 
     def __init__(self, dp: DataParallelMesh, size: int) -> None:
-        # Every rank must create every group, in the same order.
-        self.group, _ = dist.new_subgroups_by_enumeration(dp.shard_blocks(size))
+        blocks = dp.shard_blocks(size)
+        cached = SubGroup._cache.setdefault(dp.shard_group, {})
+        key = (size, tuple(map(tuple, blocks)))
+        if key not in cached:
+            # Every rank creates every group, in the same order: every rank misses the cache
+            # at the same fully_shard call, since the key is the same on every rank.
+            cached[key], _ = dist.new_subgroups_by_enumeration(blocks)
+        self.group = cached[key]
         self.size = size
         self.rank = dp.shard_rank % size
+
+
+def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
+    """Whether a flat all-gather may send the packed shards themselves instead of a copy.
+
+    The collective reads its input after ``unshard`` returned: on CPU on gloo's thread, on
+    CUDA on the all-gather stream. Whatever writes the sharded parameters in that window
+    (``optimizer.step()`` between ``unshard(async_op=True)`` and the wait) races with it.
+
+    * CPU, unshards the schedule issues (forward, prefetch, backward): only module code runs
+      before the wait, which reads parameters but does not write another group's shards, so
+      the shards are sent as they are (no copy-in).
+    * CPU, the user's ``FSDPModule.unshard(async_op=True)`` (``explicit``): any code may run
+      before the wait: a copy, made synchronously at issue time.
+    * Accelerators (NCCL): always a copy, on the copy-in stream, so the collective never
+      reads memory the compute stream may write (an explicit unshard also makes the
+      compute stream wait for that copy before anything later runs on it).
+
+    The exchange transport (CPU) copies the shards into the unsharded buffer at issue time
+    and sends from there: it never aliases them either way.
+    """
+    return device.type == "cpu" and not explicit
 
 
 class ParamGroup:
@@ -207,17 +261,23 @@ class ParamGroup:
                     p.adopt_padded_local(slot)
         return [p.padded_local for p in self.params]
 
-    def _send_buffer(self, plan: GatherPlan) -> tuple[torch.Tensor, Completion | None]:
-        """This rank's slice for the flat all-gather over ``plan.world`` ranks, and its copy-in."""
+    def _send_buffer(self, plan: GatherPlan, explicit: bool = False) -> tuple[torch.Tensor, Completion | None]:
+        """This rank's slice for the flat all-gather over ``plan.world`` ranks, and its copy-in.
+
+        The packed shards themselves where nothing can write them before the collective has
+        read them (``send_aliases_shards``), else a copy made at issue time.
+        """
         shards = self._shards(plan)
-        if self._packed is not None:
+        if self._packed is not None and send_aliases_shards(self.device, explicit):
             return self._packed, None
         streams = streams_for(self.device)
         with streams.side("copy_in"):
             send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
-                torch._foreach_copy_(plan.slots(send), shards,
-                                     non_blocking=True)
+                if self._packed is not None:  # already laid out: one copy (the header is stamped apart)
+                    send[HEADER:].copy_(self._packed[HEADER:], non_blocking=True)
+                else:
+                    torch._foreach_copy_(plan.slots(send), shards, non_blocking=True)
             copied = streams.issued(None)
         return send, copied
 
@@ -333,8 +393,12 @@ class ParamGroup:
                 and all(p.tp is None and p.param_dtype == p.orig_dtype and p.padded_local.device == self.device
                         for p in self.params))
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Issue the all-gather (no-op if already gathered or in flight)."""
+    def unshard(self, async_op: bool = False, explicit: bool = False) -> None:
+        """Issue the all-gather (no-op if already gathered or in flight).
+
+        ``explicit``: the user's ``unshard(async_op=True)``, after which any code may run
+        before the wait (``send_aliases_shards``).
+        """
         if self.state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return  # a prefetch already issued it: gathering twice would waste a collective
         if self.state is ShardState.SHARDED and self._aliases:
@@ -363,7 +427,9 @@ class ParamGroup:
                 self._gather = exchange_all_gather(sources, plan, group, self._chunks(plan), header, self.label,
                                                    read=self._reads(group))
             else:
-                send, copied = (self._partial_send, None) if partial else self._send_buffer(plan)
+                send, copied = (self._partial_send, None) if partial else self._send_buffer(plan, explicit)
+                if explicit and copied is not None:  # CUDA: later work on the compute stream waits for the copy
+                    copied.wait()
                 self._gather = start_all_gather(send, plan, group, self.device, copied, header,
                                                 self.all_gather_comm)
         self._partial_send = None

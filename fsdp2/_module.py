@@ -78,8 +78,8 @@ class FSDPModule:
         state = self._fsdp_state()
         # No lazy init here: this module may be a sub-module called before the root's first
         # forward, and must not become a root itself.
-        if state.group is not None:
-            state.group.unshard(async_op=True)
+        if state.group is not None:  # async: the caller's code runs before the wait (send_aliases_shards)
+            state.group.unshard(async_op=True, explicit=async_op)
         handle = UnshardHandle(state)
         if async_op:
             return handle
