@@ -349,6 +349,9 @@ def start_reduce_scatter(
 ) -> ReduceScatterInFlight:
     """Issue the reduce-scatter of the full gradients ``grads`` (an exchange on CPU).
 
+    Flat: a ``grads`` list is emptied once the gradients are copied into the send buffer, so
+    that, the caller holding no other reference, they are freed before the output is allocated.
+
     ``header``: 16 bytes naming what this rank reduces (``_checks.reduce_header``); the
     exchange sends it ahead of the data and the ranks compare theirs when finishing.
     """
@@ -367,6 +370,9 @@ def start_reduce_scatter(
         comm = target.comm
         send = comm.allocate((world * total,), dtype=dtype, device=device)
         _copy_rank_major(send.view(world, total), params, grads, offsets)
+        held_grads = tuple(grads) if streams.cuda else ()
+        if isinstance(grads, list):  # the caller's list: the gradients are freed before the output exists
+            grads.clear()
         if pre is not None and pre != 1:
             send.div_(pre)
         if world == 1:  # nothing to scatter: the send buffer is the result
@@ -376,8 +382,8 @@ def start_reduce_scatter(
             work = comm(output, send, group, op, async_op=True)
         done = streams.issued(work)
     # CUDA: the copy-in ran on the reduce-scatter stream; hold the full gradients until the
-    # compute stream waited on it. CPU: copied already, free them now.
-    held = (send, *grads) if streams.cuda else (send,)
+    # compute stream waited on it. CPU: copied already, freed (``grads`` emptied) above.
+    held = (send, *held_grads)
     return ReduceScatterInFlight(done, tuple(params), tuple(offsets), op, post, target, output, held)
 
 

@@ -56,8 +56,15 @@ class ReduceQueue:
         self._pending: collections.deque[ReduceScatterInFlight] = collections.deque()
         self._reduced: list[ReducedGrads] = []
 
+    def make_room(self, limit: int) -> None:
+        """Before a group issues its reduce-scatter: finish the oldest until fewer than ``limit``
+        are in flight, so their buffers are freed before the new ones are allocated."""
+        while len(self._pending) >= limit:
+            self._finish(self._pending.popleft())
+
     def submit(self, inflight: Sequence[ReduceScatterInFlight], limit: int) -> None:
-        """Queue ``inflight``; then finish the oldest until at most ``limit`` are left in flight."""
+        """Queue ``inflight``; then finish the oldest until at most ``limit`` are left in flight
+        (more than one only where a group reduces several dtypes)."""
         self._pending.extend(inflight)
         while len(self._pending) > limit:
             self._finish(self._pending.popleft())
@@ -85,7 +92,8 @@ class ReduceQueue:
 
 
 def reduce_scatters_in_flight(exchange: bool) -> int:
-    """How many reduce-scatters stay in flight by default once a group issues its own.
+    """How many reduce-scatters may be in flight by default once a group issued its own (that one
+    included). The oldest are finished before a group issues, so no more are ever alive at once.
 
     Flat collectives: 1, as torch. Exchanges (CPU): 2. Each waits for the peers to reach the
     same group's reduction; one more in flight absorbs their skew (measured, 17M model on 2
@@ -552,7 +560,11 @@ class ParamGroup:
             self.post_backward()
 
     def post_backward(self) -> None:
-        """Reduce-scatter the group's gradients (or keep them, when not syncing); reshard."""
+        """Reduce-scatter the group's gradients (or keep them, when not syncing); reshard.
+
+        The unsharded parameters are freed before the reduce-scatter's buffers are allocated
+        (``_reduce_gradients``): the gradients, not the parameters, are what it reads.
+        """
         self.post_backward_done = True
         if self.requires_gradient_sync:
             self._reduce_gradients()
@@ -583,6 +595,7 @@ class ParamGroup:
                 params, grads = buckets.setdefault(p.reduce_dtype, ([], []))
                 params.append(p)
                 grads.append(grad)
+        grad = grads = None  # the buckets' lists are the only references left (see below)
         if not buckets:
             return
         dp = self.dp
@@ -597,15 +610,21 @@ class ParamGroup:
             read=exchange and self._reads(group), force_sum=self.force_sum,
             hook=self.all_reduce_hook, comm=self.reduce_scatter_comm,
         )
+        if self.reshard_after_backward:  # the parameters' memory first, then the buffers'
+            self.reshard()
+        limit = self.max_reduce_buffers or reduce_scatters_in_flight(exchange and self.world > 1)
+        self.reduce_queue.make_room(limit)
         _trace.emit("reduce_scatter", self.label)
         with _trace.profiled(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):
+            # start_reduce_scatter empties each ``grads`` list once copied in (flat, CPU): the
+            # unsharded gradients are freed before the output is allocated.
             inflight = [
                 start_reduce_scatter(params, grads, dtype, target, self.device,
                                      _checks.reduce_header(self, params) if exchange else None)
                 for dtype, (params, grads) in buckets.items()
             ]
-        self.reduce_queue.submit(inflight, self.max_reduce_buffers
-                                 or reduce_scatters_in_flight(exchange and self.world > 1))
+        del buckets
+        self.reduce_queue.submit(inflight, limit)
 
     def _name_of(self, p: ShardedParam) -> str:
         """``p``'s FQN under the root (as the rank checks name it), once lazy init knows it."""
