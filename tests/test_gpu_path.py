@@ -11,11 +11,15 @@ The CUDA side of each is in ``tests/test_cuda.py`` (skipped without a GPU). Here
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp2
 from fsdp2._collectives import CPU_COLLECTIVES_ENV
@@ -106,9 +110,10 @@ def _subgroups_per_mesh_and_k() -> list[bool]:
         created.append(kwargs.get("ranks", args[0] if args else None))
         return original(*args, **kwargs)
 
+    # A mesh on a process group of its own: no earlier test on this pool has subgroups for it.
+    mesh = DeviceMesh.from_group(dist.new_group(list(range(dist.get_world_size()))), "cpu")
     c10d.new_group = counting_new_group
     try:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         torch.manual_seed(0)
         model = Transformer(n_layers=4)
         for block in model.layers:
@@ -135,3 +140,12 @@ def test_one_subgroup_per_mesh_and_k():
     # every block's), once for the first fully_shard call with k=2, never again.
     for flags in run_on_ranks(_subgroups_per_mesh_and_k, 4):
         assert flags == [True] * 5, flags
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
+def test_step_time_device_cuda_fails_clearly_without_cuda():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
+    out = subprocess.run([sys.executable, str(script), "--device", "cuda"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "--device cuda: CUDA is not available here" in out.stderr, out.stderr
