@@ -8,24 +8,24 @@ parameter objects autograd refers to never change.
 
 from __future__ import annotations
 
-import collections
 import weakref
 from enum import Enum, auto
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _checks, _cma, _debug, _trace
 from ._collectives import (
-    ALIGN, AllGatherInFlight, GatherPlan, ReducedGrads, ReduceScatterInFlight, ReduceTarget, exchange_all_gather, exchanges, may_read,
+    ALIGN, AllGatherInFlight, GatherPlan, ReduceTarget, exchange_all_gather, exchanges, may_read,
     probe_reads,
-    finish_all_gather, finish_reduce_scatter, start_all_gather, start_reduce_scatter,
+    finish_all_gather, start_all_gather, start_reduce_scatter,
 )
-from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter, is_builtin, process_group_comms
-from ._mesh import DataParallelMesh
-from ._param import ShardedParam
 from ._checks import HEADER
+from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter, is_builtin, process_group_comms
+from ._mesh import DataParallelMesh, SubGroup
+from ._param import ShardedParam
+from ._reduce_queue import ReduceQueue, reduce_scatters_in_flight
 from ._streams import Completion, streams_for
 
 
@@ -41,91 +41,6 @@ class ShardState(Enum):
     """The unsharded buffer holds the full parameters; modules hold the unsharded parameters."""
     PARTIAL = auto()
     """Resharded after forward to a smaller group: this rank also keeps 1/k of the full parameters."""
-
-
-class ReduceQueue:
-    """Reduce-scatters in flight, oldest first, waited on only when needed.
-
-    Bounded: each submit leaves at most its group's limit in flight (their buffers and
-    gradients alive); the root's end-of-backward callback drains it. On CUDA, a finished
-    reduce-scatter leaves work on the all-reduce stream (``ReducedGrads``): kept here until
-    the drain orders the compute stream after it.
-    """
-
-    def __init__(self) -> None:
-        self._pending: collections.deque[ReduceScatterInFlight] = collections.deque()
-        self._reduced: list[ReducedGrads] = []
-
-    def make_room(self, limit: int) -> None:
-        """Before a group issues its reduce-scatter: finish the oldest until fewer than ``limit``
-        are in flight, so their buffers are freed before the new ones are allocated."""
-        while len(self._pending) >= limit:
-            self._finish(self._pending.popleft())
-
-    def submit(self, inflight: Sequence[ReduceScatterInFlight], limit: int) -> None:
-        """Queue ``inflight``; then finish the oldest until at most ``limit`` are left in flight
-        (more than one only where a group reduces several dtypes)."""
-        self._pending.extend(inflight)
-        while len(self._pending) > limit:
-            self._finish(self._pending.popleft())
-
-    def _finish(self, inflight: ReduceScatterInFlight) -> None:
-        reduced = finish_reduce_scatter(inflight)
-        if reduced is not None:
-            self._reduced.append(reduced)
-
-    def drain(self) -> None:
-        while self._pending:
-            self._finish(self._pending.popleft())
-        self._land()
-
-    def _land(self) -> None:
-        while self._reduced:
-            self._reduced.pop(0).land()
-
-    def discard(self) -> None:
-        """Wait for the reduce-scatters in flight (their buffers must outlive them) but drop the results."""
-        while self._pending:
-            self._pending.popleft().done.wait()
-        while self._reduced:  # the all-reduce stream's work: waited, its offloaded gradients dropped
-            self._reduced.pop(0).done.wait()
-
-
-def reduce_scatters_in_flight(exchange: bool) -> int:
-    """How many reduce-scatters may be in flight by default once a group issued its own (that one
-    included). The oldest are finished before a group issues, so no more are ever alive at once.
-
-    Flat collectives: 1, as torch. Exchanges (CPU): 2. Each waits for the peers to reach the
-    same group's reduction; one more in flight absorbs their skew (measured, 17M model on 2
-    ranks: steps 1-5% faster in 5 launches of 5) for one more group's gradients alive.
-    """
-    return 2 if exchange else 1
-
-
-class SubGroup:
-    """The smaller process group an int ``reshard_after_forward`` reshards to.
-
-    One per (shard process group, size): every ``fully_shard(..., reshard_after_forward=k)``
-    on the same mesh shares it, so a model of many blocks makes one process group (one NCCL
-    communicator) for ``k``, not one per block.
-    """
-
-    # The shard group -> {(size, blocks): the subgroup}; dropped with the group (a new
-    # world after destroy_process_group gets new subgroups).
-    _cache: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGroup]] = \
-        weakref.WeakKeyDictionary()
-
-    def __init__(self, dp: DataParallelMesh, size: int) -> None:
-        blocks = dp.shard_blocks(size)
-        cached = SubGroup._cache.setdefault(dp.shard_group, {})
-        key = (size, tuple(map(tuple, blocks)))
-        if key not in cached:
-            # Every rank creates every group, in the same order: every rank misses the cache
-            # at the same fully_shard call, since the key is the same on every rank.
-            cached[key], _ = dist.new_subgroups_by_enumeration(blocks)
-        self.group = cached[key]
-        self.size = size
-        self.rank = dp.shard_rank % size
 
 
 def send_aliases_shards(device: torch.device, explicit: bool) -> bool:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from .._checks import HEADER
 from .._compat import fake_process_group, in_backward
 from .._collectives import exchanges
-from .._group import reduce_scatters_in_flight
+from .._reduce_queue import reduce_scatters_in_flight
 from .._exchange import SMALL as EXCHANGE_SMALL
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._llama import llama_tp_plan
@@ -184,7 +184,7 @@ class _Schedule:
     forward per policy (the root keeps its parameters unless ``root_reshard``); backward
     gathers a group again if needed, prefetches the one before it, and once all of its
     gradients landed reshards, finishes the oldest reduce-scatters in flight until there is
-    room for one more (one in all, two for gloo exchanges: ``_group.reduce_scatters_in_flight``)
+    room for one more (one in all, two for gloo exchanges: ``_reduce_queue.reduce_scatters_in_flight``)
     and reduce-scatters; the output of a finished one becomes the sharded gradients. Change this class
     with those files and ``_collectives.py`` / ``_exchange.py``. The two transports:
 
