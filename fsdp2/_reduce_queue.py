@@ -49,9 +49,11 @@ class ReduceQueue:
     def drain(self) -> None:
         while self._pending:
             self._finish(self._pending.popleft())
-        self._land()
+        self.land()
 
-    def _land(self) -> None:
+    def land(self) -> None:
+        """Order the compute stream (and the host, for offloaded gradients) after the finished
+        reduce-scatters' all-reduce-stream work (CUDA; nothing to do on CPU)."""
         while self._reduced:
             self._reduced.pop(0).land()
 
