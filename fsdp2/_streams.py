@@ -7,10 +7,12 @@ result calls ``Completion.wait()``.
 * **CPU (gloo)**: there is one stream, the calling thread. ``side()`` does
   nothing; collectives run ``async_op=True`` on gloo's threads and ``wait()``
   blocks the host on the work handle.
-* **CUDA (NCCL)**: copy-in, all-gather and reduce-scatter each run on their own
-  stream, so the next group's all-gather overlaps the current group's compute.
-  ``wait()`` only makes the compute stream wait on an event: the host never
-  blocks.
+* **CUDA (NCCL)**: copy-in, all-gather, reduce-scatter and what follows a
+  reduce-scatter (HSDP all-reduce, divide, accumulation, offload copies: the
+  all-reduce stream) each run on their own stream, so the next group's
+  all-gather overlaps the current group's compute. ``wait()`` only makes the
+  current stream wait on an event (any number of waiting streams, each once):
+  the host never blocks, except in ``wait_host()``.
 
 Memory safety on CUDA without ``Tensor.record_stream``: the caching allocator
 hands a freed block to the next allocation *on the stream that allocated it*.
@@ -19,7 +21,12 @@ issue time, so a block that a side stream allocated, the compute stream used
 and the host then dropped can only be reused by work ordered after that use.
 Blocks allocated on the compute stream and read by a side stream (unsharded
 gradients read by the reduce-scatter's copy-in) are kept alive by the in-flight
-record until the compute stream has waited on the side stream's completion.
+record until the compute stream has waited on the side stream's completion; the
+reduce-scatter output the all-reduce stream works on, by ``ReducedGrads`` until
+the end of backward.
+
+Not yet run on a GPU (none was available); ``tests/test_cuda.py`` checks the CUDA
+side, under ``TORCH_CUDA_SANITIZER=1``.
 """
 
 from __future__ import annotations
