@@ -14,7 +14,14 @@ implementation rotating every round) so a noisy machine slows all of them alike.
 is forward + backward + ``optimizer.step()`` (plus ``zero_grad``), timed on every rank
 after a ``dist.barrier()``; a step's time is the slowest rank's, and the medians over the
 rounds after ``--warmup`` are reported. Rank 0 prints one JSON line per configuration
-(see benchmarks/README.md for the fields). Runs on gloo/CPU, or NCCL when CUDA is present.
+(see benchmarks/README.md for the fields).
+
+``--device cpu`` runs on gloo; ``--device cuda`` on NCCL, one GPU per rank (``LOCAL_RANK``),
+synchronising the device before each step's clock stops, and stops with an error where
+CUDA or enough GPUs are missing; ``--device auto`` (the default) takes CUDA when present.
+The CUDA path has not run on a GPU yet (the development machine has none)::
+
+    torchrun --nproc-per-node 2 benchmarks/step_time.py --device cuda --impls fsdp2,torch_fsdp2
 """
 
 from __future__ import annotations
@@ -328,12 +335,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--malloc", choices=("default", "keep"), default="default",
                    help="keep: glibc keeps freed memory in the process for every implementation (no fresh "
                         "pages each step because another implementation shrank the heap; see docs/performance.md)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cpu: gloo; cuda: NCCL, one GPU per rank (an error without CUDA); auto: cuda when present")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = p.parse_args()
     args.impls = [i for i in args.impls.split(",") if i]
     unknown = [i for i in args.impls if i not in IMPLS + EXTRA_IMPLS]
     if unknown or not args.impls or len(set(args.impls)) != len(args.impls):
         p.error(f"--impls: give distinct names from {','.join(IMPLS)}, got {args.impls}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and "fsdp2_gloo" in args.impls:
+        p.error("--impls fsdp2_gloo compares CPU transports; it has no meaning with --device cuda")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     if args.sweep is not None:
@@ -350,11 +363,25 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def check_cuda() -> None:
+    """``--device cuda``: stop with what is missing (before any process group exists)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available here (torch.cuda.is_available() is False; "
+                         f"torch {torch.__version__}, built with CUDA {torch.version.cuda}); run on a GPU "
+                         "machine, or use --device cpu")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.device_count() < local_world:
+        raise SystemExit(f"--device cuda: {local_world} ranks on this host but {torch.cuda.device_count()} "
+                         "GPU(s); NCCL needs one GPU per rank: lower --nproc-per-node")
+
+
 def main() -> None:
     args = parse_args()
     if args.malloc == "keep":
         keep_freed_memory()
-    use_cuda = torch.cuda.is_available()
+    use_cuda = args.device == "cuda"
+    if use_cuda:
+        check_cuda()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     world = dist.get_world_size()
     if use_cuda:

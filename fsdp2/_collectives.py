@@ -33,7 +33,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _checks, _cma, _debug, _exchange, _pipes, _trace
+from . import _checks, _cma, _compat, _debug, _exchange, _pipes, _trace
 from ._checks import HEADER
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
 from ._param import ShardedParam, ShardLayout
@@ -42,7 +42,7 @@ from ._streams import Completion, streams_for
 __all__ = [
     "ALIGN", "EXCHANGE_MIN_BYTES", "GatherPlan", "cpu_transport", "exchanges", "may_read", "probe_reads", "AllGatherInFlight", "ReduceScatterInFlight", "start_all_gather",
     "exchange_all_gather", "finish_all_gather", "copy_out", "ReduceTarget", "start_reduce_scatter",
-    "finish_reduce_scatter",
+    "finish_reduce_scatter", "ReducedGrads",
 ]
 
 ALIGN = 16  # bytes; a multiple of every dtype's itemsize
@@ -349,6 +349,9 @@ def start_reduce_scatter(
 ) -> ReduceScatterInFlight:
     """Issue the reduce-scatter of the full gradients ``grads`` (an exchange on CPU).
 
+    Flat: a ``grads`` list is emptied once the gradients are copied into the send buffer, so
+    that, the caller holding no other reference, they are freed before the output is allocated.
+
     ``header``: 16 bytes naming what this rank reduces (``_checks.reduce_header``); the
     exchange sends it ahead of the data and the ranks compare theirs when finishing.
     """
@@ -367,6 +370,9 @@ def start_reduce_scatter(
         comm = target.comm
         send = comm.allocate((world * total,), dtype=dtype, device=device)
         _copy_rank_major(send.view(world, total), params, grads, offsets)
+        held_grads = tuple(grads) if streams.cuda else ()
+        if isinstance(grads, list):  # the caller's list: the gradients are freed before the output exists
+            grads.clear()
         if pre is not None and pre != 1:
             send.div_(pre)
         if world == 1:  # nothing to scatter: the send buffer is the result
@@ -376,8 +382,8 @@ def start_reduce_scatter(
             work = comm(output, send, group, op, async_op=True)
         done = streams.issued(work)
     # CUDA: the copy-in ran on the reduce-scatter stream; hold the full gradients until the
-    # compute stream waited on it. CPU: copied already, free them now.
-    held = (send, *grads) if streams.cuda else (send,)
+    # compute stream waited on it. CPU: copied already, freed (``grads`` emptied) above.
+    held = (send, *held_grads)
     return ReduceScatterInFlight(done, tuple(params), tuple(offsets), op, post, target, output, held)
 
 
@@ -449,41 +455,107 @@ def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grad
             torch._foreach_copy_(targets, sources)
 
 
-def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> None:
+class ReducedGrads(NamedTuple):
+    """A finished reduce-scatter's work left on the all-reduce stream (CUDA), landed by :meth:`land`.
+
+    ``done``: the all-reduce stream's completion (all-reduce, post-divide, accumulation
+    into ``.grad``, offload copies). ``keep``: the buffers that stream reads, alive until
+    the compute stream has waited on ``done``. ``deferred``: CPU-offloaded gradient shards
+    copied to pinned host memory without blocking, added into ``.grad`` (and their hooks
+    run) once the host has seen the copies land.
+    """
+
+    done: Completion
+    keep: tuple[torch.Tensor, ...]
+    deferred: tuple[tuple[ShardedParam, torch.Tensor], ...]
+
+    def land(self) -> None:
+        """Order the compute stream (and, for offloaded gradients, the host) after the work."""
+        self.done.wait()
+        if self.deferred:
+            self.done.wait_host()  # the host adds into (and the optimizer reads) host memory
+            for p, staged in self.deferred:
+                p.add_sharded_grad(staged)
+                p.run_sharded_grad_hooks()
+
+
+def _stage_to_host(p: ShardedParam, shard: torch.Tensor) -> torch.Tensor:
+    """CUDA, CPU offload: ``shard`` copied (cast to the parameter's dtype) into host memory,
+    pinned and without blocking where the parameter is pinned; the copy lands with the stream."""
+    staged = torch.empty(shard.shape, dtype=p.orig_dtype, device="cpu", pin_memory=p.pin_memory)
+    staged.copy_(shard, non_blocking=p.pin_memory)
+    return staged
+
+
+def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> ReducedGrads | None:
     """Wait, all-reduce across replicas (HSDP), add each rank's chunk into the sharded ``.grad``,
-    then run the sharded parameter's post-accumulate-grad hooks (none while HSDP defers its all-reduce)."""
+    then run the sharded parameter's post-accumulate-grad hooks (none while HSDP defers its all-reduce).
+
+    One path, two back-ends. CPU: in order on the calling thread, as the collectives'
+    waits block it; returns None. CUDA: the compute stream waits for the reduce-scatter
+    only (its input, the unsharded gradients, may then be freed); everything after it runs
+    on the all-reduce stream, which the compute stream waits on only when it reads the
+    results: before user hooks on the sharded parameters run, and at the end of backward
+    (``ReducedGrads.land``, returned for the caller to keep). CPU-offloaded gradient
+    shards go to host memory with non-blocking copies there, added once landed.
+    """
     target = inflight.target
     sizes = f"{target.world} x {sum(p.layout.local_numel for p in inflight.params)} elements"
     if inflight.exchange is not None:  # the headers first: data that does not match may never come
         _debug.wait(inflight.exchange.header_exchange, "reduce_scatter", target.label, sizes, target.root)
         _checks.check_reduce_headers(target, inflight.exchange.headers)
-    _debug.wait(inflight.done, "reduce_scatter", target.label, sizes, target.root)
-    if inflight.exchange is not None:
-        out = inflight.exchange.reduced()
-    else:
-        out = inflight.output
-    if target.replicate_group is not None:
-        earlier = target.partial.pop(out.dtype, None)
-        if earlier is not None:  # reduce-scattered while all-reduce was off
-            out += earlier
-        if not target.all_reduce:
-            target.partial[out.dtype] = out
-            return
-        _trace.emit("all_reduce", target.label)
-        sizes = f"{out.numel()} elements over {target.replicate_world} replicas"
-        _debug.log_collective("all_reduce", target.label, target.replicate_group, sizes, out.dtype, target.root)
-        work = dist.all_reduce(out, op=inflight.op, group=target.replicate_group, async_op=True)
-        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
-    if inflight.post_divide is not None and inflight.post_divide != 1:
-        out.div_(inflight.post_divide)
-    if target.hook is not None:
-        _run_all_reduce_hook(*target.hook, out)
-    base = out.storage_offset()
-    shards = [out.as_strided(p.layout.local_shape, p.layout.local_stride, base + off)
-              for p, off in zip(inflight.params, inflight.offsets)]
-    if target.check_finite:
-        _checks.record_nonfinite(target.root, inflight.params, shards)
-    for p, shard in zip(inflight.params, shards):
-        p.add_sharded_grad(shard)
+    _debug.wait(inflight.done, "reduce_scatter", target.label, sizes, target.root)  # CUDA: the compute stream
+    out = inflight.exchange.reduced() if inflight.exchange is not None else inflight.output
+    streams = streams_for(out.device)
+    deferred: list[tuple[ShardedParam, torch.Tensor]] = []
+    with streams.side("all_reduce"):
+        inflight.done.wait()  # CUDA: the all-reduce stream too (a second waiter)
+        if not _reduce_across_replicas(inflight, out):
+            return None  # HSDP with its all-reduce off: the sums wait in target.partial
+        if inflight.post_divide is not None and inflight.post_divide != 1:
+            out.div_(inflight.post_divide)
+        if target.hook is not None:
+            _run_all_reduce_hook(*target.hook, out)
+        base = out.storage_offset()
+        shards = [out.as_strided(p.layout.local_shape, p.layout.local_stride, base + off)
+                  for p, off in zip(inflight.params, inflight.offsets)]
+        if target.check_finite:
+            _checks.record_nonfinite(target.root, inflight.params, shards)
+        landed = []
+        for p, shard in zip(inflight.params, shards):
+            if streams.cuda and p.padded_local.device.type == "cpu":
+                deferred.append((p, _stage_to_host(p, shard)))
+            else:
+                p.add_sharded_grad(shard)
+                landed.append(p)
+        done = streams.issued(None)
+    if streams.cuda and any(_compat.has_post_accumulate_grad_hooks(p.sharded) for p in landed):
+        done.wait()  # user hooks (e.g. an optimizer step per parameter) read .grad on the compute stream
+    for p in landed:
         p.run_sharded_grad_hooks()  # the user's, e.g. an optimizer step per parameter
     _trace.emit("reduce_scatter_done", target.label, scheduled=False)
+    if not streams.cuda:
+        return None
+    return ReducedGrads(done, (out,), tuple(deferred))
+
+
+def _reduce_across_replicas(inflight: ReduceScatterInFlight, out: torch.Tensor) -> bool:
+    """HSDP: all-reduce ``out`` over the replicas (with sums kept while the all-reduce was off).
+
+    Returns False when the all-reduce is off this time: ``out`` then waits in ``target.partial``.
+    """
+    target = inflight.target
+    if target.replicate_group is None:
+        return True
+    earlier = target.partial.pop(out.dtype, None)
+    if earlier is not None:  # reduce-scattered while all-reduce was off
+        out += earlier
+    if not target.all_reduce:
+        target.partial[out.dtype] = out
+        return False
+    _trace.emit("all_reduce", target.label)
+    sizes = f"{out.numel()} elements over {target.replicate_world} replicas"
+    _debug.log_collective("all_reduce", target.label, target.replicate_group, sizes, out.dtype, target.root)
+    work = dist.all_reduce(out, op=inflight.op, group=target.replicate_group, async_op=True)
+    _debug.wait(work, "all_reduce", target.label, sizes, target.root)  # CUDA: the all-reduce stream waits
+    return True

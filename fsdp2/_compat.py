@@ -152,6 +152,11 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
             hook(param)
 
 
+def has_post_accumulate_grad_hooks(param: torch.Tensor) -> bool:
+    """Whether ``param`` has hooks for :func:`run_post_accumulate_grad_hooks` to run (same private dict)."""
+    return bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
 def functorch_active() -> bool:
     """Whether a ``torch.func`` transform (``jvp``, ``vmap``, ``grad``...) is running (private, torch 2.0 to 2.13)."""
     return torch._C._are_functorch_transforms_active()

@@ -8,28 +8,29 @@ parameter objects autograd refers to never change.
 
 from __future__ import annotations
 
-import collections
 import weakref
 from enum import Enum, auto
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _checks, _cma, _debug, _trace
 from ._collectives import (
-    ALIGN, AllGatherInFlight, GatherPlan, ReduceScatterInFlight, ReduceTarget, exchange_all_gather, exchanges, may_read,
+    ALIGN, AllGatherInFlight, GatherPlan, ReduceTarget, exchange_all_gather, exchanges, may_read,
     probe_reads,
-    finish_all_gather, finish_reduce_scatter, start_all_gather, start_reduce_scatter,
+    finish_all_gather, start_all_gather, start_reduce_scatter,
 )
 from ._extension import GroupExtension
+from ._checks import HEADER
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter, is_builtin, process_group_comms
-from ._mesh import DataParallelMesh
+from ._mesh import DataParallelMesh, SubGroup
 from ._param import ShardedParam
+from ._reduce_queue import ReduceQueue, reduce_scatters_in_flight
 from ._streams import Completion, streams_for
 
 
-__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "reduce_scatters_in_flight"]
+__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "reduce_scatters_in_flight", "send_aliases_shards"]
 
 
 class ShardState(Enum):
@@ -43,50 +44,26 @@ class ShardState(Enum):
     """Resharded after forward to a smaller group: this rank also keeps 1/k of the full parameters."""
 
 
-class ReduceQueue:
-    """Reduce-scatters in flight, oldest first, waited on only when needed.
+def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
+    """Whether a flat all-gather may send the packed shards themselves instead of a copy.
 
-    Bounded: each submit leaves at most its group's limit in flight (their buffers and
-    gradients alive); the root's end-of-backward callback drains it.
+    The collective reads its input after ``unshard`` returned: on CPU on gloo's thread, on
+    CUDA on the all-gather stream. Whatever writes the sharded parameters in that window
+    (``optimizer.step()`` between ``unshard(async_op=True)`` and the wait) races with it.
+
+    * CPU, unshards the schedule issues (forward, prefetch, backward): only module code runs
+      before the wait, which reads parameters but does not write another group's shards, so
+      the shards are sent as they are (no copy-in).
+    * CPU, the user's ``FSDPModule.unshard(async_op=True)`` (``explicit``): any code may run
+      before the wait: a copy, made synchronously at issue time.
+    * Accelerators (NCCL): always a copy, on the copy-in stream, so the collective never
+      reads memory the compute stream may write (an explicit unshard also makes the
+      compute stream wait for that copy before anything later runs on it).
+
+    The exchange transport (CPU) copies the shards into the unsharded buffer at issue time
+    and sends from there: it never aliases them either way.
     """
-
-    def __init__(self) -> None:
-        self._pending: collections.deque[ReduceScatterInFlight] = collections.deque()
-
-    def submit(self, inflight: Sequence[ReduceScatterInFlight], limit: int) -> None:
-        """Queue ``inflight``; then finish the oldest until at most ``limit`` are left in flight."""
-        self._pending.extend(inflight)
-        while len(self._pending) > limit:
-            finish_reduce_scatter(self._pending.popleft())
-
-    def drain(self) -> None:
-        while self._pending:
-            finish_reduce_scatter(self._pending.popleft())
-
-    def discard(self) -> None:
-        """Wait for the reduce-scatters in flight (their buffers must outlive them) but drop the results."""
-        while self._pending:
-            self._pending.popleft().done.wait()
-
-
-def reduce_scatters_in_flight(exchange: bool) -> int:
-    """How many reduce-scatters stay in flight by default once a group issues its own.
-
-    Flat collectives: 1, as torch. Exchanges (CPU): 2. Each waits for the peers to reach the
-    same group's reduction; one more in flight absorbs their skew (measured, 17M model on 2
-    ranks: steps 1-5% faster in 5 launches of 5) for one more group's gradients alive.
-    """
-    return 2 if exchange else 1
-
-
-class SubGroup:
-    """The smaller process group an int ``reshard_after_forward`` reshards to."""
-
-    def __init__(self, dp: DataParallelMesh, size: int) -> None:
-        # Every rank must create every group, in the same order.
-        self.group, _ = dist.new_subgroups_by_enumeration(dp.shard_blocks(size))
-        self.size = size
-        self.rank = dp.shard_rank % size
+    return device.type == "cpu" and not explicit
 
 
 class ParamGroup:
@@ -226,17 +203,23 @@ class ParamGroup:
                 self._packed_ptrs = [p.sharded._local_tensor.data_ptr() for p in self.params]
         return [p.padded_local for p in self.params]
 
-    def _send_buffer(self, plan: GatherPlan) -> tuple[torch.Tensor, Completion | None]:
-        """This rank's slice for the flat all-gather over ``plan.world`` ranks, and its copy-in."""
+    def _send_buffer(self, plan: GatherPlan, explicit: bool = False) -> tuple[torch.Tensor, Completion | None]:
+        """This rank's slice for the flat all-gather over ``plan.world`` ranks, and its copy-in.
+
+        The packed shards themselves where nothing can write them before the collective has
+        read them (``send_aliases_shards``), else a copy made at issue time.
+        """
         shards = self._shards(plan)
-        if self._packed is not None:
+        if self._packed is not None and send_aliases_shards(self.device, explicit):
             return self._packed, None
         streams = streams_for(self.device)
         with streams.side("copy_in"):
             send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
-                torch._foreach_copy_(plan.slots(send), shards,
-                                     non_blocking=True)
+                if self._packed is not None:  # already laid out: one copy (the header is stamped apart)
+                    send[HEADER:].copy_(self._packed[HEADER:], non_blocking=True)
+                else:
+                    torch._foreach_copy_(plan.slots(send), shards, non_blocking=True)
             copied = streams.issued(None)
         return send, copied
 
@@ -361,8 +344,12 @@ class ParamGroup:
                 and all(p.tp is None and p.param_dtype == p.orig_dtype and p.padded_local.device == self.device
                         for p in self.params))
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Issue the all-gather (no-op if already gathered or in flight)."""
+    def unshard(self, async_op: bool = False, explicit: bool = False) -> None:
+        """Issue the all-gather (no-op if already gathered or in flight).
+
+        ``explicit``: the user's ``unshard(async_op=True)``, after which any code may run
+        before the wait (``send_aliases_shards``).
+        """
         if self.state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return  # a prefetch already issued it: gathering twice would waste a collective
         if self.state is ShardState.SHARDED and self._aliases:
@@ -393,7 +380,9 @@ class ParamGroup:
                 self._gather = exchange_all_gather(sources, plan, group, self._chunks(plan), header, self.label,
                                                    read=self._reads(group))
             else:
-                send, copied = (self._partial_send, None) if partial else self._send_buffer(plan)
+                send, copied = (self._partial_send, None) if partial else self._send_buffer(plan, explicit)
+                if explicit and copied is not None:  # CUDA: later work on the compute stream waits for the copy
+                    copied.wait()
                 self._gather = start_all_gather(send, plan, group, self.device, copied, header,
                                                 self.all_gather_comm)
         self._partial_send = None
@@ -518,7 +507,11 @@ class ParamGroup:
             self.post_backward()
 
     def post_backward(self) -> None:
-        """Reduce-scatter the group's gradients (or keep them, when not syncing); reshard."""
+        """Reduce-scatter the group's gradients (or keep them, when not syncing); reshard.
+
+        The unsharded parameters are freed before the reduce-scatter's buffers are allocated
+        (``_reduce_gradients``): the gradients, not the parameters, are what it reads.
+        """
         self.post_backward_done = True
         if self.requires_gradient_sync:
             self._reduce_gradients()
@@ -549,6 +542,7 @@ class ParamGroup:
                 params, grads = buckets.setdefault(p.reduce_dtype, ([], []))
                 params.append(p)
                 grads.append(grad)
+        grad = grads = None  # the buckets' lists are the only references left (see below)
         if not buckets:
             return
         dp = self.dp
@@ -563,15 +557,21 @@ class ParamGroup:
             read=exchange and self._reads(group), force_sum=self.force_sum,
             hook=self.all_reduce_hook, comm=self.reduce_scatter_comm,
         )
+        if self.reshard_after_backward:  # the parameters' memory first, then the buffers'
+            self.reshard()
+        limit = self.max_reduce_buffers or reduce_scatters_in_flight(exchange and self.world > 1)
+        self.reduce_queue.make_room(limit)
         _trace.emit("reduce_scatter", self.label)
         with _trace.profiled(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):
+            # start_reduce_scatter empties each ``grads`` list once copied in (flat, CPU): the
+            # unsharded gradients are freed before the output is allocated.
             inflight = [
                 start_reduce_scatter(params, grads, dtype, target, self.device,
                                      _checks.reduce_header(self, params) if exchange else None)
                 for dtype, (params, grads) in buckets.items()
             ]
-        self.reduce_queue.submit(inflight, self.max_reduce_buffers
-                                 or reduce_scatters_in_flight(exchange and self.world > 1))
+        del buckets
+        self.reduce_queue.submit(inflight, limit)
 
     def _name_of(self, p: ShardedParam) -> str:
         """``p``'s FQN under the root (as the rank checks name it), once lazy init knows it."""

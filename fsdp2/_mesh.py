@@ -8,6 +8,7 @@ across rows.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["DataParallelMesh", "SpmdAxes"]
+__all__ = ["DataParallelMesh", "SpmdAxes", "SubGroup"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +74,29 @@ class DataParallelMesh:
     def shard_blocks(self, size: int) -> list[list[int]]:
         """Global ranks in blocks of ``size`` consecutive ranks along the shard axis."""
         return self.mesh.mesh.reshape(-1, size).tolist()
+
+
+class SubGroup:
+    """The smaller process group an int ``reshard_after_forward`` reshards to.
+
+    One per (shard process group, size): every ``fully_shard(..., reshard_after_forward=k)``
+    on the same mesh shares it, so a model of many blocks makes one process group (one NCCL
+    communicator) for ``k``, not one per block.
+    """
+
+    # The shard group -> {(size, blocks): the subgroup}; dropped with the group (a new
+    # world after destroy_process_group gets new subgroups).
+    _cache: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dist.ProcessGroup]] = \
+        weakref.WeakKeyDictionary()
+
+    def __init__(self, dp: DataParallelMesh, size: int) -> None:
+        blocks = dp.shard_blocks(size)
+        cached = SubGroup._cache.setdefault(dp.shard_group, {})
+        key = (size, tuple(map(tuple, blocks)))
+        if key not in cached:
+            # Every rank creates every group, in the same order: every rank misses the cache
+            # at the same fully_shard call, since the key is the same on every rank.
+            cached[key], _ = dist.new_subgroups_by_enumeration(blocks)
+        self.group = cached[key]
+        self.size = size
+        self.rank = dp.shard_rank % size

@@ -78,8 +78,8 @@ class FSDPModule:
         state = self._fsdp_state()
         # No lazy init here: this module may be a sub-module called before the root's first
         # forward, and must not become a root itself.
-        if state.group is not None:
-            state.group.unshard(async_op=True)
+        if state.group is not None:  # async: the caller's code runs before the wait (send_aliases_shards)
+            state.group.unshard(async_op=True, explicit=async_op)
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -334,8 +334,8 @@ class FSDPModule:
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many reduce-scatters may stay in flight after this module's group issues its own.
 
-        When a group issues a reduce-scatter, fsdp2 waits for the oldest ones still in flight
-        until at most ``max_input_buffers`` are left (default: 1 for flat collectives, as in
+        Before a group issues a reduce-scatter, fsdp2 waits for the oldest ones still in flight
+        until fewer than ``max_input_buffers`` are left (default: 1 for flat collectives, as in
         torch; 2 for CPU exchanges): each one in flight holds its gradients and buffers, so a
         higher number trades memory for fewer waits in backward when the reductions are slower
         than the compute. The end of backward waits for them all.

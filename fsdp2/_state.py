@@ -347,6 +347,8 @@ class ModuleState:
                 state.training_state = TrainingState.IDLE
             if ctx.is_last_backward:
                 ctx.reduce_queue.drain()
+            else:  # the finished ones' results are complete before backward returns (CUDA)
+                ctx.reduce_queue.land()
         except BaseException:
             ctx.interrupted = True
             raise

@@ -7,10 +7,12 @@ result calls ``Completion.wait()``.
 * **CPU (gloo)**: there is one stream, the calling thread. ``side()`` does
   nothing; collectives run ``async_op=True`` on gloo's threads and ``wait()``
   blocks the host on the work handle.
-* **CUDA (NCCL)**: copy-in, all-gather and reduce-scatter each run on their own
-  stream, so the next group's all-gather overlaps the current group's compute.
-  ``wait()`` only makes the compute stream wait on an event: the host never
-  blocks.
+* **CUDA (NCCL)**: copy-in, all-gather, reduce-scatter and what follows a
+  reduce-scatter (HSDP all-reduce, divide, accumulation, offload copies: the
+  all-reduce stream) each run on their own stream, so the next group's
+  all-gather overlaps the current group's compute. ``wait()`` only makes the
+  current stream wait on an event (any number of waiting streams, each once):
+  the host never blocks, except in ``wait_host()``.
 
 Memory safety on CUDA without ``Tensor.record_stream``: the caching allocator
 hands a freed block to the next allocation *on the stream that allocated it*.
@@ -19,7 +21,12 @@ issue time, so a block that a side stream allocated, the compute stream used
 and the host then dropped can only be reused by work ordered after that use.
 Blocks allocated on the compute stream and read by a side stream (unsharded
 gradients read by the reduce-scatter's copy-in) are kept alive by the in-flight
-record until the compute stream has waited on the side stream's completion.
+record until the compute stream has waited on the side stream's completion; the
+reduce-scatter output the all-reduce stream works on, by ``ReducedGrads`` until
+the end of backward.
+
+Not yet run on a GPU (none was available); ``tests/test_cuda.py`` checks the CUDA
+side, under ``TORCH_CUDA_SANITIZER=1``.
 """
 
 from __future__ import annotations
@@ -34,26 +41,47 @@ __all__ = ["Completion", "Streams", "streams_for"]
 
 
 class Completion:
-    """The end of one issued stage: a work handle (CPU) or an event on a side stream (CUDA)."""
+    """The end of one issued stage: a work handle (CPU) or an event on a side stream (CUDA).
 
-    __slots__ = ("work", "event")
+    Any number of waiters: each ``wait()`` orders its caller after the stage. On CPU the
+    first wait blocks the host until the work is done and later ones return at once; on
+    CUDA each waiting stream waits on the event once (a second wait on the same stream
+    adds nothing, a wait on another stream adds that stream's dependency).
+    """
+
+    __slots__ = ("work", "event", "_streams_waited")
 
     def __init__(self, work: dist.Work | None = None, event: torch.cuda.Event | None = None) -> None:
         self.work = work
         self.event = event
+        self._streams_waited: set[int] = set()  # CUDA: the streams already ordered after the event
 
     def wait(self) -> None:
         """Order the caller after the stage: block the host (CPU) or the current stream (CUDA)."""
         if self.work is not None:
-            self.work.wait()
+            self.work.wait()  # the host is now past the work: every later waiter on it is too
             self.work = None
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
-            self.event = None
+            stream = torch.cuda.current_stream()
+            if stream.cuda_stream not in self._streams_waited:
+                stream.wait_event(self.event)
+                self._streams_waited.add(stream.cuda_stream)
+
+    def wait_host(self) -> None:
+        """Block the host until the stage has run (CUDA: the event has fired), e.g. before the
+        host reads memory a side stream copies into (CPU offload's gradients)."""
+        self.wait()
+        if self.event is not None:
+            self.event.synchronize()
 
     @property
     def pending(self) -> bool:
-        return self.work is not None or self.event is not None
+        """Whether no waiter has been ordered after the stage yet."""
+        return self.work is not None or (self.event is not None and not self._streams_waited)
+
+    def waited_on(self, stream: torch.cuda.Stream) -> bool:
+        """CUDA: whether ``stream`` has been ordered after the stage."""
+        return stream.cuda_stream in self._streams_waited
 
 
 class Streams:
@@ -67,9 +95,13 @@ class Streams:
             self.copy_in = torch.cuda.Stream(device, priority=-1)
             self.all_gather = torch.cuda.Stream(device, priority=-1)
             self.reduce_scatter = torch.cuda.Stream(device, priority=-1)
+            # After each reduce-scatter: HSDP's all-reduce, the post-divide, the gradient's
+            # accumulation and CPU offload's copy to the host, off the compute stream.
+            self.all_reduce = torch.cuda.Stream(device, priority=-1)
 
     def side(self, kind: str) -> ContextManager[None]:
-        """Run the enclosed stage on stream ``kind`` ("copy_in", "all_gather", "reduce_scatter")."""
+        """Run the enclosed stage on stream ``kind`` ("copy_in", "all_gather", "reduce_scatter",
+        "all_reduce")."""
         if not self.cuda:
             return nullcontext()
         return self._on_side_stream(getattr(self, kind))

@@ -267,10 +267,10 @@ reduce_scatter layers.0
 reduce_scatter root""")
         self.assertExpectedInline("\n".join(_collectives(last)), """\
 reduce_scatter layers.1
-reduce_scatter layers.0
 all_reduce layers.1
-reduce_scatter root
+reduce_scatter layers.0
 all_reduce layers.0
+reduce_scatter root
 all_reduce root""")
 
 

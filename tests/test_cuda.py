@@ -1,8 +1,28 @@
 """CUDA + NCCL: the same schedule code as on CPU, checked on real GPUs.
 
-These run only where at least two CUDA devices exist (NCCL needs one device per
-rank); elsewhere they are skipped. They launch their own NCCL world instead of
-using the session's gloo pool.
+**Not yet run on a GPU**: the development machine has none. Every test here skips
+cleanly without CUDA (most need 2 devices, since NCCL needs one device per rank; some
+1; the subgroup test 4). They launch their own NCCL world instead of using the session's
+gloo pool.
+
+Run them on a GPU machine under PyTorch's CUDA stream sanitizer, which reports a kernel
+that touches memory another stream uses without an event between them (the class of bug
+these tests are about: fsdp2 runs copy-in, all-gather, reduce-scatter and all-reduce on
+side streams)::
+
+    TORCH_CUDA_SANITIZER=1 python -m pytest tests/test_cuda.py -v
+
+The hazards the CPU-only review found, each fixed by construction and checked here (the
+parts of their logic that also run on CPU: ``tests/test_gpu_path.py``):
+
+* an explicit ``unshard(async_op=True)`` sends a copy of the shards, made before anything
+  later on the compute stream (``optimizer.step()``) can write them;
+* ``Completion.wait`` orders every waiting stream after the stage, not just the first;
+* HSDP's all-reduce, the post-divide and the accumulation into ``.grad`` run on the
+  all-reduce stream, not the compute stream;
+* CPU offload copies gradients to pinned host memory without blocking, landed (host
+  synchronised) before backward returns;
+* one subgroup per (mesh, k) for an int ``reshard_after_forward``.
 """
 
 from __future__ import annotations
@@ -161,3 +181,164 @@ def test_tracker_peak_matches_the_cuda_allocator():
     assert device_peak > 0
     assert allocator > 3 * 64 * 2**20  # the gradients alone are three 64 MiB tensors
     assert abs(tracked - allocator) / allocator < 0.05, (tracked, allocator)
+
+
+# ---- the hazards (see the module docstring) ---------------------------------------------
+
+def _completion_every_stream_waits() -> list[bool]:
+    from fsdp2._streams import Completion
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    side, first, second = (torch.cuda.Stream(device) for _ in range(3))
+    value = torch.zeros(1 << 20, device=device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the waiters are issued long before it ends
+        value.fill_(7.0)
+        event = torch.cuda.Event()
+        event.record(side)
+    done = Completion(event=event)
+    seen = {}
+    for name, stream in (("first", first), ("second", second)):
+        with torch.cuda.stream(stream):
+            done.wait()
+            done.wait()  # idempotent on the same stream
+            seen[name] = value.clone()
+    torch.cuda.synchronize()
+    return [bool((seen["first"] == 7).all()), bool((seen["second"] == 7).all()),
+            done.waited_on(first), done.waited_on(second), not done.waited_on(side)]
+
+
+@needs_a_gpu
+def test_cuda_completion_orders_every_waiting_stream():
+    (flags,) = _launch("_completion_every_stream_waits", world=1)
+    assert flags == [True] * 5, flags
+
+
+def _explicit_async_unshard_on_cuda() -> list[bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+    from tests._models import Transformer
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = Transformer().to(device)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    block = model.layers[1]
+    group = block._fsdp_state().group
+    expected = block.qkv.weight.full_tensor().clone()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the compute stream is busy: the copy-in and all-gather queue behind it
+    handle = block.unshard(async_op=True)
+    private = group._gather.send.data_ptr() != group._packed.data_ptr()
+    with torch.no_grad():
+        block.qkv.weight.to_local().add_(1000.0)  # optimizer.step() before the wait
+    handle.wait()
+    gathered = block.qkv.weight.detach().clone()
+    block.reshard()
+    torch.cuda.synchronize()
+    return [private, torch.equal(gathered, expected)]
+
+
+@needs_two_gpus
+def test_cuda_explicit_async_unshard_gathers_the_values_at_issue_time():
+    for flags in _launch("_explicit_async_unshard_on_cuda"):
+        assert flags == [True, True], flags
+
+
+def _hsdp_all_reduce_on_its_own_stream() -> list[bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+    from fsdp2._streams import streams_for
+    from tests._models import Transformer, make_batch
+    from tests._parity import train_parity
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    device = torch.device("cuda", torch.cuda.current_device())
+    streams_seen = []
+
+    def hook(grad: torch.Tensor) -> None:  # runs where the all-reduce stage runs
+        streams_seen.append(torch.cuda.current_stream(device))
+
+    def shard(model: Transformer) -> None:
+        for block in model.layers:
+            fsdp2.fully_shard(block, mesh=mesh)
+        fsdp2.fully_shard(model, mesh=mesh)
+        model.set_all_reduce_hook(hook)
+
+    train_parity(lambda: Transformer().to(device), shard,
+                 batch=lambda rank, step: make_batch(rank, step, device=device), atol=1e-4, rtol=1e-4)
+    torch.cuda.synchronize()
+    side = streams_for(device).all_reduce
+    return [bool(streams_seen), all(s == side for s in streams_seen)]
+
+
+@needs_two_gpus
+def test_cuda_hsdp_all_reduce_runs_on_the_all_reduce_stream():
+    for flags in _launch("_hsdp_all_reduce_on_its_own_stream"):
+        assert flags == [True, True], flags
+
+
+def _offload_pinned_non_blocking() -> list[bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+    from tests._models import Transformer, lm_loss, make_batch
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def build(offload: bool) -> Transformer:
+        model = Transformer().to(device)
+        policy = fsdp2.CPUOffloadPolicy(pin_memory=True) if offload else fsdp2.OffloadPolicy()
+        for block in model.layers:
+            fsdp2.fully_shard(block, mesh=mesh, offload_policy=policy)
+        return fsdp2.fully_shard(model, mesh=mesh, offload_policy=policy)
+
+    on_gpu, offloaded = build(False), build(True)
+    x, y = make_batch(dist.get_rank(), 5, device=device)
+    grads = []
+    for model in (on_gpu, offloaded):
+        for _ in range(2):  # the second backward accumulates into .grad (on the host when offloaded)
+            lm_loss(model(x), y).backward()
+        grads.append({n: p.grad.to_local() for n, p in model.named_parameters()})
+    reference, host = grads
+    return [all(g.device.type == "cpu" for g in host.values()),
+            all(g.is_pinned() or g.numel() == 0 for g in host.values()),
+            all(torch.allclose(host[n], reference[n].cpu(), atol=1e-5, rtol=1e-4) for n in reference)]
+
+
+@needs_two_gpus
+def test_cuda_offload_gradients_land_in_pinned_host_memory():
+    for flags in _launch("_offload_pinned_non_blocking"):
+        assert flags == [True, True, True], flags
+
+
+def _subgroups_cached_on_nccl() -> list[bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+    from tests._models import Transformer
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = Transformer().to(device)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh, reshard_after_forward=2)
+    groups = {id(block._fsdp_state().group.subgroup.group) for block in model.layers}
+    return [len(groups) == 1]
+
+
+needs_four_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 CUDA devices"
+)
+
+
+@needs_four_gpus
+def test_cuda_one_nccl_subgroup_per_mesh_and_k():
+    for flags in _launch("_subgroups_cached_on_nccl", world=4):
+        assert flags == [True], flags

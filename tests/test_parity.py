@@ -371,12 +371,12 @@ reshard layers.2
 -- backward --
 unshard layers.2
 unshard layers.0,layers.1
-reduce_scatter layers.2
 reshard layers.2
-reduce_scatter layers.0,layers.1
+reduce_scatter layers.2
 reshard layers.0,layers.1
-reduce_scatter root
-reshard root""")
+reduce_scatter layers.0,layers.1
+reshard root
+reduce_scatter root""")
 
 
 # ---- 10. mixed dtypes in one group --------------------------------------------------------

@@ -143,7 +143,7 @@ def test_set_unshard_in_backward_false_skips_the_gather_not_the_reduction():
     assert events[0] == [
         "unshard root", "unshard emb", "reshard emb", "unshard layer", "reshard layer",
         # backward: layer is prefetched by the root; emb is neither prefetched by layer nor gathered
-        "unshard layer", "reduce_scatter root", "reshard root", "reduce_scatter layer", "reshard layer",
+        "unshard layer", "reshard root", "reduce_scatter root", "reshard layer", "reduce_scatter layer",
         "reduce_scatter emb",
     ]
 

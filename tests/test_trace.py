@@ -66,15 +66,15 @@ reshard layers.1
 reshard layers.2
 unshard layers.2
 unshard layers.1
-reduce_scatter layers.2
 reshard layers.2
+reduce_scatter layers.2
 unshard layers.0
-reduce_scatter layers.1
 reshard layers.1
-reduce_scatter layers.0
+reduce_scatter layers.1
 reshard layers.0
-reduce_scatter root
-reshard root""")
+reduce_scatter layers.0
+reshard root
+reduce_scatter root""")
 
     def test_blocks_keep_params_after_forward_trace(self):
         # reshard_after_forward=False: no all-gathers in backward at all.
@@ -84,14 +84,14 @@ unshard root
 unshard layers.0
 unshard layers.1
 unshard layers.2
-reduce_scatter layers.2
 reshard layers.2
-reduce_scatter layers.1
+reduce_scatter layers.2
 reshard layers.1
-reduce_scatter layers.0
+reduce_scatter layers.1
 reshard layers.0
-reduce_scatter root
-reshard root""")
+reduce_scatter layers.0
+reshard root
+reduce_scatter root""")
 
     def test_collective_counts_per_step(self):
         lines = []

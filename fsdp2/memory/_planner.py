@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from .._checks import HEADER
 from .._compat import fake_process_group, in_backward
 from .._collectives import exchanges
-from .._group import reduce_scatters_in_flight
+from .._reduce_queue import reduce_scatters_in_flight
 from .._exchange import SMALL as EXCHANGE_SMALL
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._llama import llama_tp_plan
@@ -183,9 +183,9 @@ class _Schedule:
     forward gathers a group, prefetches the next one in forward order and reshards after
     forward per policy (the root keeps its parameters unless ``root_reshard``); backward
     gathers a group again if needed, prefetches the one before it, and once all of its
-    gradients landed reduce-scatters them and reshards; at most one reduce-scatter (two for
-    gloo exchanges: ``_group.reduce_scatters_in_flight``) stays in flight after that, the
-    output of a finished one becomes the sharded gradients. Change this class
+    gradients landed reshards, finishes the oldest reduce-scatters in flight until there is
+    room for one more (one in all, two for gloo exchanges: ``_reduce_queue.reduce_scatters_in_flight``)
+    and reduce-scatters; the output of a finished one becomes the sharded gradients. Change this class
     with those files and ``_collectives.py`` / ``_exchange.py``. The two transports:
 
     * NCCL (flat): an all-gather fills a send slice (no copy when the shards are packed)
@@ -304,21 +304,28 @@ class _Schedule:
         return g.reduce, out
 
     def post_backward(self, name: str, drop_grads: Callable[[], None]) -> None:
+        """As ``ParamGroup._reduce_gradients``: reshard, finish the oldest reduce-scatters until
+        there is room for one more, then allocate the send buffer, copy the gradients in and
+        (flat) free them before the output exists."""
         self.reduced.add(name)
-        sent, received = self._rs_bytes(name)
-        self.line.add_bytes("communication", sent + received)
-        if self.alias:  # one rank: the full gradients are the sharded ones, kept as they are
-            self.line.add_bytes("communication", -sent - received)
-        else:
-            # The exchange sends from the gradients themselves unless every one was copied.
-            g = self.sizes[name]
-            held = g.exchange(self.gloo) and self.shard > 1 and g.reduce_copies < g.reduce
-            self.pending.append((name, drop_grads if held else None))
-            while len(self.pending) > reduce_scatters_in_flight(g.exchange(self.gloo) and self.shard > 1):
-                self.finish(*self.pending.pop(0))
-            if not held:
-                drop_grads()  # only now: the reducing function holds them until it returns
         self.reshard(name)
+        g = self.sizes[name]
+        sent, received = self._rs_bytes(name)
+        if self.alias:  # one rank: the full gradients are the sharded ones, kept as they are
+            return
+        exchange = g.exchange(self.gloo) and self.shard > 1
+        limit = reduce_scatters_in_flight(exchange)
+        while len(self.pending) >= limit:
+            self.finish(*self.pending.pop(0))
+        # The exchange sends from the gradients themselves unless every one was copied.
+        held = exchange and g.reduce_copies < g.reduce
+        self.line.add_bytes("communication", sent)
+        if not exchange:
+            drop_grads()  # copied into the send buffer: freed before the output is allocated
+        self.line.add_bytes("communication", received)
+        self.pending.append((name, drop_grads if held else None))
+        if exchange and not held:
+            drop_grads()  # only now: the reducing function holds them until it returns
 
     def finish(self, name: str, drop_grads: Callable[[], None] | None) -> None:
         """The reduce-scatter's output becomes the sharded gradients (a view of it).

@@ -1,0 +1,76 @@
+"""Reduce-scatters in flight, shared by the groups of one root, and how many may be.
+
+Split from ``_group.py``: the group issues its reduce-scatters and hands them here; the
+queue finishes them (``_collectives.finish_reduce_scatter``) when room is needed and at the
+end of backward, and keeps what CUDA's all-reduce stream still works on until then.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+from ._collectives import ReducedGrads, ReduceScatterInFlight, finish_reduce_scatter
+
+__all__ = ["ReduceQueue", "reduce_scatters_in_flight"]
+
+
+class ReduceQueue:
+    """Reduce-scatters in flight, oldest first, waited on only when needed.
+
+    Bounded: each submit leaves at most its group's limit in flight (their buffers and
+    gradients alive); the root's end-of-backward callback drains it. On CUDA, a finished
+    reduce-scatter leaves work on the all-reduce stream (``ReducedGrads``): kept here until
+    the drain orders the compute stream after it.
+    """
+
+    def __init__(self) -> None:
+        self._pending: collections.deque[ReduceScatterInFlight] = collections.deque()
+        self._reduced: list[ReducedGrads] = []
+
+    def make_room(self, limit: int) -> None:
+        """Before a group issues its reduce-scatter: finish the oldest until fewer than ``limit``
+        are in flight, so their buffers are freed before the new ones are allocated."""
+        while len(self._pending) >= limit:
+            self._finish(self._pending.popleft())
+
+    def submit(self, inflight: Sequence[ReduceScatterInFlight], limit: int) -> None:
+        """Queue ``inflight``; then finish the oldest until at most ``limit`` are left in flight
+        (more than one only where a group reduces several dtypes)."""
+        self._pending.extend(inflight)
+        while len(self._pending) > limit:
+            self._finish(self._pending.popleft())
+
+    def _finish(self, inflight: ReduceScatterInFlight) -> None:
+        reduced = finish_reduce_scatter(inflight)
+        if reduced is not None:
+            self._reduced.append(reduced)
+
+    def drain(self) -> None:
+        while self._pending:
+            self._finish(self._pending.popleft())
+        self.land()
+
+    def land(self) -> None:
+        """Order the compute stream (and the host, for offloaded gradients) after the finished
+        reduce-scatters' all-reduce-stream work (CUDA; nothing to do on CPU)."""
+        while self._reduced:
+            self._reduced.pop(0).land()
+
+    def discard(self) -> None:
+        """Wait for the reduce-scatters in flight (their buffers must outlive them) but drop the results."""
+        while self._pending:
+            self._pending.popleft().done.wait()
+        while self._reduced:  # the all-reduce stream's work: waited, its offloaded gradients dropped
+            self._reduced.pop(0).done.wait()
+
+
+def reduce_scatters_in_flight(exchange: bool) -> int:
+    """How many reduce-scatters may be in flight by default once a group issued its own (that one
+    included). The oldest are finished before a group issues, so no more are ever alive at once.
+
+    Flat collectives: 1, as torch. Exchanges (CPU): 2. Each waits for the peers to reach the
+    same group's reduction; one more in flight absorbs their skew (measured, 17M model on 2
+    ranks: steps 1-5% faster in 5 launches of 5) for one more group's gradients alive.
+    """
+    return 2 if exchange else 1
