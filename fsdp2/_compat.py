@@ -25,6 +25,24 @@ def queue_end_of_backward_callback(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
+def run_eagerly(fn: Callable) -> Callable:
+    """``fn``, hidden from ``torch.compile``: Dynamo graph-breaks at the call and runs it eagerly.
+
+    fsdp2's hooks issue collectives, swap parameters and keep Python state between calls:
+    none of that can be captured in a graph, and Dynamo tracing into them fails (it meets
+    ``data_ptr()`` and the autograd engine's private queries). ``recursive=True`` also keeps
+    Dynamo out of every frame the hook calls. A module compiled in place
+    (``block.compile()``) does not trace ``nn.Module._call_impl`` itself, so its hooks then
+    run before and after the compiled ``forward`` with no graph break at all.
+
+    ``torch._dynamo.config.skip_fsdp_hooks`` (torch before 2.13; False asked to trace
+    torch's FSDP2 hooks into the graph) is not consulted: fsdp2's hooks always run eagerly.
+    ``torch.compiler.disable`` is public; it imports Dynamo, which ``fully_shard`` has
+    imported already (DeviceMesh does), so wrapping costs nothing at import time.
+    """
+    return torch.compiler.disable(fn, recursive=True, reason="fsdp2 hook: runs eagerly, outside the graph")
+
+
 def in_backward() -> bool:
     """True while the autograd engine is running a backward on this thread.
 

@@ -101,6 +101,7 @@ def fully_shard(
     device = _compute_device(mesh)
     params: list[ShardedParam] = []
     state: ModuleState | None = None
+    marked: list[nn.Module] = []
     try:
         for (param, locations, fqn), dim in zip(found, dims):
             params.append(ShardedParam(
@@ -115,10 +116,12 @@ def fully_shard(
         if device.type != "cpu":
             _move_buffers(modules, device)
         state = ModuleState(tuple(modules), group, mp_policy)
+        marked = _mark_managed(_managed_modules(modules, ignored_params))
         for m in modules:
             _swap_class(m)
     except BaseException:
-        # Restore the original parameters and hooks; never leave a half-sharded module.
+        # Restore the original parameters, hooks and markers; never leave a half-sharded module.
+        _unmark_managed(marked)
         for (param, locations, _), _dim in zip(found, dims):
             for owner, name in locations:
                 owner._parameters[name] = param
@@ -134,6 +137,64 @@ def fully_shard(
     for param, _locations, fqn in found:
         param.__dict__[_SHARDED_BY_ATTR] = f"fully_shard({owner}) as {fqn!r}"
     return module
+
+
+# ---- markers for Dynamo and the ecosystem -----------------------------------------------
+# What torch's fully_shard sets on the modules it manages, under the same names: Dynamo
+# compiles such a module without specialising on (or guarding) its parameters, which fsdp2
+# swaps between sharded and unsharded every forward; transformers' generate() turns on
+# synced_gpus for it; accelerate and others test them to recognise FSDP.
+_MANAGED_MARKERS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
+def _managed_modules(modules: list[nn.Module], ignored: set[nn.Parameter] | None) -> list[nn.Module]:
+    """``modules`` and their submodules, less the subtrees an earlier ``fully_shard`` manages.
+
+    Like torch's: given ``ignored_params`` (even empty), a module is left out when it has no
+    buffers and every parameter it and its submodules hold is ignored (so parameterless
+    modules too).
+    """
+    tops = set(modules)
+    found: dict[nn.Module, None] = {}  # insertion-ordered set
+
+    def visit(module: nn.Module) -> None:
+        if module in found or (module not in tops and get_state(module) is not None):
+            return
+        found[module] = None
+        for child in module.children():
+            visit(child)
+
+    for m in modules:
+        visit(m)
+    if ignored is None:
+        return list(found)
+    return [m for m in found if not _all_ignored(m, ignored)]
+
+
+def _all_ignored(module: nn.Module, ignored: set[nn.Parameter]) -> bool:
+    if any(True for _ in module.buffers(recurse=False)):
+        return False
+    if any(p not in ignored for p in module.parameters(recurse=False)):
+        return False
+    return all(_all_ignored(child, ignored) for child in module.children())
+
+
+def _mark_managed(modules: list[nn.Module]) -> list[nn.Module]:
+    """Set the markers on ``modules``; return those that did not have them (to undo)."""
+    marked = []
+    for m in modules:
+        if all(m.__dict__.get(name) is True for name in _MANAGED_MARKERS):
+            continue
+        marked.append(m)
+        for name in _MANAGED_MARKERS:
+            m.__dict__[name] = True  # not setattr: a module's own __setattr__ may intercept
+    return marked
+
+
+def _unmark_managed(modules: list[nn.Module]) -> None:
+    for m in modules:
+        for name in _MANAGED_MARKERS:
+            m.__dict__.pop(name, None)
 
 
 # ---- validation -------------------------------------------------------------------------
