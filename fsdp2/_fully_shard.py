@@ -14,7 +14,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy,
+                   as_mixed_precision_policy, as_offload_policy)
 from . import _compat
 from ._group import ParamGroup, SubGroup
 from ._mesh import DataParallelMesh, SpmdAxes
@@ -62,8 +63,9 @@ def fully_shard(
             ``k`` ranks only (``k`` must divide the mesh size).
         shard_placement_fn: maps a parameter to ``Shard(dim)`` (or ``None``
             for ``Shard(0)``).
-        mp_policy: see :class:`MixedPrecisionPolicy`.
-        offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on the CPU.
+        mp_policy: see :class:`MixedPrecisionPolicy` (torch's is accepted too and converted).
+        offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on the CPU
+            (torch's ``OffloadPolicy`` / ``CPUOffloadPolicy`` are accepted too).
         ignored_params: parameters left untouched (not sharded, not reduced).
         dp_mesh_dims: :class:`DataParallelMeshDims`: ``mesh`` is then the whole SPMD mesh
             (e.g. data-parallel x tensor-parallel), every parameter a DTensor on it with
@@ -84,7 +86,7 @@ def fully_shard(
     else:
         mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
-    _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
+    mp_policy, offload_policy = _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
     found = _collect_params(modules, ignored_params or set())
     dims = _placement_dims(found, shard_placement_fn)
     _check_devices(found, mesh)
@@ -326,19 +328,17 @@ def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> bool | int | N
     return value
 
 
-def _check_policies(mp_policy: Any, offload_policy: Any, ignored: Any, placement_fn: Any) -> None:
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"fully_shard: offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), "
-            f"got {type(offload_policy).__name__}"
-        )
+def _check_policies(mp_policy: Any, offload_policy: Any, ignored: Any,
+                    placement_fn: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The policies as fsdp2's own (torch's are converted, see ``as_mixed_precision_policy``)."""
+    mp_policy = as_mixed_precision_policy(mp_policy)
+    offload_policy = as_offload_policy(offload_policy)
     if ignored is not None and (not isinstance(ignored, (set, frozenset))
                                 or not all(isinstance(p, nn.Parameter) for p in ignored)):
         raise TypeError("fully_shard: ignored_params must be a set of nn.Parameter")
     if placement_fn is not None and not callable(placement_fn):
         raise TypeError("fully_shard: shard_placement_fn must be callable (param -> Shard(dim) or None)")
+    return mp_policy, offload_policy
 
 
 Found = tuple[nn.Parameter, list[tuple[nn.Module, str]], str]
