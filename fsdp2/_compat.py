@@ -37,8 +37,9 @@ def run_eagerly(fn: Callable) -> Callable:
 
     ``torch._dynamo.config.skip_fsdp_hooks`` (torch before 2.13; False asked to trace
     torch's FSDP2 hooks into the graph) is not consulted: fsdp2's hooks always run eagerly.
-    ``torch.compiler.disable`` is public; it imports Dynamo, which ``fully_shard`` has
-    imported already (DeviceMesh does), so wrapping costs nothing at import time.
+    ``torch.compiler.disable`` is public. It imports Dynamo, so fsdp2 wraps its hooks in
+    ``fully_shard`` (where making the DTensor parameters has imported Dynamo already), never
+    at import. Eagerly, the wrapper costs under a microsecond a call.
     """
     return torch.compiler.disable(fn, recursive=True, reason="fsdp2 hook: runs eagerly, outside the graph")
 
