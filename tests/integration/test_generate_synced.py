@@ -53,7 +53,9 @@ def _pick_prompts_and_eos(ref: torch.nn.Module) -> tuple[int, int]:
 
 def _short_timeout_mesh() -> DeviceMesh:
     group = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=TIMEOUT_S))
-    return DeviceMesh.from_group(group, "cpu")
+    # A name of its own: DTensor's caches compare meshes by value, and an equal mesh on this
+    # group (destroyed at the end) must never stand in for another test's.
+    return DeviceMesh.from_group(group, "cpu", mesh_dim_names=(f"generate_{group.group_name}",))
 
 
 def _generate_synced() -> dict:
