@@ -44,6 +44,25 @@ def run_eagerly(fn: Callable) -> Callable:
     return torch.compiler.disable(fn, recursive=True, reason="fsdp2 hook: runs eagerly, outside the graph")
 
 
+def refuse_compiled_autograd() -> None:
+    """Raise if this backward runs under compiled autograd (``torch._dynamo.compiled_autograd``).
+
+    Compiled autograd traces the backward's hooks into a graph, fsdp2's gradient hooks
+    included, and those cannot be traced (see ``run_eagerly``); refusing here gives a clear
+    error instead of one from deep inside Dynamo. The flag is private (torch 2.13).
+    """
+    import sys
+
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    if module is not None and (getattr(module, "compiled_autograd_enabled", False)
+                               or getattr(module, "in_compiled_autograd_region", False)):
+        raise RuntimeError(
+            "fsdp2 does not support compiled autograd (torch._dynamo.compiled_autograd / "
+            "torch._dynamo.config.compiled_autograd=True): its gradient hooks run eagerly and cannot be "
+            "traced. Run backward without it; torch.compile of the forward works"
+        )
+
+
 def in_backward() -> bool:
     """True while the autograd engine is running a backward on this thread.
 

@@ -301,6 +301,7 @@ class ModuleState:
 
     # ---- backward -----------------------------------------------------------------------
     def _pre_backward(self, _grad: torch.Tensor) -> None:
+        _compat.refuse_compiled_autograd()
         ctx = self.ctx
         if not ctx.callback_queued:
             ctx.callback_queued = True

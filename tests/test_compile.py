@@ -11,7 +11,8 @@ For each: losses and every parameter after two AdamW steps match eager fsdp2 and
 eager one, so its hooks ran eagerly; no frame of fsdp2's code appears in any captured
 graph; Dynamo broke the graph exactly where it does for torch's FSDP2. Also: the markers
 Dynamo and transformers look for (``_is_fsdp_managed_module``) on exactly the modules
-torch's fully_shard marks, and gone again after a failed ``fully_shard``.
+torch's fully_shard marks, and gone again after a failed ``fully_shard``; a backward under
+compiled autograd refused with a clear error, and training going on after it.
 """
 
 from __future__ import annotations
@@ -202,3 +203,28 @@ def _markers_rolled_back() -> None:
 
 def test_markers_removed_when_fully_shard_fails():
     run_on_ranks(_markers_rolled_back, 2)
+
+
+# ---- compiled autograd: refused clearly ------------------------------------------------------
+def _compiled_autograd_refused() -> None:
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Transformer(n_layers=2, dim=16, n_heads=2)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    tokens, targets = make_batch(dist.get_rank(), 0)
+    loss = lm_loss(model(tokens), targets)
+    with pytest.raises(RuntimeError, match="fsdp2 does not support compiled autograd"):
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            loss.backward()
+    # The interrupted iteration is reset by the next forward: training goes on eagerly.
+    with fsdp2.record_schedule() as events:
+        lm_loss(model(tokens), targets).backward()
+    assert sum(e.startswith("reduce_scatter") for e in events) == 3, events
+
+
+def test_compiled_autograd_is_refused_clearly():
+    run_on_ranks(_compiled_autograd_refused, 2)
