@@ -89,6 +89,50 @@ class CPUOffloadPolicy(OffloadPolicy):
             raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}")
 
 
+_MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+def as_mixed_precision_policy(policy: object) -> MixedPrecisionPolicy:
+    """``policy`` as fsdp2's :class:`MixedPrecisionPolicy`.
+
+    Any object with its four fields (torch's ``MixedPrecisionPolicy`` is one) is converted
+    field by field, and checked as if written with fsdp2's class: code written for torch's
+    ``fully_shard`` can pass its policies unchanged. fsdp2 cannot import torch's class
+    (it would import torch's FSDP), so the match is by fields.
+    """
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    if all(hasattr(policy, field) for field in _MP_FIELDS):
+        return MixedPrecisionPolicy(**{field: getattr(policy, field) for field in _MP_FIELDS})
+    raise TypeError(
+        f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__} {policy!r}; "
+        "pass fsdp2.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) (or torch's, or any object "
+        f"with the fields {', '.join(_MP_FIELDS)})"
+    )
+
+
+def as_offload_policy(policy: object) -> OffloadPolicy:
+    """``policy`` as fsdp2's :class:`OffloadPolicy` or :class:`CPUOffloadPolicy`.
+
+    torch's ``OffloadPolicy`` (no offloading) and ``CPUOffloadPolicy(pin_memory=...)`` are
+    recognised by class name (a class named ``OffloadPolicy`` among the object's bases) and,
+    for CPU offload, the ``pin_memory`` field.
+    """
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    bases = {cls.__name__ for cls in type(policy).__mro__}
+    if "OffloadPolicy" in bases:
+        if hasattr(policy, "pin_memory"):
+            return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+        if "CPUOffloadPolicy" not in bases:
+            return OffloadPolicy()
+    raise TypeError(
+        f"fully_shard: offload_policy must be an OffloadPolicy, got {type(policy).__name__} {policy!r}; "
+        "pass fsdp2.CPUOffloadPolicy(pin_memory=...) to keep shards on the CPU, or fsdp2.OffloadPolicy() "
+        "(the default) for none (torch's policies are accepted too)"
+    )
+
+
 @dataclass(frozen=True)
 class DataParallelMeshDims:
     """Which axes of a full SPMD mesh are data-parallel (``fully_shard(..., dp_mesh_dims=...)``).

@@ -25,6 +25,44 @@ def queue_end_of_backward_callback(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
+def run_eagerly(fn: Callable) -> Callable:
+    """``fn``, hidden from ``torch.compile``: Dynamo graph-breaks at the call and runs it eagerly.
+
+    fsdp2's hooks issue collectives, swap parameters and keep Python state between calls:
+    none of that can be captured in a graph, and Dynamo tracing into them fails (it meets
+    ``data_ptr()`` and the autograd engine's private queries). ``recursive=True`` also keeps
+    Dynamo out of every frame the hook calls. A module compiled in place
+    (``block.compile()``) does not trace ``nn.Module._call_impl`` itself, so its hooks then
+    run before and after the compiled ``forward`` with no graph break at all.
+
+    ``torch._dynamo.config.skip_fsdp_hooks`` (torch before 2.13; False asked to trace
+    torch's FSDP2 hooks into the graph) is not consulted: fsdp2's hooks always run eagerly.
+    ``torch.compiler.disable`` is public. It imports Dynamo, so fsdp2 wraps its hooks in
+    ``fully_shard`` (where making the DTensor parameters has imported Dynamo already), never
+    at import. Eagerly, the wrapper costs under a microsecond a call.
+    """
+    return torch.compiler.disable(fn, recursive=True, reason="fsdp2 hook: runs eagerly, outside the graph")
+
+
+def refuse_compiled_autograd() -> None:
+    """Raise if this backward runs under compiled autograd (``torch._dynamo.compiled_autograd``).
+
+    Compiled autograd traces the backward's hooks into a graph, fsdp2's gradient hooks
+    included, and those cannot be traced (see ``run_eagerly``); refusing here gives a clear
+    error instead of one from deep inside Dynamo. The flag is private (torch 2.13).
+    """
+    import sys
+
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    if module is not None and (getattr(module, "compiled_autograd_enabled", False)
+                               or getattr(module, "in_compiled_autograd_region", False)):
+        raise RuntimeError(
+            "fsdp2 does not support compiled autograd (torch._dynamo.compiled_autograd / "
+            "torch._dynamo.config.compiled_autograd=True): its gradient hooks run eagerly and cannot be "
+            "traced. Run backward without it; torch.compile of the forward works"
+        )
+
+
 def in_backward() -> bool:
     """True while the autograd engine is running a backward on this thread.
 

@@ -14,7 +14,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy,
+                   as_mixed_precision_policy, as_offload_policy)
 from . import _compat
 from ._group import ParamGroup, SubGroup
 from ._mesh import DataParallelMesh, SpmdAxes
@@ -62,8 +63,9 @@ def fully_shard(
             ``k`` ranks only (``k`` must divide the mesh size).
         shard_placement_fn: maps a parameter to ``Shard(dim)`` (or ``None``
             for ``Shard(0)``).
-        mp_policy: see :class:`MixedPrecisionPolicy`.
-        offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on the CPU.
+        mp_policy: see :class:`MixedPrecisionPolicy` (torch's is accepted too and converted).
+        offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on the CPU
+            (torch's ``OffloadPolicy`` / ``CPUOffloadPolicy`` are accepted too).
         ignored_params: parameters left untouched (not sharded, not reduced).
         dp_mesh_dims: :class:`DataParallelMeshDims`: ``mesh`` is then the whole SPMD mesh
             (e.g. data-parallel x tensor-parallel), every parameter a DTensor on it with
@@ -84,7 +86,7 @@ def fully_shard(
     else:
         mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
-    _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
+    mp_policy, offload_policy = _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
     found = _collect_params(modules, ignored_params or set())
     dims = _placement_dims(found, shard_placement_fn)
     _check_devices(found, mesh)
@@ -101,6 +103,7 @@ def fully_shard(
     device = _compute_device(mesh)
     params: list[ShardedParam] = []
     state: ModuleState | None = None
+    marked: list[nn.Module] = []
     try:
         for (param, locations, fqn), dim in zip(found, dims):
             params.append(ShardedParam(
@@ -116,10 +119,12 @@ def fully_shard(
         if device.type != "cpu":
             _move_buffers(modules, device)
         state = ModuleState(tuple(modules), group, mp_policy)
+        marked = _mark_managed(_managed_modules(modules, ignored_params))
         for m in modules:
             _swap_class(m)
     except BaseException:
-        # Restore the original parameters and hooks; never leave a half-sharded module.
+        # Restore the original parameters, hooks and markers; never leave a half-sharded module.
+        _unmark_managed(marked)
         for (param, locations, _), _dim in zip(found, dims):
             for owner, name in locations:
                 owner._parameters[name] = param
@@ -135,6 +140,64 @@ def fully_shard(
     for param, _locations, fqn in found:
         param.__dict__[_SHARDED_BY_ATTR] = f"fully_shard({owner}) as {fqn!r}"
     return module
+
+
+# ---- markers for Dynamo and the ecosystem -----------------------------------------------
+# What torch's fully_shard sets on the modules it manages, under the same names: Dynamo
+# compiles such a module without specialising on (or guarding) its parameters, which fsdp2
+# swaps between sharded and unsharded every forward; transformers' generate() turns on
+# synced_gpus for it; accelerate and others test them to recognise FSDP.
+_MANAGED_MARKERS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
+def _managed_modules(modules: list[nn.Module], ignored: set[nn.Parameter] | None) -> list[nn.Module]:
+    """``modules`` and their submodules, less the subtrees an earlier ``fully_shard`` manages.
+
+    Like torch's: given ``ignored_params`` (even empty), a module is left out when it has no
+    buffers and every parameter it and its submodules hold is ignored (so parameterless
+    modules too).
+    """
+    tops = set(modules)
+    found: dict[nn.Module, None] = {}  # insertion-ordered set
+
+    def visit(module: nn.Module) -> None:
+        if module in found or (module not in tops and get_state(module) is not None):
+            return
+        found[module] = None
+        for child in module.children():
+            visit(child)
+
+    for m in modules:
+        visit(m)
+    if ignored is None:
+        return list(found)
+    return [m for m in found if not _all_ignored(m, ignored)]
+
+
+def _all_ignored(module: nn.Module, ignored: set[nn.Parameter]) -> bool:
+    if any(True for _ in module.buffers(recurse=False)):
+        return False
+    if any(p not in ignored for p in module.parameters(recurse=False)):
+        return False
+    return all(_all_ignored(child, ignored) for child in module.children())
+
+
+def _mark_managed(modules: list[nn.Module]) -> list[nn.Module]:
+    """Set the markers on ``modules``; return those that did not have them (to undo)."""
+    marked = []
+    for m in modules:
+        if all(m.__dict__.get(name) is True for name in _MANAGED_MARKERS):
+            continue
+        marked.append(m)
+        for name in _MANAGED_MARKERS:
+            m.__dict__[name] = True  # not setattr: a module's own __setattr__ may intercept
+    return marked
+
+
+def _unmark_managed(modules: list[nn.Module]) -> None:
+    for m in modules:
+        for name in _MANAGED_MARKERS:
+            m.__dict__.pop(name, None)
 
 
 # ---- validation -------------------------------------------------------------------------
@@ -266,19 +329,17 @@ def _check_reshard_after_forward(value: Any, mesh: DeviceMesh) -> bool | int | N
     return value
 
 
-def _check_policies(mp_policy: Any, offload_policy: Any, ignored: Any, placement_fn: Any) -> None:
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"fully_shard: offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), "
-            f"got {type(offload_policy).__name__}"
-        )
+def _check_policies(mp_policy: Any, offload_policy: Any, ignored: Any,
+                    placement_fn: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The policies as fsdp2's own (torch's are converted, see ``as_mixed_precision_policy``)."""
+    mp_policy = as_mixed_precision_policy(mp_policy)
+    offload_policy = as_offload_policy(offload_policy)
     if ignored is not None and (not isinstance(ignored, (set, frozenset))
                                 or not all(isinstance(p, nn.Parameter) for p in ignored)):
         raise TypeError("fully_shard: ignored_params must be a set of nn.Parameter")
     if placement_fn is not None and not callable(placement_fn):
         raise TypeError("fully_shard: shard_placement_fn must be callable (param -> Shard(dim) or None)")
+    return mp_policy, offload_policy
 
 
 Found = tuple[nn.Parameter, list[tuple[nn.Module, str]], str]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 from enum import Enum, auto
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -103,12 +103,17 @@ class ModuleState:
         self.prefetch_limit: int | None = None  # the root's becomes its RootContext's
         self._modules_to_run: set[nn.Module] = set()
         self._handles: list[Any] = []
+        # Every entry point from user code or the autograd engine runs eagerly under
+        # torch.compile (see _compat.run_eagerly): a compiled forward graph-breaks here.
+        self._pre_backward_hook = _compat.run_eagerly(self._pre_backward)
+        self._end_of_backward_callback = _compat.run_eagerly(self._end_of_backward)
+        self._inputs_grad_ready = None if group is None else _compat.run_eagerly(group.inputs_grad_ready)
+        pre_hook = _compat.run_eagerly(self._pre_forward_hook)
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
-            self._handles.append(module.register_forward_pre_hook(
-                self._pre_forward_hook, prepend=True, with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True))
             self._handles.append(module.register_forward_hook(
-                self._make_post_forward_hook(module), prepend=False, always_call=True))
+                _compat.run_eagerly(self._make_post_forward_hook(module)), prepend=False, always_call=True))
         self._handles.extend(register_state_dict_hooks(self))
 
     def remove(self) -> None:
@@ -255,7 +260,7 @@ class ModuleState:
             with _compat.outside_functorch():
                 self._reshard_after_forward(group, backward_follows)
             if backward_follows:
-                torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
+                torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward_hook, mode="any")
             elif torch.is_grad_enabled() and _compat.functorch_active():
                 output = map_tensors(self._hook_output_under_transform, output)
             self.training_state = TrainingState.IDLE
@@ -291,15 +296,16 @@ class ModuleState:
             return args, kwargs
         token = _Pending()
         self.group.inputs_pending.add(token)
-        aliases = dict(zip(map(id, tensors), _InputsGradReady.apply(self.group, token, *tensors)))
+        aliases = dict(zip(map(id, tensors), _InputsGradReady.apply(self._inputs_grad_ready, token, *tensors)))
         return map_tensors(lambda t: aliases.get(id(t), t), (args, kwargs))
 
     # ---- backward -----------------------------------------------------------------------
     def _pre_backward(self, _grad: torch.Tensor) -> None:
+        _compat.refuse_compiled_autograd()
         ctx = self.ctx
         if not ctx.callback_queued:
             ctx.callback_queued = True
-            _compat.queue_end_of_backward_callback(self._end_of_backward)
+            _compat.queue_end_of_backward_callback(self._end_of_backward_callback)
         self.training_state = TrainingState.BACKWARD
         group = self.group
         ctx.prefetched.discard(group)
@@ -412,20 +418,21 @@ class _InputsGradReady(torch.autograd.Function):
     generate_vmap_rule = True  # forward-mode AD and torch.func transforms pass through
 
     @staticmethod
-    def forward(group: ParamGroup, token: _Pending, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ready: Callable[[_Pending], None], token: _Pending,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group, ctx.token = inputs[0], inputs[1]
+        ctx.ready, ctx.token = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.inputs_grad_ready(ctx.token)
+        ctx.ready(ctx.token)  # the group's inputs_grad_ready, hidden from torch.compile
         return (None, None, *grads)
 
     @staticmethod
-    def jvp(ctx: Any, _group: Any, _token: Any, *tangents: torch.Tensor | None) -> tuple[Any, ...]:
+    def jvp(ctx: Any, _ready: Any, _token: Any, *tangents: torch.Tensor | None) -> tuple[Any, ...]:
         # The outputs are the inputs themselves, so autograd wants views for their tangents too.
         return tuple(t if t is None else t.view_as(t) for t in tangents)
 
@@ -450,7 +457,7 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        ctx.state._pre_backward(grad)
+        ctx.state._pre_backward_hook(grad)
         return None, grad
 
     @staticmethod

@@ -155,11 +155,16 @@ def test_check_layout_rejects_what_tp_cannot_split(monkeypatch, capsys):
 
 
 # ---- the model under FSDP and TP (2 ranks) -------------------------------------------------
-def _fsdp_recipe_matches_unsharded() -> list[float]:
-    """Meta build + parallelize (with activation checkpointing) vs the plain model, 2 recipe steps."""
+def _fsdp_recipe_matches_unsharded(compile: bool = False) -> list[float]:
+    """Meta build + parallelize (with activation checkpointing, and compile if asked) vs the plain
+    model, 2 recipe steps."""
     config = load_config(None, [*SMALL_MODEL, "--training.seq_len=16", "--training.activation_checkpoint",
                                 "--training.lr=1e-2", "--training.warmup_steps=1", "--training.steps=2",
-                                "--training.max_grad_norm=0.5", "--training.seed=3"])
+                                "--training.max_grad_norm=0.5", "--training.seed=3",
+                                f"--training.compile={str(compile).lower()}"])
+    if compile:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
     dims = ParallelDims(1, -1, 1, dist.get_world_size())
     dims.build_mesh("cpu")
     model = build_model(config, dims, torch.device("cpu"))
@@ -200,11 +205,20 @@ def _fsdp_recipe_matches_unsharded() -> list[float]:
     sharded = model.state_dict()
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(full(sharded[name]), value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    if compile:  # the blocks did run compiled: one graph for all, no graph break (fullgraph)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+        assert not torch._dynamo.utils.counters["graph_break"]
     return losses
 
 
 def test_fsdp_recipe_matches_unsharded_model():
     losses = run_on_ranks(_fsdp_recipe_matches_unsharded, 2)
+    assert all(math.isfinite(x) for rank in losses for x in rank)
+
+
+def test_compiled_fsdp_recipe_matches_unsharded_model():
+    """``--training.compile``: each (checkpoint-wrapped) block compiled in place with inductor."""
+    losses = run_on_ranks(_fsdp_recipe_matches_unsharded, 2, True, timeout=600)
     assert all(math.isfinite(x) for rank in losses for x in rank)
 
 

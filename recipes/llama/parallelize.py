@@ -146,7 +146,7 @@ def parallelize(model: Transformer, dims: ParallelDims, config: JobConfig) -> Tr
     #    the recompute in backward runs while the block is already gathered (no second all-gather).
     if training.activation_checkpoint:
         apply_activation_checkpointing(model)
-    # 3. Compile each block's math; FSDP's hooks, added next, stay outside the compiled region.
+    # 3. Compile each block in place; FSDP's hooks, added next, run eagerly around its graph.
     if training.compile:
         apply_compile(model)
     # 4. FSDP last, bottom-up: each block is one all-gather/reduce-scatter group, the root
@@ -234,10 +234,16 @@ def apply_activation_checkpointing(model: Transformer) -> None:
 
 
 def apply_compile(model: Transformer) -> None:
-    """Compile each block's forward in place (the module and its parameter names are unchanged)."""
+    """Compile each block in place, as torchtitan does (names and parameters are unchanged).
+
+    ``block.compile()`` compiles the block's call, not a wrapper module, so ``fully_shard``
+    applied next hooks the block itself; Dynamo does not trace ``nn.Module``'s call machinery,
+    so those hooks run eagerly around the compiled forward and ``fullgraph=True`` holds. With
+    activation checkpointing the checkpoint-wrapped block is compiled, recomputation included.
+    All blocks share one compiled graph (same code, same shapes).
+    """
     for block in model.layers:
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
-        inner.forward = torch.compile(inner.forward, fullgraph=True)
+        block.compile(fullgraph=True)
 
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, config: JobConfig) -> None:
