@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 # Module imports both ways (_param builds a ParamExtension): names are looked up at call time.
 from . import _param
@@ -62,6 +63,39 @@ def has_extension(local: torch.Tensor, fqn: str) -> bool:
             "from them) or neither"
         )
     return pre
+
+
+def check_params(found: Sequence[tuple[torch.nn.Parameter, Any, str]], dims: Sequence[int],
+                 reshard_after_forward: bool | int | None) -> None:
+    """``fully_shard``'s checks of the parameters that define the extension, before any change.
+
+    What is supported: both methods, a pre-all-gather of 1 or 5 arguments, dim-0 sharding of
+    a data-parallel (non-TP) parameter, and a bool ``reshard_after_forward``, as in torch.
+    ``found``: (parameter, its places, FQN) per parameter; ``dims``: each one's shard dim.
+    """
+    for (param, _locations, fqn), dim in zip(found, dims):
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if not has_extension(local, fqn):
+            continue
+        _pre_arity(local, fqn)
+        name = type(local).__name__
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"fully_shard: parameter {fqn!r} is a DTensor whose local tensor ({name}) defines "
+                f"{PRE}; the all-gather extension is supported for data-parallel parameters only "
+                "(no tensor parallelism): shard it with fully_shard alone, or use a plain local tensor"
+            )
+        if dim != 0:
+            raise NotImplementedError(
+                f"fully_shard: parameter {fqn!r} ({name}, which defines {PRE}) is sharded on "
+                f"dim {dim}; parameters using the all-gather extension are sharded on dim 0: return Shard(0) "
+                "from shard_placement_fn for it"
+            )
+        if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
+            raise NotImplementedError(
+                f"fully_shard: reshard_after_forward as an int is not supported with parameters that define "
+                f"{PRE} ({fqn!r}, a {name}), as in torch; use True or False"
+            )
 
 
 def _pre_arity(local: torch.Tensor, fqn: str) -> int:
@@ -215,14 +249,9 @@ class GroupExtension:
 
     @classmethod
     def of(cls, params: Sequence[ShardedParam], dp: DataParallelMesh, partial: bool) -> GroupExtension | None:
-        extended = [p for p in params if p.ext is not None]
-        if not extended:
+        if all(p.ext is None for p in params):
             return None
-        if partial:
-            raise NotImplementedError(
-                f"fully_shard: reshard_after_forward as an int is not supported with parameters that define "
-                f"{PRE} ({extended[0].fqn!r}, a {extended[0].ext.cls}), as in torch; use True or False"
-            )
+        assert not partial, "fully_shard refuses an int reshard_after_forward here (check_params)"
         return cls(params, dp)
 
     @property

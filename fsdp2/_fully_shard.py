@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy,
                    as_mixed_precision_policy, as_offload_policy)
-from . import _compat
+from . import _compat, _extension
 from ._group import ParamGroup, SubGroup
 from ._mesh import DataParallelMesh, SpmdAxes
 from ._module import FSDPModule
@@ -88,12 +88,7 @@ def fully_shard(
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     mp_policy, offload_policy = _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
     found = _collect_params(modules, ignored_params or set())
-    dims = _placement_dims(found, shard_placement_fn)
-    _check_devices(found, mesh)
-    if spmd is None:
-        _check_tensor_parallel(found, mesh, reshard_after_forward)
-    else:
-        _check_spmd_params(found, spmd, reshard_after_forward)
+    dims = check_group(found, mesh, spmd, reshard_after_forward, shard_placement_fn)
 
     dp = DataParallelMesh.of(mesh, spmd)
     subgroup = None
@@ -201,6 +196,23 @@ def _unmark_managed(modules: list[nn.Module]) -> None:
 
 
 # ---- validation -------------------------------------------------------------------------
+def check_group(found: list[Found], mesh: DeviceMesh, spmd: SpmdAxes | None,
+                reshard_after_forward: bool | int | None,
+                shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None) -> list[int]:
+    """Every check on the parameters one ``fully_shard`` call would take; their shard dims.
+
+    ``fully_shard_auto`` runs it on each planned group before the first call.
+    """
+    dims = _placement_dims(found, shard_placement_fn)
+    _check_devices(found, mesh)
+    if spmd is None:
+        _check_tensor_parallel(found, mesh, reshard_after_forward)
+    else:
+        _check_spmd_params(found, spmd, reshard_after_forward)
+    _extension.check_params(found, dims, reshard_after_forward)
+    return dims
+
+
 def _check_modules(module: Any) -> list[nn.Module]:
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):

@@ -136,8 +136,7 @@ class ShardedParam:
         self.layout = ShardLayout.even(local.shape, dim, dp.shard_size)
         # A local tensor subclass that gathers compact data (``_extension.py``); None for the rest.
         self.ext: _extension.ParamExtension | None = None
-        if _extension.has_extension(local, fqn):
-            self._check_extension(local, dim)
+        if _extension.has_extension(local, fqn):  # checked by fully_shard (_extension.check_params)
             self.ext = _extension.ParamExtension(self, local)
         self._mp = (param_dtype, reduce_dtype)
         self.offload_to_cpu = offload_to_cpu
@@ -149,22 +148,6 @@ class ShardedParam:
         # Sum of unsynced gradients kept in reduce dtype (see ParamGroup.post_backward).
         self.accumulated_grad: torch.Tensor | None = None
         self._init_sharded(local.detach())
-
-    def _check_extension(self, local: torch.Tensor, dim: int) -> None:
-        """What the all-gather extension supports here: dim-0 sharding of a plain (non-TP) parameter."""
-        name = type(local).__name__
-        if self.tp is not None:
-            raise NotImplementedError(
-                f"fully_shard: parameter {self.fqn!r} is a DTensor whose local tensor ({name}) defines "
-                f"{_extension.PRE}; the all-gather extension is supported for data-parallel parameters only "
-                "(no tensor parallelism): shard it with fully_shard alone, or use a plain local tensor"
-            )
-        if dim != 0:
-            raise NotImplementedError(
-                f"fully_shard: parameter {self.fqn!r} ({name}, which defines {_extension.PRE}) is sharded on "
-                f"dim {dim}; parameters using the all-gather extension are sharded on dim 0: return Shard(0) "
-                "from shard_placement_fn for it"
-            )
 
     def _spmd_layout(self, dim: int) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """The mesh and placements of the sharded DTensor users see."""

@@ -272,9 +272,4 @@ def _dry_run(plan: _Plan, kwargs: dict[str, Any]) -> None:
             if owner is not None:
                 raise ValueError(f"fully_shard_auto: parameter {p_fqn!r} is already sharded by {owner}; pass it "
                                  "in ignored_params or shard the model that owns it together with this one")
-        _fs._placement_dims(found, args["shard_placement_fn"])
-        _fs._check_devices(found, mesh)
-        if spmd is None:
-            _fs._check_tensor_parallel(found, mesh, reshard)
-        else:
-            _fs._check_spmd_params(found, spmd, reshard)
+        _fs.check_group(found, mesh, spmd, reshard, args["shard_placement_fn"])
