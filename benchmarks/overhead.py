@@ -3,6 +3,7 @@
     python benchmarks/overhead.py                    # world 8, 32 groups
     python benchmarks/overhead.py --sweep            # worlds 8 and 64 x groups 8, 32 and 64
     python benchmarks/overhead.py --profile          # and where fsdp2's share goes, per function
+    python benchmarks/overhead.py --plot overhead.png results.jsonl   # bars from saved lines (matplotlib)
 
 What a GPU job feels of an FSDP runtime, beyond the collectives, is the Python work it adds
 to every step on the host: hooks, copies in and out of the communication buffers, DTensor
@@ -176,7 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="worlds 8 and 64 x groups 8, 32 and 64")
     parser.add_argument("--profile", action="store_true", help="add fsdp2's own functions, by time per step")
     parser.add_argument("--out", help="append the JSON lines to this file too")
+    parser.add_argument("--plot", metavar="PNG", help="draw the lines of the given files instead of measuring")
+    parser.add_argument("files", nargs="*", help="with --plot: JSON lines written by --out")
     args = parser.parse_args(argv)
+    if args.plot:
+        return plot([json.loads(line) for path in args.files for line in open(path) if line.strip()], args.plot)
     torch.set_num_threads(1)  # the overhead is single-threaded host work; keep compute comparable
     configs = [(w, g) for w in (8, 64) for g in (8, 32, 64)] if args.sweep else [(args.world, args.groups)]
     for world, groups in configs:
@@ -186,6 +191,32 @@ def main(argv: list[str] | None = None) -> None:
         if args.out:
             with open(args.out, "a") as f:
                 f.write(line + "\n")
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Per (world, groups): the median overhead of fsdp2 and torch's FSDP2, in ms per step, one
+    bar per launch, labelled with the launch's ratio. Needs matplotlib (the ``plot`` extra)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = sorted(results, key=lambda r: (r["config"]["world"], r["config"]["groups"]))
+    labels = [f"world {r['config']['world']}\n{r['config']['groups']} groups" for r in results]
+    xs = range(len(results))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(results)), 4.0))
+    for shift, impl, color in ((-0.2, "torch_fsdp2", "tab:orange"), (0.2, "fsdp2", "tab:blue")):
+        ax.bar([x + shift for x in xs], [r["overhead_ms"][impl] for r in results], width=0.4, color=color,
+               label=impl.replace("_", " "))
+    for x, r in zip(xs, results):
+        ax.annotate(f"{r['ratio']['fsdp2/torch_fsdp2']:.2f}", (x + 0.2, r["overhead_ms"]["fsdp2"]),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("runtime overhead per step (ms)")
+    ax.set_title("CPU time the runtime adds to a step (fake process group, flat collectives)\n"
+                 "labels: fsdp2 / torch FSDP2", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from ._streams import Completion, streams_for
 
 __all__ = [
     "ALIGN", "EXCHANGE_MIN_BYTES", "GatherPlan", "cpu_transport", "exchanges", "may_read", "probe_reads", "AllGatherInFlight", "ReduceScatterInFlight", "start_all_gather",
-    "exchange_all_gather", "finish_all_gather", "copy_out", "ReduceTarget", "start_reduce_scatter",
+    "exchange_all_gather", "GatherTargets", "finish_all_gather", "copy_out", "ReduceTarget", "start_reduce_scatter",
     "finish_reduce_scatter", "ReducedGrads",
 ]
 
@@ -247,22 +247,66 @@ def exchange_all_gather(
                              headers_done=Completion(work=gather.header_exchange))
 
 
-def finish_all_gather(inflight: AllGatherInFlight, chunks: Sequence[torch.Tensor]) -> None:
-    """After the wait: put the gathered parameters in place in ``chunks`` (the unsharded buffer)."""
+class GatherTargets:
+    """Where one all-gather's entries go in a group's unsharded buffer; made once per world
+    (the views outlive the buffer's frees, see ``ParamGroup._targets``).
+
+    ``chunks[i]``: entry ``i``'s padded full tensor viewed ``(world, *local_shape)``
+    (``ShardLayout.chunks_view``), where the exchange receives and the flat copy-out writes.
+    """
+
+    def __init__(self, plan: GatherPlan, chunks: list[torch.Tensor]) -> None:
+        self.plan = plan
+        self.chunks = chunks
+
+    @cached_property
+    def split(self) -> tuple[list[int], list[torch.Tensor]] | None:
+        """The flat copy-out as one ``split_with_sizes_copy`` of a rank's slice after its header:
+        the byte sizes in order (each entry, then its alignment padding where it has some) and
+        where each goes (the entry's chunks as bytes; a scratch column for padding). None where
+        an entry's chunks are not one block of memory each (``Shard(d)`` with ``d != 0``)."""
+        chunks, plan = self.chunks, self.plan
+        if not all(c.is_contiguous() for c in chunks):
+            return None
+        world = plan.world
+        ends = [*plan.offsets[1:], plan.slice_bytes]
+        sizes: list[int] = []
+        places: list[torch.Tensor | None] = []  # None: padding, copied to scratch
+        for chunk, start, end in zip(chunks, plan.offsets, ends):
+            data = chunk.numel() // world * chunk.element_size()
+            sizes.append(data)
+            places.append(chunk.view(world, -1).view(torch.uint8))
+            if end - start > data:
+                sizes.append(end - start - data)
+                places.append(None)
+        pads = [size for size, place in zip(sizes, places) if place is None]
+        scratch = iter(torch.empty(world, sum(pads), dtype=torch.uint8, device=chunks[0].device).split(pads, dim=1)
+                       if pads else ())
+        return sizes, [next(scratch) if place is None else place for place in places]
+
+
+def finish_all_gather(inflight: AllGatherInFlight, targets: GatherTargets) -> None:
+    """After the wait: put the gathered parameters in place in ``targets`` (the unsharded buffer)."""
     if inflight.exchange is not None:
         inflight.exchange.finish()
     else:
-        copy_out(inflight, chunks)
+        copy_out(inflight, targets)
 
 
-def copy_out(inflight: AllGatherInFlight, chunks: Sequence[torch.Tensor]) -> None:
+def copy_out(inflight: AllGatherInFlight, targets: GatherTargets) -> None:
     """Scatter the rank-major gathered bytes into the parameter-major unsharded buffer.
 
-    ``chunks[i]`` is parameter ``i``'s padded full tensor there, viewed ``(world,
-    *local_shape)`` (``ShardLayout.chunks_view``): one foreach copy moves everything.
+    One op for the whole group: a ``split_with_sizes_copy`` of the output's byte columns
+    (no view per parameter per step), else one foreach copy of per-entry views.
     """
+    plan = inflight.plan
+    split = targets.split
     with torch.no_grad():
-        torch._foreach_copy_(list(chunks), inflight.plan.rank_major(inflight.output))
+        if split is not None:
+            rows = inflight.output.view(plan.world, plan.slice_bytes)[:, HEADER:]
+            torch.split_with_sizes_copy(rows, split[0], dim=1, out=split[1])
+        else:
+            torch._foreach_copy_(targets.chunks, plan.rank_major(inflight.output))
 
 
 @dataclass
@@ -436,6 +480,10 @@ def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grad
                      offsets: Sequence[int]) -> None:
     """Copy each full gradient's chunk ``r`` into row ``r`` of ``by_rank`` (world, total)."""
     world = by_rank.shape[0]
+    if all(p.layout.dim == 0 and p.layout.local_numel for p in params):  # the usual case: one op
+        with torch.no_grad():
+            _compat.chunk_cat(list(grads), world, by_rank)
+        return
     targets, sources = [], []  # even shards: one foreach copy for all of them
     with torch.no_grad():
         for p, grad, off in zip(params, grads, offsets):

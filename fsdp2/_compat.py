@@ -63,6 +63,17 @@ def refuse_compiled_autograd() -> None:
         )
 
 
+def chunk_cat(tensors: list[torch.Tensor], world: int, out: torch.Tensor) -> None:
+    """Row ``r`` of ``out`` (``world`` x total) := chunk ``r`` of each tensor, concatenated.
+
+    Chunk ``r`` is rows ``r * c`` to ``(r + 1) * c`` of dim 0, ``c = ceil(n / world)``, zero
+    past the end, cast to ``out``'s dtype: the rank-major reduce-scatter input in one op
+    instead of a view and a copy per gradient. ``torch._chunk_cat`` is private (torch 2.13;
+    torch's FSDP2 builds its reduce-scatter input with it).
+    """
+    torch._chunk_cat(tensors, dim=0, num_chunks=world, out=out)
+
+
 def in_backward() -> bool:
     """True while the autograd engine is running a backward on this thread.
 

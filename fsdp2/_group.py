@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import _checks, _cma, _debug, _trace
 from ._collectives import (
-    ALIGN, AllGatherInFlight, GatherPlan, ReduceTarget, exchange_all_gather, exchanges, may_read,
+    ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceTarget, exchange_all_gather, exchanges, may_read,
     probe_reads,
     finish_all_gather, start_all_gather, start_reduce_scatter,
 )
@@ -111,7 +111,7 @@ class ParamGroup:
         self._partial_send: torch.Tensor | None = None
         self._buffer: torch.Tensor | None = None
         self._regions: list[torch.Tensor] = []
-        self._chunk_views: dict[int, list[torch.Tensor]] = {}  # world -> each region as (world, *local_shape)
+        self._chunk_views: dict[int, GatherTargets] = {}  # world -> the regions as (world, *local_shape)
         self._plans: dict[int, GatherPlan] = {}
         # The shards packed back to back in the all-gather's send layout (None when a
         # cast or a device move makes a copy-in necessary anyway): see _pack_shards.
@@ -265,14 +265,14 @@ class ParamGroup:
         if storage.nbytes() == 0:
             storage.resize_(self._buffer.numel())
 
-    def _chunks(self, plan: GatherPlan) -> list[torch.Tensor]:
+    def _targets(self, plan: GatherPlan) -> GatherTargets:
         """The unsharded buffer's regions viewed as ``plan.world`` chunks each, where the
         all-gather puts them. Made once per world: the views outlive the buffer's frees."""
-        views = self._chunk_views.get(plan.world)
-        if views is None:
-            views = [lay.chunks_view(region) for lay, region in zip(plan.layouts, self._regions)]
-            self._chunk_views[plan.world] = views
-        return views
+        targets = self._chunk_views.get(plan.world)
+        if targets is None:
+            chunks = [lay.chunks_view(region) for lay, region in zip(plan.layouts, self._regions)]
+            targets = self._chunk_views[plan.world] = GatherTargets(plan, chunks)
+        return targets
 
     @staticmethod
     def _typed(buffer: torch.Tensor, p: ShardedParam, start: int, size: int) -> torch.Tensor:
@@ -377,7 +377,7 @@ class ParamGroup:
                     sources = plan.slots(self._partial_send)
                 else:
                     sources = self._shards(plan)
-                self._gather = exchange_all_gather(sources, plan, group, self._chunks(plan), header, self.label,
+                self._gather = exchange_all_gather(sources, plan, group, self._targets(plan).chunks, header, self.label,
                                                    read=self._reads(group))
             else:
                 send, copied = (self._partial_send, None) if partial else self._send_buffer(plan, explicit)
@@ -400,7 +400,7 @@ class ParamGroup:
         with _trace.profiled(f"fsdp2::all_gather_wait {self.label}"):
             _checks.wait_all_gather(self, gather)  # errors name the group; compares the ranks' headers
             self._alloc_unsharded()
-            finish_all_gather(gather, self._chunks(gather.plan))
+            finish_all_gather(gather, self._targets(gather.plan))
             if self._ext is not None:  # rebuild the subclasses' unsharded tensors from what arrived
                 self._ext.post_all_gather(self._on_grad_ready, self._buffer)
         if gather.release is not None:
