@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -74,3 +75,17 @@ def make_batch(rank: int, step: int, *, batch: int = 2, seq: int = 16, vocab: in
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def train(model: nn.Module, steps: int, *, lr: float = 1e-2) -> list[torch.Tensor]:
+    """``steps`` AdamW steps of ``model`` on this rank's ``make_batch`` batches; the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        inputs, targets = make_batch(dist.get_rank(), step)
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp2
 from fsdp2._state import get_state
 from tests._dist import run_on_ranks
-from tests._models import Transformer, lm_loss, make_batch
+from tests._models import Transformer, train
 from tests._parity import train_parity
 
 NAMES = ("fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
@@ -140,15 +140,7 @@ def _mesh():
 
 def _train(shard, steps: int = 3) -> list[torch.Tensor]:
     model = shard(Transformer())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        inputs, targets = make_batch(dist.get_rank(), step)
-        loss = lm_loss(model(inputs), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
+    losses = train(model, steps)
     with torch.no_grad():
         return losses, {n: p.full_tensor() for n, p in model.named_parameters()}
 

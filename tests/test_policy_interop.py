@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -21,7 +20,7 @@ import fsdp2
 from fsdp2._api import as_mixed_precision_policy, as_offload_policy
 from fsdp2._state import get_state
 from tests._dist import run_on_ranks
-from tests._models import MLP, Transformer, lm_loss, make_batch
+from tests._models import MLP, Transformer, train
 from tests._parity import full
 
 
@@ -30,15 +29,7 @@ def _train(base: nn.Module, **policies) -> tuple[list[torch.Tensor], list[torch.
     for block in model.layers:
         fsdp2.fully_shard(block, **policies)
     fsdp2.fully_shard(model, **policies)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(2):
-        tokens, targets = make_batch(dist.get_rank(), step)
-        loss = lm_loss(model(tokens), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
+    losses = train(model, 2)
     return losses, [full(p).detach() for p in model.parameters()], model
 
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 import fsdp2
 from fsdp2._state import get_state
 from tests._dist import info_records, run_on_ranks
-from tests._models import MLP, Block, Transformer, lm_loss, make_batch
+from tests._models import MLP, Block, Transformer, train
 from tests._parity import train_parity
 
 
@@ -230,16 +230,8 @@ def _shard_by_hand(fully_shard, names: list[str]):
 
 def _train(build, shard, steps: int = 3) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     model = shard(build())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
     with fsdp2.record_schedule() as events:
-        for step in range(steps):
-            inputs, targets = make_batch(dist.get_rank(), step)
-            loss = lm_loss(model(inputs), targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
+        losses = train(model, steps)
     with torch.no_grad():
         params = {n: p.full_tensor() for n, p in model.named_parameters()}
     return losses, params, events

@@ -157,11 +157,19 @@ def train_three_ways(build_model: Callable[[], nn.Module], mp: dict | None, step
     base = build_model()
     prepare(base)
     models = {impl: shard(copy.deepcopy(base), impl, mp) for impl in ("fsdp2", "torch")}
+    losses, ref = train_beside_reference(models, base, steps, mp)
+    return {"models": models, "losses": losses, "ref": ref.master}
+
+
+def train_beside_reference(models: dict[str, nn.Module], base: nn.Module, steps: int,
+                           mp: dict | None = None) -> tuple[dict[str, list[torch.Tensor]], Reference]:
+    """``steps`` AdamW steps of each sharded model and of the unsharded :class:`Reference` of
+    ``base``, interleaved; the losses per model (``"ref"`` for the reference) and the reference."""
     opts = {impl: torch.optim.AdamW(m.parameters(), lr=1e-2) for impl, m in models.items()}
     ref = Reference(base, mp)
-    losses: dict[str, list[torch.Tensor]] = {"fsdp2": [], "torch": [], "ref": []}
+    losses: dict[str, list[torch.Tensor]] = {impl: [] for impl in (*models, "ref")}
     for step in range(steps):
         for impl, model in models.items():
             losses[impl].append(train_step(model, opts[impl], step))
         losses["ref"].append(ref.step(step))
-    return {"models": models, "losses": losses, "ref": ref.master}
+    return losses, ref

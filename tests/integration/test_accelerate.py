@@ -56,14 +56,7 @@ def _train(arch: str) -> dict:
     theirs = _prepare(copy.deepcopy(base), layer_class)
     with fsdp2.patch_torch():  # the plugin (and its OffloadPolicy) is built inside: fsdp2's
         ours = _prepare(copy.deepcopy(base), layer_class)
-    models = {"fsdp2": ours, "torch": theirs}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
-    ref = _hf.Reference(base)
-    losses: dict[str, list[torch.Tensor]] = {"fsdp2": [], "torch": [], "ref": []}
-    for step in range(STEPS):
-        for k, m in models.items():
-            losses[k].append(_hf.train_step(m, opts[k], step))
-        losses["ref"].append(ref.step(step))
+    losses, ref = _hf.train_beside_reference({"fsdp2": ours, "torch": theirs}, base, STEPS)
     mine, torchs, reference = (_hf.full_params(m) for m in (ours, theirs, ref.master))
     return {
         "ours": sorted(n for n, m in ours.named_modules() if isinstance(m, fsdp2.FSDPModule)),

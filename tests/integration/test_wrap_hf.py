@@ -69,14 +69,7 @@ def _train(arch: str, way: str) -> dict:
         torch_fully_shard(modules[name], mesh=mesh)
     torch_fully_shard(theirs, mesh=mesh)
 
-    models = {"fsdp2": ours, "torch": theirs}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
-    ref = _hf.Reference(base)
-    losses: dict[str, list[torch.Tensor]] = {"fsdp2": [], "torch": [], "ref": []}
-    for step in range(STEPS):
-        for k, m in models.items():
-            losses[k].append(_hf.train_step(m, opts[k], step))
-        losses["ref"].append(ref.step(step))
+    losses, ref = _hf.train_beside_reference({"fsdp2": ours, "torch": theirs}, base, STEPS)
     mine, torchs, reference = (_hf.full_params(m) for m in (ours, theirs, ref.master))
     init = _hf.full_params(_hf.build(arch))
     return {
