@@ -23,7 +23,7 @@ import fsdp2
 from fsdp2._collectives import CPU_COLLECTIVES_ENV, HEADER
 from tests._dist import environ, run_on_ranks
 from tests._int8 import Int8Rows, Int8RowsV1
-from tests._parity import full
+from tests._parity import average_grads, full
 
 DIM = 32
 TRANSPORTS = ["flat", "exchange", "read"]
@@ -133,10 +133,7 @@ def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cl
         for name, model in models.items():
             losses[name] = model(x).square().mean()
             losses[name].backward()
-        for p in models["ref"].parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= world
+        average_grads(models["ref"])
         named = {name: dict(m.named_parameters()) for name, m in models.items()}
         for pname, ref in named["ref"].items():
             for other in others:

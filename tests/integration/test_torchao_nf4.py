@@ -17,7 +17,7 @@ import torch.nn as nn
 import fsdp2
 from fsdp2._collectives import CPU_COLLECTIVES_ENV
 from tests._dist import environ, run_on_ranks
-from tests._parity import full
+from tests._parity import average_grads, full
 
 pytest.importorskip("torchao")
 
@@ -79,10 +79,7 @@ def _train(transport: str) -> list[str]:
         for name, model in models.items():
             losses[name] = model(x).square().mean()
             losses[name].backward()
-        for p in models["ref"].parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= dist.get_world_size()
+        average_grads(models["ref"])
         named = {n: dict(m.named_parameters()) for n, m in models.items()}
         for pname, ref in named["ref"].items():
             if ref.grad is None:
