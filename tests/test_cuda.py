@@ -56,6 +56,24 @@ def _worker(rank: int, world: int, port: int, fn_name: str, results) -> None:
         dist.destroy_process_group()
 
 
+def _cuda_transformer(root: bool = True, **fully_shard_kwargs):
+    """tests._models.Transformer on this rank's GPU, each block (and the root) sharded with
+    ``fully_shard_kwargs`` over all ranks; (model, device)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+    from tests._models import Transformer
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = Transformer().to(device)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh, **fully_shard_kwargs)
+    if root:
+        fsdp2.fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    return model, device
+
+
 def _launch(fn_name: str, world: int = 2) -> list:
     with mp.Manager() as manager:
         results = manager.dict()
@@ -110,18 +128,10 @@ def test_cuda_parity_and_prefetch_schedule():
 
 def _cuda_all_gather_overlaps_compute() -> dict:
     """Block 0 computes for a long time; block 1's prefetched all-gather must finish meanwhile."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import fsdp2
     from fsdp2._streams import streams_for
-    from tests._models import Transformer, make_batch
+    from tests._models import make_batch
 
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    device = torch.device("cuda", torch.cuda.current_device())
-    model = Transformer().to(device)
-    for block in model.layers:
-        fsdp2.fully_shard(block, mesh=mesh)
-    fsdp2.fully_shard(model, mesh=mesh)
+    model, device = _cuda_transformer()
     inputs, targets = make_batch(dist.get_rank(), 0, device=device)
     model(inputs).sum().backward()  # first iteration: learns the order for implicit prefetch
     seen = {}
@@ -216,17 +226,7 @@ def test_cuda_completion_orders_every_waiting_stream():
 
 
 def _explicit_async_unshard_on_cuda() -> list[bool]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import fsdp2
-    from tests._models import Transformer
-
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    device = torch.device("cuda", torch.cuda.current_device())
-    model = Transformer().to(device)
-    for block in model.layers:
-        fsdp2.fully_shard(block, mesh=mesh)
-    fsdp2.fully_shard(model, mesh=mesh)
+    model, device = _cuda_transformer()
     block = model.layers[1]
     group = block._fsdp_state().group
     expected = block.qkv.weight.full_tensor().clone()
@@ -284,22 +284,11 @@ def test_cuda_hsdp_all_reduce_runs_on_the_all_reduce_stream():
 
 
 def _offload_pinned_non_blocking() -> list[bool]:
-    from torch.distributed.device_mesh import init_device_mesh
-
     import fsdp2
-    from tests._models import Transformer, lm_loss, make_batch
+    from tests._models import lm_loss, make_batch
 
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    device = torch.device("cuda", torch.cuda.current_device())
-
-    def build(offload: bool) -> Transformer:
-        model = Transformer().to(device)
-        policy = fsdp2.CPUOffloadPolicy(pin_memory=True) if offload else fsdp2.OffloadPolicy()
-        for block in model.layers:
-            fsdp2.fully_shard(block, mesh=mesh, offload_policy=policy)
-        return fsdp2.fully_shard(model, mesh=mesh, offload_policy=policy)
-
-    on_gpu, offloaded = build(False), build(True)
+    on_gpu, device = _cuda_transformer(offload_policy=fsdp2.OffloadPolicy())
+    offloaded, _ = _cuda_transformer(offload_policy=fsdp2.CPUOffloadPolicy(pin_memory=True))
     x, y = make_batch(dist.get_rank(), 5, device=device)
     grads = []
     for model in (on_gpu, offloaded):
@@ -319,16 +308,7 @@ def test_cuda_offload_gradients_land_in_pinned_host_memory():
 
 
 def _subgroups_cached_on_nccl() -> list[bool]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import fsdp2
-    from tests._models import Transformer
-
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    device = torch.device("cuda", torch.cuda.current_device())
-    model = Transformer().to(device)
-    for block in model.layers:
-        fsdp2.fully_shard(block, mesh=mesh, reshard_after_forward=2)
+    model, _ = _cuda_transformer(root=False, reshard_after_forward=2)
     groups = {id(block._fsdp_state().group.subgroup.group) for block in model.layers}
     return [len(groups) == 1]
 
