@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 # Module imports both ways (_param builds a ParamExtension): names are looked up at call time.
-from . import _param
+from . import _param, _wire
 
 if TYPE_CHECKING:
     from ._mesh import DataParallelMesh
@@ -278,10 +278,7 @@ class GroupExtension:
         make the collective fail or hang on some ranks only.
         """
         mine = [(p.fqn, _describe(p.ext.specs)) for p in self.params if p.ext is not None]
-        world = dist.get_world_size(self.pg)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine, group=self.pg)
-        for rank, theirs in enumerate(everyone):
+        for rank, theirs in enumerate(_wire.all_gather_json(mine, pg=self.pg)):  # no numpy needed
             for (fqn, spec), (_, other) in zip(mine, theirs):
                 if spec != other:
                     p = next(q for q in self.params if q.fqn == fqn)
