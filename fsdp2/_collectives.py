@@ -265,6 +265,10 @@ class GatherTargets:
         the byte sizes in order (each entry, then its alignment padding where it has some) and
         where each goes (the entry's chunks as bytes; a scratch column for padding). None where
         an entry's chunks are not one block of memory each (``Shard(d)`` with ``d != 0``)."""
+        with torch.inference_mode(False):  # written outside inference mode too: no inference views
+            return self._split()
+
+    def _split(self) -> tuple[list[int], list[torch.Tensor]] | None:
         chunks, plan = self.chunks, self.plan
         if not all(c.is_contiguous() for c in chunks):
             return None

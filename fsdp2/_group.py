@@ -270,7 +270,8 @@ class ParamGroup:
         all-gather puts them. Made once per world: the views outlive the buffer's frees."""
         targets = self._chunk_views.get(plan.world)
         if targets is None:
-            chunks = [lay.chunks_view(region) for lay, region in zip(plan.layouts, self._regions)]
+            with torch.inference_mode(False):  # views written outside inference mode too
+                chunks = [lay.chunks_view(region) for lay, region in zip(plan.layouts, self._regions)]
             targets = self._chunk_views[plan.world] = GatherTargets(plan, chunks)
         return targets
 
