@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from tests._dist import run_on_ranks
-from tests._models import MLP, Transformer, lm_loss, make_batch
+from tests._models import MLP, Transformer, train
 from tests._parity import train_parity
 
 PUBLIC_NAMES = {
@@ -175,15 +175,7 @@ def _train_three_steps(fully_shard, model: nn.Module) -> tuple[list[float], dict
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(3):
-        x, y = make_batch(dist.get_rank(), step)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = [loss.item() for loss in train(model, 3)]
     return losses, {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
