@@ -2,10 +2,10 @@
 
 from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._clip import clip_grad_norm_
-from ._comm import AllGather, ReduceScatter
-from ._fully_shard import fully_shard
-from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from ._trace import record_schedule
+from .comm._comm import AllGather, ReduceScatter
+from .runtime._fully_shard import fully_shard
+from .runtime._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .diagnostics._trace import record_schedule
 from ._wrap import fully_shard_auto
 from .patch import patch_torch
 from .memory import MemoryTracker, estimate_memory

@@ -15,9 +15,9 @@ from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch.nn as nn
 
-from . import _fully_shard as _fs
-from ._fully_shard import fully_shard
-from ._state import get_state
+from .runtime import _fully_shard as _fs
+from .runtime._fully_shard import fully_shard
+from ._common import get_state
 
 __all__ = ["fully_shard_auto"]
 

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
-from fsdp2._collectives import CPU_COLLECTIVES_ENV, HEADER
+from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV, HEADER
 from tests._dist import environ, run_on_ranks
 from tests._int8 import Int8Rows, Int8RowsV1
 from tests._parity import average_grads, full

@@ -11,9 +11,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as TorchAllG
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as TorchReduceScatter
 
 import fsdp2
-from fsdp2 import _cma, _trace
-from fsdp2._collectives import CPU_COLLECTIVES_ENV
-from fsdp2._state import get_state
+from fsdp2.comm.cpu import _cma, _trace
+from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
+from fsdp2._common import get_state
 from tests._dist import environ, run_on_ranks
 from tests._models import Transformer
 from tests._parity import train_parity

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp2
-import fsdp2._fully_shard as _fully_shard_module
+import fsdp2.runtime._fully_shard as _fully_shard_module
 from tests._dist import run_on_ranks
 from tests._models import MLP, Transformer, lm_loss, make_batch
 from tests._parity import full

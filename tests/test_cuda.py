@@ -128,7 +128,7 @@ def test_cuda_parity_and_prefetch_schedule():
 
 def _cuda_all_gather_overlaps_compute() -> dict:
     """Block 0 computes for a long time; block 1's prefetched all-gather must finish meanwhile."""
-    from fsdp2._streams import streams_for
+    from fsdp2.comm._streams import streams_for
     from tests._models import make_batch
 
     model, device = _cuda_transformer()
@@ -196,7 +196,7 @@ def test_tracker_peak_matches_the_cuda_allocator():
 # ---- the hazards (see the module docstring) ---------------------------------------------
 
 def _completion_every_stream_waits() -> list[bool]:
-    from fsdp2._streams import Completion
+    from fsdp2.comm._streams import Completion
 
     device = torch.device("cuda", torch.cuda.current_device())
     side, first, second = (torch.cuda.Stream(device) for _ in range(3))
@@ -253,7 +253,7 @@ def _hsdp_all_reduce_on_its_own_stream() -> list[bool]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import fsdp2
-    from fsdp2._streams import streams_for
+    from fsdp2.comm._streams import streams_for
     from tests._models import Transformer, make_batch
     from tests._parity import train_parity
 

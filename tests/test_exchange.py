@@ -1,8 +1,8 @@
 """The transports: exchanges by reads or messages (CPU) and flat collectives (NCCL's path).
 
 On CPU fsdp2 moves the parameters and gradients of groups of 1 MiB and more point to point,
-straight into and out of the unsharded buffers (``fsdp2/_exchange.py``): ranks on one host
-read each other's memory (``fsdp2/_cma.py``), others send ``isend``/``irecv`` messages;
+straight into and out of the unsharded buffers (``fsdp2/comm/cpu/_exchange.py``): ranks on one host
+read each other's memory (``fsdp2/comm/cpu/_cma.py``), others send ``isend``/``irecv`` messages;
 smaller CPU groups and GPUs use flat ``all_gather_into_tensor``/``reduce_scatter_tensor``
 collectives. ``FSDP2_CPU_COLLECTIVES=read`` / ``exchange`` / ``flat`` puts every CPU group on
 one path, so all are tested here whatever the model's size, the code NCCL runs included: the
@@ -22,9 +22,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp2
-from fsdp2 import _cma, _exchange
-from fsdp2._collectives import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES, probe_reads
-from fsdp2._state import get_state
+from fsdp2.comm.cpu import _cma, _exchange
+from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES, probe_reads
+from fsdp2._common import get_state
 from tests import test_2d, test_mixed_precision, test_parity
 from tests._dist import environ, info_records, run_on_ranks
 from tests._parity import assert_grads_are_average

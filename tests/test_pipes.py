@@ -1,4 +1,4 @@
-"""The read exchanges' small messages over named pipes (``fsdp2/_pipes.py``).
+"""The read exchanges' small messages over named pipes (``fsdp2/comm/cpu/_pipes.py``).
 
 Ranks on one host that read each other's memory also connect by pipes, and the
 headers, descriptors and acknowledgements of their exchanges go there instead of
@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp2
-from fsdp2 import _exchange, _pipes
-from fsdp2._collectives import CPU_COLLECTIVES_ENV, probe_reads
-from fsdp2._state import get_state
+from fsdp2.comm.cpu import _exchange, _pipes
+from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV, probe_reads
+from fsdp2._common import get_state
 from tests._dist import environ, info_records, run_on_ranks
 from tests._models import MLP
 from tests._parity import assert_grads_are_average

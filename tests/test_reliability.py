@@ -33,10 +33,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import fully_shard, register_fsdp_forward_method
-from fsdp2._collectives import CPU_COLLECTIVES_ENV
-from fsdp2._debug import set_debug
-from fsdp2._group import ShardState
-from fsdp2._state import get_state
+from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
+from fsdp2.diagnostics._debug import set_debug
+from fsdp2._common import ShardState
+from fsdp2._common import get_state
 from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import MLP, Block, Transformer, lm_loss, make_batch
 from tests._parity import assert_params_match, average_grads
@@ -291,7 +291,7 @@ def test_debug_mode_logs_every_collective():
 
 
 def test_fsdp2_debug_environment_variable_turns_debug_on_at_import():
-    code = ("import logging, fsdp2, fsdp2._debug as d; "
+    code = ("import logging, fsdp2, fsdp2.diagnostics._debug as d; "
             "assert d.enabled() and logging.getLogger('fsdp2').getEffectiveLevel() == logging.DEBUG; "
             "assert logging.getLogger('fsdp2').handlers; d.set_debug(False); "
             "assert not d.enabled() and not logging.getLogger('fsdp2').handlers")

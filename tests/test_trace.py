@@ -124,7 +124,7 @@ keep: all_gather=4 reduce_scatter=4""")
 
 def _forward_with_instrumented_compute() -> list[str]:
     """Steady-state forward events, with each block's compute and the all-gathers in flight during it."""
-    from fsdp2._group import ShardState
+    from fsdp2._common import ShardState
 
     model = Transformer()
     for block in model.layers:

@@ -21,8 +21,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _compat
-from .._param import ShardedParam
-from .._state import get_state
+from ..runtime._param import ShardedParam
+from .._common import get_state
 from ._safetensors import StreamingWriter, import_safetensors
 
 __all__ = ["export_full", "load_full"]

@@ -25,11 +25,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from .._checks import HEADER
+from ..diagnostics._checks import HEADER
 from .._compat import fake_process_group, in_backward
-from .._collectives import exchanges
-from .._reduce_queue import reduce_scatters_in_flight
-from .._exchange import SMALL as EXCHANGE_SMALL
+from ..comm._collectives import exchanges
+from ..runtime._reduce_queue import reduce_scatters_in_flight
+from ..comm.cpu._exchange import SMALL as EXCHANGE_SMALL
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._llama import llama_tp_plan
 from ._tracker import CATEGORIES, format_bytes, format_table
@@ -119,7 +119,7 @@ def _add_param(group: _Group, p: torch.Tensor, shard: int, param_dtype: torch.dt
         group.packed_gather += aligned(chunk * rest * pdtype.itemsize)
     if reduced // shard < EXCHANGE_SMALL:
         group.packed_reduce += reduced // shard
-    # fp16 reduces pre-divide their copy (fsdp2/_collectives.py::_reduce_op).
+    # fp16 reduces pre-divide their copy (fsdp2/comm/_collectives.py::_reduce_op).
     predivide = p.dtype.is_floating_point and reduce_dtype not in (torch.float32, torch.bfloat16)
     if pdtype != reduce_dtype and p.dtype.is_floating_point or chunk * shard != rows or predivide:
         group.reduce_copies += reduced

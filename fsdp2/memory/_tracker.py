@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .. import _trace
+from ..diagnostics import _trace
 from .._compat import in_backward, prepend_post_accumulate_grad_hook
-from .._group import ParamGroup, ShardState
-from .._state import get_state
+from .._common import ShardState, get_state
+from ..runtime._group import ParamGroup
 from ._live import LiveStorages, plain_tensors, storage_key
 
 __all__ = ["CATEGORIES", "MemoryReport", "MemoryTracker", "format_bytes"]

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp2._collectives import CPU_COLLECTIVES_ENV, probe_reads
-from fsdp2._state import get_state
+from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV, probe_reads
+from fsdp2._common import get_state
 from tests._dist import environ, run_on_ranks
 
 pytest.importorskip("transformers")

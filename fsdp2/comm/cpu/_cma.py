@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from ... import _compat
 
 __all__ = ["describe", "probe", "read", "usable"]
 

@@ -39,7 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 # Module imports both ways (_param builds a ParamExtension): names are looked up at call time.
-from . import _param, _wire
+from . import _param
+from .. import _wire
 
 if TYPE_CHECKING:
     from ._mesh import DataParallelMesh

@@ -9,39 +9,31 @@ parameter objects autograd refers to never change.
 from __future__ import annotations
 
 import weakref
-from enum import Enum, auto
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import _checks, _cma, _debug, _trace
-from ._collectives import (
+from .._common import ShardState
+from ..diagnostics import _checks, _debug, _trace
+from ..comm.cpu import _cma
+from ..comm._collectives import (
     ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceTarget, exchange_all_gather, exchanges, may_read,
     probe_reads,
     finish_all_gather, start_all_gather, start_reduce_scatter,
 )
 from ._extension import GroupExtension
-from ._checks import HEADER
-from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter, is_builtin, process_group_comms
+from ..diagnostics._checks import HEADER
+from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter, is_builtin, process_group_comms
 from ._mesh import DataParallelMesh, SubGroup
 from ._param import ShardedParam
 from ._reduce_queue import ReduceQueue, reduce_scatters_in_flight
-from ._streams import Completion, streams_for
+from ..comm._streams import Completion, streams_for
 
 
 __all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "reduce_scatters_in_flight", "send_aliases_shards"]
 
 
-class ShardState(Enum):
-    SHARDED = auto()
-    """Only this rank's padded shards are live; modules hold the sharded DTensor parameters."""
-    GATHERING = auto()
-    """An all-gather is in flight: its send and output buffers are live; modules still hold shards."""
-    UNSHARDED = auto()
-    """The unsharded buffer holds the full parameters; modules hold the unsharded parameters."""
-    PARTIAL = auto()
-    """Resharded after forward to a smaller group: this rank also keeps 1/k of the full parameters."""
 
 
 def send_aliases_shards(device: torch.device, explicit: bool) -> bool:

@@ -16,10 +16,10 @@ import torch.nn as nn
 
 import torch.distributed as dist
 
-from . import _comm
-from ._comm import AllGather, ReduceScatter
-from ._group import ShardState
-from ._errors import FSDPTypeError
+from ..comm import _comm
+from ..comm._comm import AllGather, ReduceScatter
+from .._common import ShardState
+from .._errors import FSDPTypeError
 from ._state import ModuleState, get_state
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 from torch.profiler import record_function
 
-from . import _compat
+from .. import _compat
 
 __all__ = ["record_schedule", "on_event", "issuing"]
 

@@ -33,8 +33,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _debug, _wire
-from ._compat import root_mesh
+from . import _debug
+from .. import _wire
+from .._compat import root_mesh
 
 __all__ = [
     "HEADER", "Diagnostics", "check_rank_agreement", "before_all_gather", "wait_all_gather", "reduce_header",

@@ -33,10 +33,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _checks, _cma, _compat, _debug, _exchange, _pipes, _trace
-from ._checks import HEADER
+from ..diagnostics import _checks, _debug, _trace
+from .cpu import _cma, _exchange, _pipes
+from .. import _compat
+from ..diagnostics._checks import HEADER
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
-from ._param import ShardedParam, ShardLayout
+from ..runtime._param import ShardedParam, ShardLayout
 from ._streams import Completion, streams_for
 
 __all__ = [

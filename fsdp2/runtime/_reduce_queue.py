@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 from typing import Sequence
 
-from ._collectives import ReducedGrads, ReduceScatterInFlight, finish_reduce_scatter
+from ..comm._collectives import ReducedGrads, ReduceScatterInFlight, finish_reduce_scatter
 
 __all__ = ["ReduceQueue", "reduce_scatters_in_flight"]
 

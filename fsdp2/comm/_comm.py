@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from .. import _compat
 
 __all__ = ["Comm", "AllGather", "ReduceScatter", "DEFAULT_ALL_GATHER", "DEFAULT_REDUCE_SCATTER",
            "process_group_comms", "is_builtin", "check_comm"]

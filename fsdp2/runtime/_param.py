@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from . import _compat, _extension
+from .. import _compat
+from . import _extension
 from ._mesh import DataParallelMesh
 
 __all__ = ["ShardLayout", "ShardedParam", "contiguous_stride"]

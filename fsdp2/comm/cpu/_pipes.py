@@ -43,7 +43,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _compat, _wire
+from ... import _compat, _wire
 
 __all__ = ["PIPES_ENV", "Pipes", "connect", "link"]
 

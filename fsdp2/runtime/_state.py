@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import logging
 import sys
-from enum import Enum, auto
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from . import _checks, _compat
-from ._api import MixedPrecisionPolicy
-from ._group import ParamGroup, ReduceQueue, ShardState
+from ..diagnostics import _checks
+from .. import _compat
+from .._api import MixedPrecisionPolicy
+from .._common import STATE_ATTR, ShardState, TrainingState, get_state
+from ._group import ParamGroup, ReduceQueue
 from ._state_dict import register_state_dict_hooks
 from ._tree import cast_floating, iter_tensors, map_tensors
 
@@ -37,16 +38,8 @@ __all__ = ["TrainingState", "ModuleState", "RootContext", "get_state"]
 
 logger = logging.getLogger(__name__)
 
-_STATE_ATTR = "_fsdp2_state"
 
 
-class TrainingState(Enum):
-    IDLE = auto()
-    """Not inside this module's forward or a backward through it."""
-    FORWARD = auto()
-    """Inside forward: the group's parameters are unsharded."""
-    BACKWARD = auto()
-    """A backward through this module is running; parameters unsharded until post-backward."""
 
 
 class RootContext:
@@ -80,8 +73,6 @@ class RootContext:
             self.prefetched.add(group)
 
 
-def get_state(module: nn.Module) -> ModuleState | None:
-    return module.__dict__.get(_STATE_ATTR)
 
 
 class ModuleState:
@@ -110,7 +101,7 @@ class ModuleState:
         self._inputs_grad_ready = None if group is None else _compat.run_eagerly(group.inputs_grad_ready)
         pre_hook = _compat.run_eagerly(self._pre_forward_hook)
         for module in modules:
-            module.__dict__[_STATE_ATTR] = self
+            module.__dict__[STATE_ATTR] = self
             self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True))
             self._handles.append(module.register_forward_hook(
                 _compat.run_eagerly(self._make_post_forward_hook(module)), prepend=False, always_call=True))
@@ -121,7 +112,7 @@ class ModuleState:
         for handle in self._handles:
             handle.remove()
         for module in self.modules:
-            module.__dict__.pop(_STATE_ATTR, None)
+            module.__dict__.pop(STATE_ATTR, None)
 
     # ---- lazy init ----------------------------------------------------------------------
     def lazy_init(self) -> None:

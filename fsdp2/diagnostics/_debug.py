@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from . import _compat
-from ._streams import Completion
+from .. import _compat
+
+if TYPE_CHECKING:
+    from ..comm._streams import Completion
 
 __all__ = ["enabled", "set_debug", "phase", "describe_iteration", "log_collective", "wait"]
 

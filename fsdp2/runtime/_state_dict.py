@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from .. import _compat
+from .._common import STATE_ATTR
 from ._param import ShardedParam
 
 if TYPE_CHECKING:
@@ -82,8 +83,7 @@ def _relative_prefixes(root: nn.Module, state: ModuleState) -> dict[int, list[st
         found.setdefault(id(module), []).append(rel)
         for name, child in module._modules.items():
             # Another group's subtree holds none of our parameters (fully_shard rejects sharing).
-            # "_fsdp2_state" is _state._STATE_ATTR, spelled out: _state imports this module.
-            if child is not None and child.__dict__.get("_fsdp2_state", state) is state:
+            if child is not None and child.__dict__.get(STATE_ATTR, state) is state:
                 stack.append((child, f"{rel}{name}."))
     return found
 

@@ -14,15 +14,17 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy,
+from .._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy,
                    as_mixed_precision_policy, as_offload_policy)
-from . import _compat, _extension
+from .. import _compat
+from . import _extension
 from ._group import ParamGroup, SubGroup
 from ._mesh import DataParallelMesh, SpmdAxes
 from ._module import FSDPModule
 from ._param import ShardedParam
-from ._errors import FSDPTypeError, FSDPValueError
-from ._state import ModuleState, get_state
+from .._errors import FSDPTypeError, FSDPValueError
+from .._common import get_state
+from ._state import ModuleState
 
 __all__ = ["fully_shard"]
 

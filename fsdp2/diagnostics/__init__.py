@@ -1,0 +1,1 @@
+"""Diagnostics: checks that the ranks agree, debug logging, the schedule trace."""
