@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV, HEADER
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
+from fsdp2.diagnostics._checks import HEADER
 from tests._dist import environ, run_on_ranks
 from tests._int8 import Int8Rows, Int8RowsV1
 from tests._parity import average_grads, full
@@ -160,7 +161,7 @@ def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cl
             torch.testing.assert_close(losses[other].float(), losses["ref"], **tol)
     group = models["fsdp2"].blocks[0]._fsdp2_state.group
     return {"pre_calls": Int8Rows.pre_calls, "slice_bytes": group._plans[group.world].slice_bytes,
-            "exchange": group.exchange, "seen": seen[-1],
+            "exchange": group.transport.gathers_in_place, "seen": seen[-1],
             "sent": counter.sent}
 
 

@@ -11,8 +11,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as TorchAllG
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as TorchReduceScatter
 
 import fsdp2
-from fsdp2.comm.cpu import _cma, _trace
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
+from fsdp2.comm.cpu import _cma
+from fsdp2.diagnostics import _trace
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2._common import get_state
 from tests._dist import environ, run_on_ranks
 from tests._models import Transformer
@@ -91,7 +92,7 @@ def _separate_reduce_scatter_group(transport: str) -> list[object]:
             fsdp2.fully_shard(model)
         model.set_separate_reduce_scatter_group()
         if transport == "read":  # probed when made: its exchanges read too
-            assert _cma.usable(get_state(model).group.reduce_group)
+            assert _cma.usable(get_state(model).group.policy.reduce_group)
         if transport == "flat":
             model.layers[0].set_custom_reduce_scatter(seen)
 
@@ -106,15 +107,15 @@ def _separate_group_is_one_new_group() -> list[object]:
     fsdp2.fully_shard(model)
     model.set_separate_reduce_scatter_group()
     groups = [get_state(m).group for m in (*model.layers, model)]
-    separate = {id(g.reduce_group) for g in groups}
-    assert len(separate) == 1 and groups[0].reduce_group is not groups[0].process_group
-    assert dist.get_process_group_ranks(groups[0].reduce_group) == [0, 1]
+    separate = {id(g.policy.reduce_group) for g in groups}
+    assert len(separate) == 1 and groups[0].policy.reduce_group is not groups[0].process_group
+    assert dist.get_process_group_ranks(groups[0].policy.reduce_group) == [0, 1]
     probe = _SummingReduceScatter()
     model.layers[1].set_custom_reduce_scatter(probe)
     model(torch.randint(0, 64, (2, 16))).sum().backward()
-    assert probe.groups == [groups[0].reduce_group]  # the collective ran on the separate group
+    assert probe.groups == [groups[0].policy.reduce_group]  # the collective ran on the separate group
     model.set_separate_reduce_scatter_group(False)
-    assert all(g.reduce_group is None for g in groups)
+    assert all(g.policy.reduce_group is None for g in groups)
     with pytest.raises(TypeError, match="enable must be a bool, got 'yes'"):
         model.set_separate_reduce_scatter_group("yes")
     return ["ok"]

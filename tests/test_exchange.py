@@ -23,7 +23,8 @@ import torch.nn as nn
 
 import fsdp2
 from fsdp2.comm.cpu import _cma, _exchange
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES, probe_reads
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES
+from fsdp2.comm.cpu._transport import probe_reads
 from fsdp2._common import get_state
 from tests import test_2d, test_mixed_precision, test_parity
 from tests._dist import environ, info_records, run_on_ranks
@@ -40,7 +41,7 @@ def _under(transport: str, fn: Callable[..., Any], *args: Any) -> Any:
 def _transport_of_a_new_group(transport: str, dim: int) -> bool:
     model = MLP(dim)  # dim x 4 dim twice, fp32: 32 dim^2 bytes
     _under(transport, fsdp2.fully_shard, model)
-    return get_state(model).group.exchange
+    return get_state(model).group.transport.gathers_in_place
 
 
 def test_environment_variable_picks_the_cpu_transport():

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp2
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from tests._dist import environ, run_on_ranks
 from tests._parity import full
 

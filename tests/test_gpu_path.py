@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp2
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.runtime._group import send_aliases_shards
 from fsdp2.comm._streams import Completion
 from tests._dist import environ, run_on_ranks

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from tests._dist import environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
 from tests._parity import full

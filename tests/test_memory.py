@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import fsdp2
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.memory import MemoryTracker, estimate_memory
 from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch

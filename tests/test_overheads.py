@@ -14,7 +14,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from tests._dist import environ, run_on_ranks
 from tests._models import MLP
 

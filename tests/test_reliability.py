@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import fully_shard, register_fsdp_forward_method
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.diagnostics._debug import set_debug
 from fsdp2._common import ShardState
 from fsdp2._common import get_state

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp2
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2._common import get_state
 from tests._dist import environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
@@ -193,7 +193,7 @@ def _deprecated_and_compatibility_setters() -> list[float]:
         model.set_post_optim_event("event")
     with pytest.raises(TypeError, match="enable must be a bool, got 1"):
         model.set_force_sum_reduction_for_comms(1)
-    return [get_state(model).group.divide_factor]
+    return [get_state(model).group.policy.divide_factor]
 
 
 def test_deprecated_divide_factor_alias_and_post_optim_event():

@@ -1,13 +1,5 @@
-"""A group's collectives: one all-gather of bytes, one reduce-scatter per dtype.
-
-Two transports share the schedule (``_group.py``) and these entry points:
-
-* **flat** (NCCL, any accelerator): one ``all_gather_into_tensor`` of every rank's
-  slice into a rank-major output, then one foreach copy-out into the unsharded
-  buffer; gradients are copied into a rank-major buffer for one
-  ``reduce_scatter_tensor``. Runs on side streams (``_streams.py``).
-* **exchange** (CPU, gloo): point-to-point messages straight from where each chunk
-  lives to where it is needed, no flat buffer in between (``_exchange.py``).
+"""What every transport shares: the all-gather's byte layout, the collectives in flight, and
+finishing a reduction (HSDP all-reduce, division, accumulation into ``.grad``).
 
 All-gather moves bytes, so parameters of different dtypes (fp32 next to bf16,
 as LoRA adapters often are) travel in one collective; each parameter's bytes
@@ -17,35 +9,38 @@ Reduce-scatter does arithmetic, so it runs once per reduce dtype present.
 Layouts (for ``R`` ranks, each contributing a slice of ``S`` bytes):
 
 * send slice and flat all-gather output, rank-major: ``[rank0: hdr p0 p1 ...][rank1: hdr p0 p1 ...]``;
-  ``hdr`` is a 16-byte header naming what the rank gathers (checked in ``_checks.py``;
+  ``hdr`` is a 16-byte header naming what the rank gathers (checked in ``diagnostics/_checks.py``;
   the exchange sends it as a message of its own)
 * unsharded buffer, parameter-major: ``[p0: padded full][p1: padded full] ...``
   so that each unsharded parameter is a plain view of it.
+
+How the bytes move is the transport's (``_transport.py``): flat collectives (``_flat.py``)
+or CPU exchanges (``cpu/``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..diagnostics import _checks, _debug, _trace
-from .cpu import _cma, _exchange, _pipes
 from .. import _compat
-from ..diagnostics._checks import HEADER
-from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
-from ..runtime._param import ShardedParam, ShardLayout
+from ..diagnostics import _checks, _debug, _trace
 from ._streams import Completion, streams_for
 
+if TYPE_CHECKING:
+    from ..runtime._layout import ShardLayout
+    from ..runtime._param import ShardedParam
+    from ._transport import Transport
+
 __all__ = [
-    "ALIGN", "EXCHANGE_MIN_BYTES", "GatherPlan", "cpu_transport", "exchanges", "may_read", "probe_reads", "AllGatherInFlight", "ReduceScatterInFlight", "start_all_gather",
-    "exchange_all_gather", "GatherTargets", "finish_all_gather", "copy_out", "ReduceTarget", "start_reduce_scatter",
-    "finish_reduce_scatter", "ReducedGrads",
+    "ALIGN", "GatherPlan", "GatherTargets", "AllGatherInFlight", "ReduceTarget", "ReduceScatterInFlight",
+    "reduce_op", "packed_offsets", "finish_reduce_scatter", "ReducedGrads",
 ]
+
 
 ALIGN = 16  # bytes; a multiple of every dtype's itemsize
 
@@ -54,7 +49,7 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _offsets(sizes: Sequence[int], align: bool) -> tuple[list[int], int]:
+def packed_offsets(sizes: Sequence[int], align: bool) -> tuple[list[int], int]:
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
@@ -74,8 +69,8 @@ class GatherPlan:
     @classmethod
     def build(cls, layouts: Sequence[ShardLayout], dtypes: Sequence[torch.dtype]) -> GatherPlan:
         sizes = [lay.local_numel * dt.itemsize for lay, dt in zip(layouts, dtypes)]
-        offsets, total = _offsets(sizes, align=True)
-        return cls(tuple(layouts), tuple(dtypes), tuple(HEADER + o for o in offsets), HEADER + total)
+        offsets, total = packed_offsets(sizes, align=True)
+        return cls(tuple(layouts), tuple(dtypes), tuple(_checks.HEADER + o for o in offsets), _checks.HEADER + total)
 
     @property
     def world(self) -> int:
@@ -116,137 +111,33 @@ class GatherPlan:
         return frozenset(self.dtypes)
 
 
-CPU_COLLECTIVES_ENV = "FSDP2_CPU_COLLECTIVES"
-CPU_TRANSPORTS = ("auto", "read", "exchange", "flat")
-# Below this many unsharded bytes a group's exchange costs more than gloo's flat collective:
-# each point-to-point message costs ~0.2 ms to post on gloo, whatever its size, while the
-# flat collective's extra copies and slower transfer grow with the bytes. Measured on the
-# 2-core development machine, 2 ranks, one unshard + reshard: 0.5 MiB flat 1.7 ms, exchange
-# 2.4 ms; 2 MiB flat 3.4 ms, exchange 2.9 ms; 18 MiB flat 27 ms, exchange 10 ms.
-EXCHANGE_MIN_BYTES = 2**20
-
-
-def cpu_transport() -> str:
-    """``FSDP2_CPU_COLLECTIVES``, checked: ``auto`` (the default), ``read``, ``exchange`` or ``flat``."""
-    choice = os.environ.get(CPU_COLLECTIVES_ENV, "auto")
-    if choice not in CPU_TRANSPORTS:
-        raise ValueError(f"{CPU_COLLECTIVES_ENV}={choice!r}: use 'auto' (the default), 'read', 'exchange' or 'flat'")
-    return choice
-
-
-def exchanges(device: torch.device, unsharded_bytes: int) -> bool:
-    """Whether a group's collectives run as point-to-point exchanges (``_exchange.py``).
-
-    On CPU (gloo) they do for groups of at least ``EXCHANGE_MIN_BYTES`` unsharded bytes:
-    faster than gloo's flat collectives there, and with no flat buffer to copy through.
-    Smaller CPU groups, and every group on an accelerator (NCCL), use the flat collectives.
-    ``FSDP2_CPU_COLLECTIVES`` overrides this for CPU groups built afterwards: ``auto`` (the
-    default), ``read`` or ``exchange`` (always), or ``flat`` (never: the path NCCL takes,
-    which runs on gloo too, so the tests cover it without a GPU).
-    """
-    choice = cpu_transport()
-    if device.type != "cpu" or choice == "flat":
-        return False
-    return choice in ("read", "exchange") or unsharded_bytes >= EXCHANGE_MIN_BYTES
-
-
-def may_read(device: torch.device) -> bool:
-    """Whether an exchange group built now reads its peers' memory where the ranks allow it
-    (``_cma.py``): unless ``FSDP2_CPU_COLLECTIVES=exchange`` asks for messages only."""
-    return device.type == "cpu" and cpu_transport() in ("auto", "read")
-
-
-def probe_reads(pg: dist.ProcessGroup) -> bool:
-    """Find out (once, collectively) whether the ranks of ``pg`` can read each other's memory.
-
-    ``FSDP2_CPU_COLLECTIVES=read`` makes a "no" an error instead of a fall-back to messages.
-    """
-    if _cma.probe(pg):
-        _pipes.connect(pg)  # their small messages then skip gloo too
-        return True
-    if cpu_transport() != "read":
-        return False
-    raise RuntimeError(
-        f"{CPU_COLLECTIVES_ENV}=read: the ranks {dist.get_process_group_ranks(pg)} cannot read each "
-        "other's memory with process_vm_readv (different hosts or PID namespaces, ptrace "
-        "restrictions, or a seccomp filter); use 'auto' to fall back to messages"
-    )
-
-
 class AllGatherInFlight(NamedTuple):
-    """An all-gather issued but maybe not finished; finish it with :func:`finish_all_gather`.
+    """An all-gather issued but maybe not finished; ``transport.finish_all_gather`` finishes it.
 
     Flat: ``output`` receives every rank's slice (rank-major), copied out at the end.
-    Exchange: the chunks land in the unsharded buffer itself; ``exchange`` has the rest.
+    Exchange: the chunks land in the unsharded buffer itself; ``exchange`` has the rest
+    (``headers_done``: the headers arrive first, checked before the rest).
     Every tensor here must outlive ``done``.
     """
 
     done: Completion
     plan: GatherPlan
-    headers: torch.Tensor  # (world, HEADER) bytes: every rank's schedule header, once done
+    headers: torch.Tensor  # (world, _checks.HEADER) bytes: every rank's schedule header, once done
+    transport: Transport
     send: torch.Tensor | None = None
     output: torch.Tensor | None = None
-    exchange: _exchange.ExchangeAllGather | None = None
-    headers_done: Completion | None = None  # exchange: the headers arrive first, checked before the rest
+    exchange: Any = None  # the CPU transport's in-flight exchange (cpu/_exchange.ExchangeAllGather)
+    headers_done: Completion | None = None
+    # What must finish, once ``done``, before the unsharded buffer is freed or refilled (the
+    # peers of a read exchange read this rank's chunks out of it, maybe after this rank's own
+    # wait returned): ``wait()`` it, keeping every tensor here alive. None: ``done`` is all.
+    release: Any = None
 
     def buffers(self) -> list[torch.Tensor]:
         """The communication memory it holds (send buffers included, even when they are the shards)."""
         if self.exchange is not None:
             return self.exchange.buffers()
         return [t for t in (self.send, self.output) if t is not None]
-
-    @property
-    def release(self) -> _exchange.Exchange | None:
-        """Read all-gathers: what is left once ``done``, the peers' acknowledgements.
-
-        The peers read this rank's chunks out of its unsharded buffer, maybe after this
-        rank's own wait returned: wait for this (and keep every tensor here alive) before
-        that buffer is freed or refilled. None for the other transports (``done`` is all).
-        """
-        reads = self.exchange.exchange if self.exchange is not None else None
-        return reads.release if isinstance(reads, _exchange.ReadExchange) and reads.defer else None
-
-
-def start_all_gather(
-    send: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup, device: torch.device,
-    copied: Completion | None = None, header: torch.Tensor | None = None, comm: AllGather = DEFAULT_ALL_GATHER,
-) -> AllGatherInFlight:
-    """Issue the flat all-gather of ``send`` (after ``copied``, the copy-in that filled it, if any).
-
-    ``header``, if given, is stamped into the first 16 bytes of ``send`` first. ``comm``
-    allocates the output and runs the collective (``_comm.py``).
-    """
-    streams = streams_for(device)
-    if header is not None:
-        send[:HEADER].copy_(header, non_blocking=True)
-    if plan.world == 1:  # nothing to gather: the send buffer is the result
-        return AllGatherInFlight(copied or Completion(), plan, send[None, :HEADER], send, send)
-    with streams.side("all_gather"):
-        streams.after(copied)
-        output = comm.allocate((plan.world * plan.slice_bytes,), dtype=torch.uint8, device=device)
-        work = comm(output, send, group, async_op=True)
-        done = streams.issued(work)
-    headers = output.view(plan.world, plan.slice_bytes)[:, :HEADER]
-    return AllGatherInFlight(done, plan, headers, send, output)
-
-
-def exchange_all_gather(
-    sources: Sequence[torch.Tensor], plan: GatherPlan, group: dist.ProcessGroup,
-    chunks: Sequence[torch.Tensor], header: torch.Tensor | None, label: str, read: bool = False,
-) -> AllGatherInFlight:
-    """Issue the all-gather as an exchange straight into ``chunks`` (the unsharded buffer).
-
-    ``sources``: this rank's shard of each parameter; ``chunks[i]``: parameter ``i``'s
-    padded full tensor in the unsharded buffer, viewed ``(world, *local_shape)``
-    (``ShardLayout.chunks_view``); ``label``: the group's, the same on every rank;
-    ``read``: the peers read this rank's chunks (``_cma.py``).
-    """
-    if header is None:
-        header = torch.zeros(HEADER, dtype=torch.uint8)
-    gather = _exchange.start_all_gather(sources, chunks, header.view(torch.uint8), group,
-                                        key=f"all_gather {label} {plan.world}", read=read)
-    return AllGatherInFlight(Completion(work=gather.exchange), plan, gather.headers, exchange=gather,
-                             headers_done=Completion(work=gather.header_exchange))
 
 
 class GatherTargets:
@@ -291,30 +182,6 @@ class GatherTargets:
         return sizes, [next(scratch) if place is None else place for place in places]
 
 
-def finish_all_gather(inflight: AllGatherInFlight, targets: GatherTargets) -> None:
-    """After the wait: put the gathered parameters in place in ``targets`` (the unsharded buffer)."""
-    if inflight.exchange is not None:
-        inflight.exchange.finish()
-    else:
-        copy_out(inflight, targets)
-
-
-def copy_out(inflight: AllGatherInFlight, targets: GatherTargets) -> None:
-    """Scatter the rank-major gathered bytes into the parameter-major unsharded buffer.
-
-    One op for the whole group: a ``split_with_sizes_copy`` of the output's byte columns
-    (no view per parameter per step), else one foreach copy of per-entry views.
-    """
-    plan = inflight.plan
-    split = targets.split
-    with torch.no_grad():
-        if split is not None:
-            rows = inflight.output.view(plan.world, plan.slice_bytes)[:, HEADER:]
-            torch.split_with_sizes_copy(rows, split[0], dim=1, out=split[1])
-        else:
-            torch._foreach_copy_(targets.chunks, plan.rank_major(inflight.output))
-
-
 @dataclass
 class ReduceTarget:
     """Where and how one group's gradients are reduced.
@@ -335,11 +202,8 @@ class ReduceTarget:
     label: str
     root: Any = None  # the root's RootContext: iteration and phase for diagnostics
     check_finite: bool = False  # record non-finite reduced gradients (set_check_finite_gradients)
-    exchange: bool = False  # reduce by point-to-point exchange (CPU), not a flat collective
-    read: bool = False  # the exchange reads peers' memory (``_cma.py``) instead of sending messages
     force_sum: bool = False  # SUM then divide, never the backend's AVG (set_force_sum_reduction_for_comms)
     hook: Any = None  # set_all_reduce_hook: (fn, stream or None), run on each finished reduction
-    comm: ReduceScatter = DEFAULT_REDUCE_SCATTER  # the flat transport's allocator and collective (_comm.py)
 
 
 class ReduceScatterInFlight(NamedTuple):
@@ -360,7 +224,7 @@ class ReduceScatterInFlight(NamedTuple):
     target: ReduceTarget
     output: torch.Tensor | None = None
     held: tuple[torch.Tensor, ...] = ()
-    exchange: _exchange.ExchangeReduceScatter | None = None
+    exchange: Any = None  # the CPU transport's in-flight exchange (cpu/_exchange.ExchangeReduceScatter)
 
     def buffers(self) -> list[torch.Tensor]:
         """The communication memory it holds (not the unsharded gradients it reads)."""
@@ -369,7 +233,7 @@ class ReduceScatterInFlight(NamedTuple):
         return [self.held[0], self.output]
 
 
-def _reduce_op(dtype: torch.dtype, world: int, factor: float,
+def reduce_op(dtype: torch.dtype, world: int, factor: float,
                force_sum: bool = False) -> tuple[dist.ReduceOp, float | None, float | None]:
     """(op, pre-divide, post-divide) averaging over ``factor``.
 
@@ -389,87 +253,6 @@ def _reduce_op(dtype: torch.dtype, world: int, factor: float,
     return dist.ReduceOp.SUM, float(pre), factor / pre
 
 
-def start_reduce_scatter(
-    params: Sequence[ShardedParam],
-    grads: Sequence[torch.Tensor],
-    dtype: torch.dtype,
-    target: ReduceTarget,
-    device: torch.device,
-    header: torch.Tensor | None = None,
-) -> ReduceScatterInFlight:
-    """Issue the reduce-scatter of the full gradients ``grads`` (an exchange on CPU).
-
-    Flat: a ``grads`` list is emptied once the gradients are copied into the send buffer, so
-    that, the caller holding no other reference, they are freed before the output is allocated.
-
-    ``header``: 16 bytes naming what this rank reduces (``_checks.reduce_header``); the
-    exchange sends it ahead of the data and the ranks compare theirs when finishing.
-    """
-    world, group = target.world, target.group
-    offsets, total = _offsets([p.layout.local_numel for p in params], align=False)
-    op, pre, post = _reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
-    if world > 1:
-        _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
-                              target.root)
-    if target.exchange and world > 1:
-        if header is None:
-            header = torch.zeros(HEADER, dtype=torch.uint8)
-        return _exchange_reduce_scatter(params, grads, dtype, target, op, pre, post, header)
-    streams = streams_for(device)
-    with streams.side("reduce_scatter"):
-        comm = target.comm
-        send = comm.allocate((world * total,), dtype=dtype, device=device)
-        _copy_rank_major(send.view(world, total), params, grads, offsets)
-        held_grads = tuple(grads) if streams.cuda else ()
-        if isinstance(grads, list):  # the caller's list: the gradients are freed before the output exists
-            grads.clear()
-        if pre is not None and pre != 1:
-            send.div_(pre)
-        if world == 1:  # nothing to scatter: the send buffer is the result
-            output, work = send, None
-        else:
-            output = comm.allocate((total,), dtype=dtype, device=device)
-            work = comm(output, send, group, op, async_op=True)
-        done = streams.issued(work)
-    # CUDA: the copy-in ran on the reduce-scatter stream; hold the full gradients until the
-    # compute stream waited on it. CPU: copied already, freed (``grads`` emptied) above.
-    held = (send, *held_grads)
-    return ReduceScatterInFlight(done, tuple(params), tuple(offsets), op, post, target, output, held)
-
-
-def _exchange_reduce_scatter(
-    params: Sequence[ShardedParam], grads: Sequence[torch.Tensor], dtype: torch.dtype, target: ReduceTarget,
-    op: dist.ReduceOp, pre: float | None, post: float | None, header: torch.Tensor,
-) -> ReduceScatterInFlight:
-    """Send each gradient's chunks from where they are: copies only to cast, pad or pre-divide."""
-    world = target.world
-    predivide = pre is not None and pre != 1
-    full, copies = [], []
-    with torch.no_grad():
-        for p, grad in zip(params, grads):
-            lay = p.layout
-            even = lay.shape[lay.dim] == lay.chunk * world
-            if grad.dtype == dtype and grad.is_contiguous() and even and not predivide:
-                full.append(grad)
-                continue
-            if even:
-                copy = grad.to(dtype, memory_format=torch.contiguous_format, copy=True)
-            else:
-                copy = torch.zeros(lay.padded_shape, dtype=dtype, device=grad.device)
-                copy.narrow(lay.dim, 0, lay.shape[lay.dim]).copy_(grad)
-            full.append(copy)
-            copies.append(copy)
-        if predivide:
-            torch._foreach_div_(full, pre)
-    if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division
-        post = float(world) * (post or 1.0)
-    chunks = [p.layout.chunks_view(t) for p, t in zip(params, full)]
-    rs = _exchange.start_reduce_scatter(chunks, full, copies, dtype, header, target.group,
-                                        key=f"reduce_scatter {target.label} {dtype}", read=target.read)
-    return ReduceScatterInFlight(Completion(work=rs.exchange), tuple(params), rs.offsets, op, post, target,
-                                 exchange=rs)
-
-
 def _run_all_reduce_hook(fn: Callable[[torch.Tensor], None], stream: Any, reduced: torch.Tensor) -> None:
     """``fn(reduced)`` (in place), on ``stream`` when one was given (CUDA), ordered both ways."""
     if stream is None:
@@ -480,33 +263,6 @@ def _run_all_reduce_hook(fn: Callable[[torch.Tensor], None], stream: Any, reduce
     with torch.cuda.stream(stream):
         fn(reduced)
     current.wait_stream(stream)
-
-
-def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grads: Sequence[torch.Tensor],
-                     offsets: Sequence[int]) -> None:
-    """Copy each full gradient's chunk ``r`` into row ``r`` of ``by_rank`` (world, total)."""
-    world = by_rank.shape[0]
-    if all(p.layout.dim == 0 and p.layout.local_numel for p in params):  # the usual case: one op
-        with torch.no_grad():
-            _compat.chunk_cat(list(grads), world, by_rank)
-        return
-    targets, sources = [], []  # even shards: one foreach copy for all of them
-    with torch.no_grad():
-        for p, grad, off in zip(params, grads, offsets):
-            lay = p.layout
-            dst = by_rank.as_strided((world, *lay.local_shape), (by_rank.stride(0), *lay.local_stride),
-                                     by_rank.storage_offset() + off)
-            if lay.shape[lay.dim] == lay.chunk * world:
-                targets.append(dst)
-                sources.append(lay.chunks_view(grad.contiguous()))
-            else:  # uneven: zero the padding, then copy each rank's true rows
-                dst.zero_()
-                for r in range(world):
-                    rows = lay.rows(r)
-                    if rows:
-                        dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
-        if targets:
-            torch._foreach_copy_(targets, sources)
 
 
 class ReducedGrads(NamedTuple):

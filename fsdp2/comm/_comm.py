@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .. import _compat
 
 __all__ = ["Comm", "AllGather", "ReduceScatter", "DEFAULT_ALL_GATHER", "DEFAULT_REDUCE_SCATTER",
-           "process_group_comms", "is_builtin", "check_comm"]
+           "process_group_comms", "check_comm"]
 
 
 class Comm(ABC):
@@ -115,12 +115,6 @@ def process_group_comms(all_gather_group: dist.ProcessGroup,
                         reduce_scatter_group: dist.ProcessGroup) -> tuple[AllGather, ReduceScatter]:
     """The default collectives, with buffers from each process group's allocator."""
     return _ProcessGroupAllGather(all_gather_group), _ProcessGroupReduceScatter(reduce_scatter_group)
-
-
-def is_builtin(comm: Any) -> bool:
-    """Whether ``comm`` is one of fsdp2's own (default or process-group allocated), not a user's."""
-    return isinstance(comm, (_DefaultAllGather, _DefaultReduceScatter, _ProcessGroupAllGather,
-                             _ProcessGroupReduceScatter))
 
 
 def check_comm(method: str, comm: Any) -> None:

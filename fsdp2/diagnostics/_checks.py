@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,12 @@ import torch.distributed as dist
 from . import _debug
 from .. import _wire
 from .._compat import root_mesh
+
+if TYPE_CHECKING:  # for annotations only: the checks sit below the runtime and the transport
+    from ..comm._collectives import AllGatherInFlight, GatherPlan, ReduceTarget
+    from ..runtime._group import ParamGroup
+    from ..runtime._param import ShardedParam
+    from ..runtime._state import ModuleState, RootContext
 
 __all__ = [
     "HEADER", "Diagnostics", "check_rank_agreement", "before_all_gather", "wait_all_gather", "reduce_header",
@@ -55,7 +61,7 @@ class Diagnostics:
         names: module -> its FQN under the root.
     """
 
-    def __init__(self, states: Sequence[Any], names: dict[Any, str]) -> None:
+    def __init__(self, states: Sequence[ModuleState], names: dict[Any, str]) -> None:
         self.groups = [s.group for s in states if s.group is not None]
         self.index = {id(g): i for i, g in enumerate(self.groups)}
         self.param_names = {
@@ -69,7 +75,7 @@ class Diagnostics:
         """This rank's view of the model, one comparable line per group and parameter."""
         lines = [f"fully_shard groups [{', '.join(g.label for g in self.groups)}]"]
         for g in self.groups:
-            policy = g.reshard_after_forward
+            policy = g.policy.reshard_after_forward
             lines.append(f"group {g.label} (reshard_after_forward={policy}, mesh {_mesh_str(g.dp.mesh)})")
             for p in g.params:
                 lines.append(_param_str(self.param_names[id(p)], p))
@@ -80,7 +86,7 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _param_str(fqn: str, p: Any) -> str:
+def _param_str(fqn: str, p: ShardedParam) -> str:
     text = f"{fqn} {tuple(p.global_shape)} {str(p.orig_dtype).removeprefix('torch.')}"
     if not p.sharded.requires_grad:  # as it is now: it may have changed since fully_shard
         text += " requires_grad=False"
@@ -107,7 +113,7 @@ def _mesh_str(mesh: Any) -> str:
     return f"{own}({shape}) on {mesh.device_type}, ranks {root.mesh.tolist()}"
 
 
-def _mesh_groups(groups: Sequence[Any]) -> list[dist.ProcessGroup]:
+def _mesh_groups(groups: Sequence[ParamGroup]) -> list[dist.ProcessGroup]:
     """The process groups of every axis of the model's meshes (data-parallel and TP), once each."""
     meshes = []
     for g in groups:
@@ -169,7 +175,7 @@ def _first_difference(all_lines: list[list[str]], pg: dist.ProcessGroup) -> str:
 
 
 # ---- all-gather headers ---------------------------------------------------------------
-def before_all_gather(group: Any, plan: Any, pg: dist.ProcessGroup) -> torch.Tensor | None:
+def before_all_gather(group: ParamGroup, plan: GatherPlan, pg: dist.ProcessGroup) -> torch.Tensor | None:
     """This rank's 16-byte header for the coming all-gather (None when unchecked); logs in debug mode."""
     root = group.root
     iteration = root.iteration if root is not None else -1
@@ -186,7 +192,7 @@ def before_all_gather(group: Any, plan: Any, pg: dist.ProcessGroup) -> torch.Ten
     return header
 
 
-def wait_all_gather(group: Any, gather: Any) -> None:
+def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight) -> None:
     """Wait for ``group``'s all-gather (errors name it) and compare the ranks' headers.
 
     When the headers travel ahead of the data (the exchange), they are compared first.
@@ -200,7 +206,7 @@ def wait_all_gather(group: Any, gather: Any) -> None:
     _check_all_gather_headers(group, gather.headers)
 
 
-def _check_all_gather_headers(group: Any, headers: torch.Tensor) -> None:
+def _check_all_gather_headers(group: ParamGroup, headers: torch.Tensor) -> None:
     pg, group._header_pg = group._header_pg, None  # checked once, even if the check raises
     if pg is None:
         return
@@ -231,7 +237,7 @@ def _schedule_key(row: list[int]) -> tuple[int, int]:
     return index, 0 if phase == 2 else phase
 
 
-def _what(group: Any, row: list[int]) -> str:
+def _what(group: ParamGroup, row: list[int]) -> str:
     _magic, iteration, index, phase = row
     root = group.root
     labels = [g.label for g in root.diag.groups] if root is not None and root.diag is not None else []
@@ -241,7 +247,7 @@ def _what(group: Any, row: list[int]) -> str:
 
 
 # ---- reduce-scatter headers (exchange) ---------------------------------------------------
-def reduce_header(group: Any, params: Sequence[Any]) -> torch.Tensor:
+def reduce_header(group: ParamGroup, params: Sequence[ShardedParam]) -> torch.Tensor:
     """16 bytes naming what this rank reduces: the group, and which of its parameters.
 
     ``[magic, group index, number of parameters, fingerprint of their indices]``.
@@ -255,7 +261,7 @@ def reduce_header(group: Any, params: Sequence[Any]) -> torch.Tensor:
     return torch.tensor([_MAGIC_REDUCE, index, len(params), fingerprint], dtype=torch.int32).view(torch.uint8)
 
 
-def check_reduce_headers(target: Any, headers: torch.Tensor) -> None:
+def check_reduce_headers(target: ReduceTarget, headers: torch.Tensor) -> None:
     """Raise on every rank whose peers reduce other gradients than it does (before summing them)."""
     rows = headers.view(torch.int32).tolist()  # (world, 4)
     if any(row[0] != _MAGIC_REDUCE for row in rows) or all(row == rows[0] for row in rows):
@@ -279,7 +285,7 @@ def check_reduce_headers(target: Any, headers: torch.Tensor) -> None:
 
 
 # ---- finite gradients -----------------------------------------------------------------
-def record_nonfinite(root: Any, params: Sequence[Any], shards: Sequence[torch.Tensor]) -> None:
+def record_nonfinite(root: RootContext, params: Sequence[ShardedParam], shards: Sequence[torch.Tensor]) -> None:
     """Count the non-finite elements of each reduced gradient shard (no sync; checked later)."""
     if root is None or root.diag is None:
         return
@@ -288,7 +294,7 @@ def record_nonfinite(root: Any, params: Sequence[Any], shards: Sequence[torch.Te
         root.diag.nonfinite.append((root.diag.param_names.get(id(p), "?"), count))
 
 
-def raise_if_nonfinite(root: Any) -> None:
+def raise_if_nonfinite(root: RootContext) -> None:
     """End of backward: agree across ranks on the first non-finite parameter; raise on every rank.
 
     Called once every reduce-scatter has finished and the groups are back to their

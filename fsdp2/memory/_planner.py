@@ -27,8 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from ..diagnostics._checks import HEADER
 from .._compat import fake_process_group, in_backward
-from ..comm._collectives import exchanges
-from ..runtime._reduce_queue import reduce_scatters_in_flight
+from ..comm._transport import Transport, choose_transport
 from ..comm.cpu._exchange import SMALL as EXCHANGE_SMALL
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._llama import llama_tp_plan
@@ -88,9 +87,13 @@ class _Group:
     same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
     packed: bool = True  # no cast: the shards are the all-gather's send buffer (no copy-in)
 
+    def transport(self, gloo: bool) -> Transport:
+        """The transport fsdp2 picks for this group (``comm/_transport.choose_transport``)."""
+        return choose_transport(torch.device("cpu" if gloo else "meta"), self.unsharded)
+
     def exchange(self, gloo: bool) -> bool:
-        """Whether fsdp2 moves this group with point-to-point exchanges (as ``_collectives.exchanges``)."""
-        return gloo and exchanges(torch.device("cpu"), self.unsharded)
+        """Whether the transport receives the all-gather in the unsharded buffer (the CPU exchange)."""
+        return self.transport(gloo).gathers_in_place
 
     def descriptor(self) -> int:
         """Bytes of one read descriptor (``_cma.describe``): pid, then address and size per tensor."""
@@ -184,7 +187,7 @@ class _Schedule:
     forward per policy (the root keeps its parameters unless ``root_reshard``); backward
     gathers a group again if needed, prefetches the one before it, and once all of its
     gradients landed reshards, finishes the oldest reduce-scatters in flight until there is
-    room for one more (one in all, two for gloo exchanges: ``_reduce_queue.reduce_scatters_in_flight``)
+    room for one more (the transport's ``reduce_scatters_in_flight``: one, two for gloo exchanges)
     and reduce-scatters; the output of a finished one becomes the sharded gradients. Change this class
     with those files and ``_collectives.py`` / ``_exchange.py``. The two transports:
 
@@ -314,7 +317,7 @@ class _Schedule:
         if self.alias:  # one rank: the full gradients are the sharded ones, kept as they are
             return
         exchange = g.exchange(self.gloo) and self.shard > 1
-        limit = reduce_scatters_in_flight(exchange)
+        limit = g.transport(self.gloo).reduce_scatters_in_flight(self.shard)
         while len(self.pending) >= limit:
             self.finish(*self.pending.pop(0))
         # The exchange sends from the gradients themselves unless every one was copied.

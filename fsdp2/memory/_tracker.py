@@ -16,7 +16,6 @@ import torch.nn as nn
 from ..diagnostics import _trace
 from .._compat import in_backward, prepend_post_accumulate_grad_hook
 from .._common import ShardState, get_state
-from ..runtime._group import ParamGroup
 from ._live import LiveStorages, plain_tensors, storage_key
 
 __all__ = ["CATEGORIES", "MemoryReport", "MemoryTracker", "format_bytes"]
@@ -81,34 +80,6 @@ class MemoryReport:
     __str__ = table
 
 
-def _group_storages(group: ParamGroup) -> dict[str, list[torch.Tensor]]:
-    """The tensors one fsdp2 group holds now, by category, in order of precedence.
-
-    The only place that knows ``ParamGroup``'s buffers. A storage listed under two
-    categories counts under the first: a reduce-scatter output that the sharded gradients
-    are views of is a gradient. Reduce-scatters in flight sit in the queue the group
-    shares with the others (listing them for every group is harmless: storages count once).
-    """
-    grads = []
-    for p in group.params:
-        grads += [p.sharded.grad, p.accumulated_grad, p.unsharded.grad if p.unsharded is not None else None]
-    comm = [group._partial_send, *group._partial_reduce.values()]
-    for gather in (group._gather, group._unreleased):  # (a read all-gather's, until the peers read)
-        if gather is not None:  # packed shards are sent as they are: still sharded parameters
-            comm += [t for t in gather.buffers() if t is not group._packed]
-    mine = {id(p) for p in group.params}
-    for inflight in group.reduce_queue._pending:  # shared by the groups: keep this group's
-        if inflight.params and id(inflight.params[0]) in mine:
-            comm += inflight.buffers()
-    found = {
-        "sharded_params": [p.padded_local for p in group.params],
-        "gradients": grads,
-        "unsharded_params": [group._buffer],
-        "communication": comm,
-    }
-    return {category: [t for t in ts if isinstance(t, torch.Tensor)] for category, ts in found.items()}
-
-
 class MemoryTracker:
     """Context manager counting this rank's live tensor memory by category.
 
@@ -166,7 +137,7 @@ class MemoryTracker:
     def _resizable(self) -> list[torch.UntypedStorage]:
         """Storages fsdp2 may resize in place (no op the dispatch mode sees creates them)."""
         return [t.untyped_storage() for g in self._groups()
-                for c in ("unsharded_params", "communication") for t in _group_storages(g)[c]]
+                for c in ("unsharded_params", "communication") for t in g.held_tensors()[c]]
 
     def _roles(self) -> dict[int, str]:
         """Storage key -> category for everything the model, fsdp2 and optimizer hold now."""
@@ -181,7 +152,7 @@ class MemoryTracker:
 
         managed: set[int] = set()
         for g in self._groups():
-            for category, tensors in _group_storages(g).items():
+            for category, tensors in g.held_tensors().items():
                 for t in tensors:
                     mark(t, category)
             for p in g.params:
@@ -232,8 +203,16 @@ class MemoryTracker:
     def _by_group(self) -> dict[str, dict[str, int | str]]:
         out = {}
         for g in self._groups():
-            held = _group_storages(g)
-            sizes = {c: sum(t.untyped_storage().nbytes() for t in held[c]) for c in ("unsharded_params", "communication")}
+            sizes, seen = {}, set()
+            for category, tensors in g.held_tensors().items():  # each storage once, under its first category
+                total = 0
+                for t in tensors:
+                    key = storage_key(t)
+                    if key is not None and key not in seen:
+                        seen.add(key)
+                        total += t.untyped_storage().nbytes()
+                sizes[category] = total
+            sizes = {c: sizes[c] for c in ("unsharded_params", "communication")}
             if g.state is not ShardState.SHARDED or any(sizes.values()):
                 out[g.label] = {"state": g.state.name, **sizes}
         return out
@@ -274,7 +253,7 @@ class MemoryTracker:
         tensors = [*self.model.parameters(), *self.model.buffers()]
         tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         for g in self._groups():
-            tensors += [t for ts in _group_storages(g).values() for t in ts]
+            tensors += [t for ts in g.held_tensors().values() for t in ts]
         if self.optimizer is not None:
             tensors += [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         for t in tensors:

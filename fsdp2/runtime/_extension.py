@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 # Module imports both ways (_param builds a ParamExtension): names are looked up at call time.
-from . import _param
+from . import _layout
 from .. import _wire
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class ParamExtension:
         shape = p.layout.shape
         with torch.no_grad():
             result = hook(mesh) if self.arity == 1 else \
-                hook(mesh, shape, _param.contiguous_stride(shape), module, mp_policy)
+                hook(mesh, shape, _layout.contiguous_stride(shape), module, mp_policy)
         inputs, self.metadata = self._check_pre(result, device)
         specs = tuple((_entry_shape(t), t.dtype) for t in inputs)
         if self.specs is None:
@@ -193,7 +193,7 @@ class ParamExtension:
         tensor, inner = self._check_post(result)
         shape = p.layout.shape
         if tensor.shape != shape:  # the padded rows (uneven sharding) are not part of the parameter
-            tensor = torch.as_strided(tensor, shape, _param.contiguous_stride(shape), 0)
+            tensor = torch.as_strided(tensor, shape, _layout.contiguous_stride(shape), 0)
         base = buffer.untyped_storage().data_ptr()
         self.to_free = [(t, t.untyped_storage().nbytes()) for t in inner if t.untyped_storage().data_ptr() != base]
         p.bind_unsharded_tensor(tensor, on_grad_ready)
@@ -291,7 +291,7 @@ class GroupExtension:
                     )
         self.agreed = True
 
-    def entries(self, world: int) -> tuple[list[_param.ShardLayout], list[torch.dtype]]:
+    def entries(self, world: int) -> tuple[list[_layout.ShardLayout], list[torch.dtype]]:
         """The layouts and dtypes of the all-gather's entries over ``world`` ranks."""
         layouts, dtypes = [], []
         for p in self.params:
@@ -300,7 +300,7 @@ class GroupExtension:
                 dtypes.append(p.param_dtype)
                 continue
             for shape, dtype in p.ext.specs:
-                layouts.append(_param.ShardLayout(torch.Size([world * shape[0], *shape[1:]]), 0, world, shape[0]))
+                layouts.append(_layout.ShardLayout(torch.Size([world * shape[0], *shape[1:]]), 0, world, shape[0]))
                 dtypes.append(dtype)
         return layouts, dtypes
 

@@ -111,8 +111,8 @@ def fully_shard(
         group = None
         if params:
             group = ParamGroup(params, dp, device, subgroup)
-            group.reshard_after_forward = reshard_after_forward
-            group.mp_policy = mp_policy
+            group.policy.reshard_after_forward = reshard_after_forward
+            group.policy.mp_policy = mp_policy
         if device.type != "cpu":
             _move_buffers(modules, device)
         state = ModuleState(tuple(modules), group, mp_policy)

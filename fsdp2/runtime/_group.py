@@ -16,22 +16,19 @@ import torch.distributed as dist
 
 from .._common import ShardState
 from ..diagnostics import _checks, _debug, _trace
-from ..comm.cpu import _cma
-from ..comm._collectives import (
-    ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceTarget, exchange_all_gather, exchanges, may_read,
-    probe_reads,
-    finish_all_gather, start_all_gather, start_reduce_scatter,
-)
+from ..comm._collectives import ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceTarget
+from ..comm._transport import Transport, choose_transport, flat_transport
 from ._extension import GroupExtension
 from ..diagnostics._checks import HEADER
-from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter, is_builtin, process_group_comms
+from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, process_group_comms
 from ._mesh import DataParallelMesh, SubGroup
 from ._param import ShardedParam
-from ._reduce_queue import ReduceQueue, reduce_scatters_in_flight
+from ._policy import GroupPolicy
+from ._reduce_queue import ReduceQueue
 from ..comm._streams import Completion, streams_for
 
 
-__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "reduce_scatters_in_flight", "send_aliases_shards"]
+__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "send_aliases_shards"]
 
 
 
@@ -75,28 +72,8 @@ class ParamGroup:
         self.label = type(params[0].locations[0][0]).__name__  # the FQN once lazy init knows the root
         self.reduce_queue = ReduceQueue()  # replaced by the root's shared queue at lazy init
         self.root = None  # the root's RootContext, set at lazy init (iteration, phase, checks)
-        self.check_finite = False  # set_check_finite_gradients
-        self._header_pg: dist.ProcessGroup | None = None  # all-gather in flight whose headers to check
-        # Policies (reshard_after_forward is resolved at lazy init: None -> root keeps params).
-        self.reshard_after_forward: bool | int | None = None
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True  # HSDP: all-reduce across replicas after reduce-scatter
-        self.reduce_unused = False  # set_reduce_scatter_unused_params: zeros for gradients not produced
-        self.unshard_in_backward = True  # False: backward needs none of the values (e.g. embeddings)
-        self.force_sum = False  # set_force_sum_reduction_for_comms: SUM then divide, never AVG
-        self.all_reduce_hook: tuple[Any, Any] | None = None  # set_all_reduce_hook: (fn, CUDA stream or None)
-        # The flat transport's allocators and collectives (_comm.py): set_custom_all_gather /
-        # set_custom_reduce_scatter replace them (and make that collective flat).
-        self.all_gather_comm: AllGather = DEFAULT_ALL_GATHER
-        self.reduce_scatter_comm: ReduceScatter = DEFAULT_REDUCE_SCATTER
-        self.reduce_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group
-        self.allocates_from_process_group = False  # set_allocate_memory_from_process_group_for_comm
-        # set_reduce_scatter_max_input_buffers: reduce-scatters left in flight once this group's
-        # is issued; None: the transport's default (reduce_scatters_in_flight).
-        self.max_reduce_buffers: int | None = None
+        self.policy = GroupPolicy()  # written by fully_shard and the FSDPModule setters
         self._partial_reduce: dict[torch.dtype, torch.Tensor] = {}
-        self.divide_factor: float | None = None
         self.state = ShardState.SHARDED
         self._gather: AllGatherInFlight | None = None
         self._unreleased: AllGatherInFlight | None = None  # a read all-gather the peers may still read from
@@ -124,10 +101,10 @@ class ParamGroup:
         self.unhooked_forward = False
         # Parameters whose local tensor subclass gathers compact data (_extension.py); None if none do.
         self._ext = GroupExtension.of(params, dp, subgroup is not None)
-        self.mp_policy: Any = None  # the MixedPrecisionPolicy, handed to extensions' pre-all-gather
-        # CPU: point-to-point exchanges instead of flat collectives (unless the group is small).
-        self.exchange = exchanges(device, self._unsharded_bytes())
-        self._may_read = may_read(device)  # same-host ranks read each other (_cma.py), once probed
+        # How the bytes move (comm/_transport.py): chosen for the group's size and device; a
+        # custom comm makes its collective flat (gather_transport / reduce_transport).
+        self.transport: Transport = choose_transport(device, self._unsharded_bytes())
+        self.refresh_transports()
         self._probed = False  # probe_transport() ran: at the group's first all-gather
         self._aliases = self._aliases_shards()
         self._pack_shards()
@@ -153,8 +130,8 @@ class ParamGroup:
         self._count_trainable()
         if self._ext is not None:
             self._ext.reset()
-        self.exchange = exchanges(self.device, self._unsharded_bytes())  # the dtypes may have changed
-        self._may_read = may_read(self.device)
+        self.transport = choose_transport(self.device, self._unsharded_bytes())  # the dtypes may have changed
+        self.refresh_transports()
         self._probed = False  # an exchange group now (the dtypes changed) probes at its next gather
         self._aliases = self._aliases_shards()
         self._pack_shards()
@@ -195,12 +172,27 @@ class ParamGroup:
                 self._packed_ptrs = [p.sharded._local_tensor.data_ptr() for p in self.params]
         return [p.padded_local for p in self.params]
 
-    def _send_buffer(self, plan: GatherPlan, explicit: bool = False) -> tuple[torch.Tensor, Completion | None]:
+    # ---- what the transport asks for (comm/_transport.GatherSource) --------------------------
+    def entries(self, plan: GatherPlan) -> list[torch.Tensor]:
+        """This rank's part of each all-gather entry: the shards, or after a reshard to a
+        subgroup the 1/k kept (``reshard_to_subgroup``)."""
+        if self.state is ShardState.PARTIAL:
+            return plan.slots(self._partial_send)
+        return self._shards(plan)
+
+    def targets(self, plan: GatherPlan) -> GatherTargets:
+        """The unsharded buffer (allocated now) as the all-gather's targets."""
+        self._alloc_unsharded()
+        return self._targets(plan)
+
+    def send_slice(self, plan: GatherPlan, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
         """This rank's slice for the flat all-gather over ``plan.world`` ranks, and its copy-in.
 
         The packed shards themselves where nothing can write them before the collective has
         read them (``send_aliases_shards``), else a copy made at issue time.
         """
+        if self.state is ShardState.PARTIAL:
+            return self._partial_send, None
         shards = self._shards(plan)
         if self._packed is not None and send_aliases_shards(self.device, explicit):
             return self._packed, None
@@ -282,49 +274,63 @@ class ParamGroup:
             self._ext.free()
 
     def probe_transport(self) -> None:
-        """Exchange groups: find out once whether the ranks can read each other (collective).
+        """Let the transport find out once what the ranks can do for each other (collective).
 
         Runs at the group's first all-gather, which every rank of the group issues at the
         same point: whenever the group was built (before or after the root's lazy init) and
         however it is first gathered (forward, prefetch, explicit ``unshard()``).
         """
         self._probed = True
-        if self.exchange and self._may_read and self.world > 1:
-            probe_reads(self.process_group)
-            if self.subgroup is not None and self.subgroup.size > 1:
-                probe_reads(self.subgroup.group)
+        self.transport.probe(self.process_group)
+        if self.subgroup is not None:
+            self.transport.probe(self.subgroup.group)
 
-    def use_builtin_comms(self, allocate_from_process_group: bool) -> None:
-        """fsdp2's own flat collectives, their buffers from ``torch.empty`` or the process groups'
-        allocators (``_comm.py``)."""
-        self.allocates_from_process_group = allocate_from_process_group
-        if allocate_from_process_group:
-            self.all_gather_comm, self.reduce_scatter_comm = process_group_comms(
-                self.process_group, self.reduce_group or self.process_group)
+    def refresh_transports(self) -> None:
+        """Each collective's transport: the group's, run by the policy's comms; a custom comm
+        runs its collective flat (the exchanges have no single collective to replace)."""
+        policy = self.policy
+        if policy.allocate_from_process_group:
+            all_gather, reduce_scatter = process_group_comms(self.process_group,
+                                                             policy.reduce_group or self.process_group)
         else:
-            self.all_gather_comm, self.reduce_scatter_comm = DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER
+            all_gather, reduce_scatter = DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER
+        all_gather = policy.custom_all_gather or all_gather
+        reduce_scatter = policy.custom_reduce_scatter or reduce_scatter
+        own = self.transport.with_comms(all_gather, reduce_scatter)
+        flat = flat_transport(all_gather, reduce_scatter)
+        self.gather_transport = flat if policy.custom_all_gather is not None else own
+        self.reduce_transport = flat if policy.custom_reduce_scatter is not None else own
 
     def set_reduce_group(self, pg: dist.ProcessGroup | None) -> None:
-        """Reduce-scatter over ``pg`` (None: the shard group). Collective for a new ``pg``: its
-        reads are probed now, while every member is here (``set_separate_reduce_scatter_group``)."""
-        if pg is not None and self._may_read:
-            probe_reads(pg)  # once per process group
-        self.reduce_group = pg
-        if self.allocates_from_process_group:  # the reduce-scatter's buffers follow its group
-            self.use_builtin_comms(allocate_from_process_group=True)
+        """Reduce-scatter over ``pg`` (None: the shard group). Collective for a new ``pg``: the
+        transport probes it now, while every member is here (``set_separate_reduce_scatter_group``)."""
+        if pg is not None:
+            self.transport.probe(pg)  # once per process group
+        self.policy.reduce_group = pg
+        self.refresh_transports()  # the reduce-scatter's buffers follow its group
 
-    @property
-    def _gathers_by_exchange(self) -> bool:
-        """The all-gather runs as an exchange: a CPU group big enough, with fsdp2's own all-gather."""
-        return self.exchange and is_builtin(self.all_gather_comm)
-
-    @property
-    def _reduces_by_exchange(self) -> bool:
-        return self.exchange and is_builtin(self.reduce_scatter_comm)
-
-    def _reads(self, pg: dist.ProcessGroup) -> bool:
-        """Whether this group's exchanges over ``pg`` read the peers' memory (``_cma.py``)."""
-        return self._may_read and _cma.usable(pg)
+    # ---- introspection (fsdp2.memory's tracker) ---------------------------------------------
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this group holds now, by category, in order of precedence (a storage
+        listed under two categories is the first's: a reduce-scatter output that the sharded
+        gradients are views of is a gradient; the exchange's own chunks, sent from the
+        unsharded buffer, are unsharded parameters)."""
+        grads = []
+        for p in self.params:
+            grads += [p.sharded.grad, p.accumulated_grad, p.unsharded.grad if p.unsharded is not None else None]
+        comm = [self._partial_send, *self._partial_reduce.values()]
+        for gather in (self._gather, self._unreleased):  # (a read all-gather's, until the peers read)
+            if gather is not None:  # packed shards are sent as they are: still sharded parameters
+                comm += [t for t in gather.buffers() if t is not self._packed]
+        for inflight in self.reduce_queue.in_flight(self):
+            comm += inflight.buffers()
+        found = {
+            "sharded_params": [p.padded_local for p in self.params],
+            "gradients": grads,
+            "unsharded_params": [self._buffer],
+            "communication": comm,
+        }
+        return {category: [t for t in ts if isinstance(t, torch.Tensor)] for category, ts in found.items()}
 
     # ---- unshard / reshard --------------------------------------------------------------
     def _aliases_shards(self) -> bool:
@@ -355,7 +361,7 @@ class ParamGroup:
         if not self._probed:
             self.probe_transport()
         if self._ext is not None:  # the subclasses' hooks give the inputs to gather (and their layout)
-            self._ext.pre_all_gather(self.mp_policy, self.device)
+            self._ext.pre_all_gather(self.policy.mp_policy, self.device)
         partial = self.state is ShardState.PARTIAL
         if partial:
             plan, group = self._plan(self.subgroup.size), self.subgroup.group
@@ -364,20 +370,7 @@ class ParamGroup:
         _trace.emit("unshard", self.label)
         with _trace.profiled(f"fsdp2::all_gather {self.label}"), _trace.issuing("all_gather", self.label):
             header = _checks.before_all_gather(self, plan, group)
-            if self._gathers_by_exchange:  # CPU: the chunks arrive in the unsharded buffer itself
-                self._alloc_unsharded()
-                if partial:
-                    sources = plan.slots(self._partial_send)
-                else:
-                    sources = self._shards(plan)
-                self._gather = exchange_all_gather(sources, plan, group, self._targets(plan).chunks, header, self.label,
-                                                   read=self._reads(group))
-            else:
-                send, copied = (self._partial_send, None) if partial else self._send_buffer(plan, explicit)
-                if explicit and copied is not None:  # CUDA: later work on the compute stream waits for the copy
-                    copied.wait()
-                self._gather = start_all_gather(send, plan, group, self.device, copied, header,
-                                                self.all_gather_comm)
+            self._gather = self.gather_transport.start_all_gather(self, plan, group, header, explicit)
         self._partial_send = None
         self.state = ShardState.GATHERING
         if not async_op:
@@ -393,7 +386,7 @@ class ParamGroup:
         with _trace.profiled(f"fsdp2::all_gather_wait {self.label}"):
             _checks.wait_all_gather(self, gather)  # errors name the group; compares the ranks' headers
             self._alloc_unsharded()
-            finish_all_gather(gather, self._targets(gather.plan))
+            gather.transport.finish_all_gather(gather, self._targets(gather.plan))
             if self._ext is not None:  # rebuild the subclasses' unsharded tensors from what arrived
                 self._ext.post_all_gather(self._on_grad_ready, self._buffer)
         if gather.release is not None:
@@ -433,7 +426,7 @@ class ParamGroup:
         self.state = ShardState.PARTIAL
 
     def reshard_after_forward_step(self) -> None:
-        policy = self.reshard_after_forward
+        policy = self.policy.reshard_after_forward
         if policy is True:
             self.reshard()
         elif policy is not False and policy is not None:
@@ -463,16 +456,16 @@ class ParamGroup:
         gradients are in): the module's inputs' gradients come after every such use.
         ``set_reduce_scatter_unused_params`` groups reduce there too (see ``_state.py``).
         """
-        return self.reduce_unused or self.has_frozen
+        return self.policy.reduce_unused or self.has_frozen
 
     # ---- backward -----------------------------------------------------------------------
     def pre_backward(self) -> None:
         self.backward_started = True
-        if self.unshard_in_backward:
+        if self.policy.unshard_in_backward:
             self.wait_for_unshard()
 
     def _on_grad_ready(self, param: ShardedParam) -> None:
-        if self.post_backward_done and self.reduce_unused:  # reduced at the end of the module's backward
+        if self.post_backward_done and self.policy.reduce_unused:  # reduced at the end of the module's backward
             raise RuntimeError(
                 f"fsdp2: the gradient of {self._name_of(param)} arrived after {self.label} had reduced its "
                 "gradients at the end of its module's backward (set_reduce_scatter_unused_params): "
@@ -496,7 +489,7 @@ class ParamGroup:
             return
         # reduce_unused: parameters that got no gradient on this rank will not get one now:
         # reduce (zeros for them), at the same point of backward on every rank.
-        if self.reduce_unused or len(self._grads_ready) == self._num_trainable:
+        if self.policy.reduce_unused or len(self._grads_ready) == self._num_trainable:
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -506,25 +499,25 @@ class ParamGroup:
         (``_reduce_gradients``): the gradients, not the parameters, are what it reads.
         """
         self.post_backward_done = True
-        if self.requires_gradient_sync:
+        if self.policy.requires_gradient_sync:
             self._reduce_gradients()
         else:
             for p in self.params:
                 if p.requires_grad:
                     p.stash_unsynced_grad()
-        if self.reshard_after_backward:
+        if self.policy.reshard_after_backward:
             self.reshard()
 
     def _reduce_gradients(self) -> None:
-        if self._aliases and self.all_reduce_hook is None:  # one rank: the gradient is the reduced gradient
+        if self._aliases and self.policy.all_reduce_hook is None:  # one rank: the gradient is the reduced gradient
             _trace.emit("reduce_scatter", self.label)
-            factor = self.divide_factor
+            factor = self.policy.divide_factor
             for p in self.params:
                 grad = self._gradient_to_reduce(p)
                 if grad is not None:
                     grad = grad if factor in (None, 1) else grad / factor
                     p.add_sharded_grad(grad.view(p.layout.local_shape))
-                    if self.check_finite:
+                    if self.policy.check_finite:
                         _checks.record_nonfinite(self.root, [p], [grad])
                     p.run_sharded_grad_hooks()
             return
@@ -538,29 +531,26 @@ class ParamGroup:
         grad = grads = None  # the buckets' lists are the only references left (see below)
         if not buckets:
             return
-        dp = self.dp
-        group = self.reduce_group or self.process_group
-        exchange = self._reduces_by_exchange
+        dp, policy, transport = self.dp, self.policy, self.reduce_transport
         target = ReduceTarget(
-            group=group, world=self.world,
+            group=policy.reduce_group or self.process_group, world=self.world,
             replicate_group=dp.replicate_group, replicate_world=dp.replicate_size,
-            all_reduce=self.requires_all_reduce, partial=self._partial_reduce,
-            divide_factor=float(self.divide_factor if self.divide_factor is not None else dp.world),
-            label=self.label, root=self.root, check_finite=self.check_finite, exchange=exchange,
-            read=exchange and self._reads(group), force_sum=self.force_sum,
-            hook=self.all_reduce_hook, comm=self.reduce_scatter_comm,
+            all_reduce=policy.requires_all_reduce, partial=self._partial_reduce,
+            divide_factor=float(policy.divide_factor if policy.divide_factor is not None else dp.world),
+            label=self.label, root=self.root, check_finite=policy.check_finite, force_sum=policy.force_sum,
+            hook=policy.all_reduce_hook,
         )
-        if self.reshard_after_backward:  # the parameters' memory first, then the buffers'
+        if policy.reshard_after_backward:  # the parameters' memory first, then the buffers'
             self.reshard()
-        limit = self.max_reduce_buffers or reduce_scatters_in_flight(exchange and self.world > 1)
+        limit = policy.max_reduce_buffers or transport.reduce_scatters_in_flight(self.world)
         self.reduce_queue.make_room(limit)
         _trace.emit("reduce_scatter", self.label)
         with _trace.profiled(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):
-            # start_reduce_scatter empties each ``grads`` list once copied in (flat, CPU): the
-            # unsharded gradients are freed before the output is allocated.
+            # The flat transport empties each ``grads`` list once copied in: the unsharded
+            # gradients are freed before the output is allocated.
             inflight = [
-                start_reduce_scatter(params, grads, dtype, target, self.device,
-                                     _checks.reduce_header(self, params) if exchange else None)
+                transport.start_reduce_scatter(params, grads, dtype, target, self.device,
+                                               _checks.reduce_header(self, params) if transport.reduce_headers else None)
                 for dtype, (params, grads) in buckets.items()
             ]
         del buckets
@@ -577,7 +567,7 @@ class ParamGroup:
 
         A parameter frozen since an unsynced backward still reduces the gradient it kept."""
         grad = p.take_unsharded_grad()
-        if grad is None and self.reduce_unused and p.requires_grad:
+        if grad is None and self.policy.reduce_unused and p.requires_grad:
             grad = p.zero_unsharded_grad()
         return grad
 
@@ -585,7 +575,7 @@ class ParamGroup:
         """Called by the root after backward: finish what per-tensor hooks did not."""
         if self.backward_started and not self.post_backward_done:
             self.post_backward()
-        elif self.reshard_after_backward:
+        elif self.policy.reshard_after_backward:
             self.reshard()  # e.g. prefetched but never reached, or kept since forward
         self.backward_started = False
         self.post_backward_done = False

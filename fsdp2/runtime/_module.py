@@ -102,7 +102,7 @@ class FSDPModule:
         _check_bool("requires_gradient_sync", requires_gradient_sync)
         for state in self._states_below(recurse):
             if state.group is not None:
-                state.group.requires_gradient_sync = requires_gradient_sync
+                state.group.policy.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: skip (False) or do (True) the all-reduce across replicas after reduce-scatter.
@@ -114,7 +114,7 @@ class FSDPModule:
         _check_bool("requires_all_reduce", requires_all_reduce)
         for state in self._states_below(recurse):
             if state.group is not None:
-                state.group.requires_all_reduce = requires_all_reduce
+                state.group.policy.requires_all_reduce = requires_all_reduce
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """If False, the end of backward does not wait for the last reduce-scatters."""
@@ -128,7 +128,7 @@ class FSDPModule:
         _check_bool("reshard_after_forward", reshard_after_forward)
         for state in self._states_below(recurse):
             if state.group is not None:
-                state.group.reshard_after_forward = reshard_after_forward
+                state.group.policy.reshard_after_forward = reshard_after_forward
                 state.auto_reshard_after_forward = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
@@ -136,7 +136,7 @@ class FSDPModule:
         _check_bool("reshard_after_backward", reshard_after_backward)
         for state in self._states_below(recurse):
             if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+                state.group.policy.reshard_after_backward = reshard_after_backward
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
@@ -154,7 +154,7 @@ class FSDPModule:
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         for state in self._states_below(recurse):
             if state.group is not None:
-                state.group.reduce_unused = reduce_scatter_unused_params
+                state.group.policy.reduce_unused = reduce_scatter_unused_params
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward gathers this module's parameters again (True, default).
@@ -167,7 +167,7 @@ class FSDPModule:
         _check_bool("unshard_in_backward", unshard_in_backward)
         group = self._fsdp_state().group
         if group is not None:
-            group.unshard_in_backward = unshard_in_backward
+            group.policy.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters right after this module's, in forward."""
@@ -220,7 +220,7 @@ class FSDPModule:
             raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
         for state in self._states_below(recurse=True):
             if state.group is not None:
-                state.group.divide_factor = float(factor)
+                state.group.policy.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated (as in torch): use :meth:`set_gradient_divide_factor`."""
@@ -238,7 +238,7 @@ class FSDPModule:
         _check_bool("enable", enable)
         group = self._fsdp_state().group
         if group is not None:
-            group.force_sum = enable
+            group.policy.force_sum = enable
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: torch.cuda.Stream | None = None) -> None:
@@ -260,7 +260,7 @@ class FSDPModule:
             if group is None or group.device.type != "cuda":
                 raise ValueError("set_all_reduce_hook: stream is for CUDA meshes; leave it None")
         if group is not None:
-            group.all_reduce_hook = (hook, stream)
+            group.policy.all_reduce_hook = (hook, stream)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Accepted for compatibility; fsdp2 does not need it.
@@ -298,8 +298,9 @@ class FSDPModule:
         _comm.check_comm(f"set_custom_{kind}", comm)
         group = self._fsdp_state().group
         if group is not None:
-            setattr(group, f"{kind}_comm", comm)
-            group.allocates_from_process_group = False  # the custom comm allocates
+            setattr(group.policy, f"custom_{kind}", comm)
+            group.policy.allocate_from_process_group = False  # the custom comm allocates
+            group.refresh_transports()
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate this module's flat communication buffers with the process group's allocator.
@@ -312,7 +313,8 @@ class FSDPModule:
         if group is None:
             return
         _no_custom_comms("set_allocate_memory_from_process_group_for_comm", group)
-        group.use_builtin_comms(allocate_from_process_group=enable)
+        group.policy.allocate_from_process_group = enable
+        group.refresh_transports()
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Not supported: fsdp2 does not allocate from symmetric memory.
@@ -348,7 +350,7 @@ class FSDPModule:
                              f"{max_input_buffers}")
         for state in self._states_below(recurse):
             if state.group is not None:
-                state.group.max_reduce_buffers = max_input_buffers
+                state.group.policy.max_reduce_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter on a process group of its own (True), or on the all-gather's (False).
@@ -366,7 +368,7 @@ class FSDPModule:
                 continue
             if not enable:
                 group.set_reduce_group(None)
-            elif group.reduce_group is None:
+            elif group.policy.reduce_group is None:
                 ranks = tuple(dist.get_process_group_ranks(group.process_group))
                 if ranks not in made:
                     made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
@@ -387,7 +389,7 @@ class FSDPModule:
         _check_bool("enabled", enabled)
         for state in self._states_below(recurse):
             if state.group is not None:
-                state.group.check_finite = enabled
+                state.group.policy.check_finite = enabled
 
     def reset_iter_state(self) -> None:
         """Recover after an exception inside forward or backward.
@@ -421,9 +423,9 @@ def _check_bool(name: str, value: object) -> None:
 
 
 def _no_custom_comms(method: str, group: Any) -> None:
-    custom = [name for name, comm in (("set_custom_all_gather", group.all_gather_comm),
-                                      ("set_custom_reduce_scatter", group.reduce_scatter_comm))
-              if not _comm.is_builtin(comm)]
+    custom = [name for name, comm in (("set_custom_all_gather", group.policy.custom_all_gather),
+                                      ("set_custom_reduce_scatter", group.policy.custom_reduce_scatter))
+              if comm is not None]
     if custom:
         raise ValueError(f"{method}: {group.label} has a custom comm ({', '.join(custom)}), which allocates its own "
                          "buffers; allocate from the process group inside the custom comm instead")

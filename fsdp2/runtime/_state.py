@@ -83,7 +83,7 @@ class ModuleState:
         self.mp_policy = mp_policy
         self.is_root: bool | None = None  # decided at lazy init
         # reshard_after_forward=None: decided at lazy init (root keeps its parameters).
-        self.auto_reshard_after_forward = group is not None and group.reshard_after_forward is None
+        self.auto_reshard_after_forward = group is not None and group.policy.reshard_after_forward is None
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[ModuleState] = []
@@ -146,7 +146,7 @@ class ModuleState:
                 group.reduce_queue = ctx.reduce_queue
                 group.root = ctx
                 if state.auto_reshard_after_forward:
-                    group.reshard_after_forward = not state.is_root
+                    group.policy.reshard_after_forward = not state.is_root
         ctx.diag = _checks.Diagnostics(states, names)
         try:
             _checks.check_rank_agreement(ctx.diag)
@@ -315,7 +315,7 @@ class ModuleState:
         return []
 
     def _backward_prefetch_targets(self) -> list[ParamGroup]:
-        return [g for g in self._backward_prefetch_candidates() if g.unshard_in_backward]
+        return [g for g in self._backward_prefetch_candidates() if g.policy.unshard_in_backward]
 
     def _backward_prefetch_candidates(self) -> list[ParamGroup]:
         if self.backward_prefetch:  # an empty list means implicit, as in torch

@@ -189,7 +189,7 @@ def _train(tied: bool, precision: str) -> dict:
         "torch_modules": sum(isinstance(m, TorchFSDPModule) for m in theirs.modules()),
         "torch_in_ours": any(isinstance(m, TorchFSDPModule) for m in ours.modules()),
         "groups": len({id(get_state(m)) for m in ours.modules() if get_state(m) is not None}),
-        "divide_factors": sorted({g.divide_factor for g in groups if g is not None}),
+        "divide_factors": sorted({g.policy.divide_factor for g in groups if g is not None}),
         "param_dtypes": sorted({str(g.params[0].param_dtype) for g in groups if g is not None}),
         "losses": {k: torch.stack(v) for k, v in losses.items() if v},
         "torch_param_diff": max((mine[n] - torchs[n]).abs().max().item() for n in mine),

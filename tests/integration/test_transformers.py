@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV, probe_reads
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
+from fsdp2.comm.cpu._transport import probe_reads
 from fsdp2._common import get_state
 from tests._dist import environ, run_on_ranks
 
@@ -61,7 +62,7 @@ def _train(arch: str, precision: str, transport: str) -> dict | None:
         out = _hf.train_three_ways(lambda: _hf.build(arch), mp, STEPS)
     result = _summary(out, _hf.full_params(_hf.build(arch)))
     groups = [get_state(m).group for m in out["models"]["fsdp2"].modules() if get_state(m) is not None]
-    result["exchange"] = {g.exchange for g in groups}
+    result["exchange"] = {g.transport.gathers_in_place for g in groups}
     return result
 
 

@@ -1,0 +1,163 @@
+"""The flat transport: one ``all_gather_into_tensor`` and one ``reduce_scatter_tensor`` per collective.
+
+The path NCCL takes (and gloo's, for small CPU groups or ``FSDP2_CPU_COLLECTIVES=flat``).
+All-gather: every rank's slice (header, then each entry at its 16-byte aligned offset)
+into a rank-major output, then one copy-out into the parameter-major unsharded buffer.
+Reduce-scatter: the full gradients copied into a rank-major buffer (chunk ``r`` of every
+parameter in rank ``r``'s row), reduced into this rank's row. The collectives are
+replaceable objects (``_comm.py``, torch's interface) and run on side streams
+(``_streams.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import _compat
+from ..diagnostics import _debug
+from ..diagnostics._checks import HEADER
+from ._collectives import AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight, ReduceTarget, packed_offsets, reduce_op
+from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
+from ._streams import Completion, streams_for
+from ._transport import GatherSource, Transport
+
+if TYPE_CHECKING:
+    from ..runtime._param import ShardedParam
+
+__all__ = ["FlatTransport"]
+
+
+class FlatTransport(Transport):
+    """The flat collectives, run by ``all_gather`` / ``reduce_scatter`` (``_comm.py``)."""
+
+    name = "flat"
+
+    def __init__(self, all_gather: AllGather | None = None, reduce_scatter: ReduceScatter | None = None) -> None:
+        self.all_gather = all_gather or DEFAULT_ALL_GATHER
+        self.reduce_scatter = reduce_scatter or DEFAULT_REDUCE_SCATTER
+
+    def start_all_gather(self, source: GatherSource, plan: GatherPlan, pg: dist.ProcessGroup,
+                         header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
+        send, copied = source.send_slice(plan, explicit)
+        if explicit and copied is not None:  # CUDA: later work on the compute stream waits for the copy
+            copied.wait()
+        return _start_all_gather(self, send, plan, pg, source.device, copied, header)
+
+    def finish_all_gather(self, inflight: AllGatherInFlight, targets: GatherTargets) -> None:
+        _copy_out(inflight, targets)
+
+    def start_reduce_scatter(self, params: Sequence[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype,
+                             target: ReduceTarget, device: torch.device,
+                             header: torch.Tensor | None) -> ReduceScatterInFlight:
+        return _start_reduce_scatter(self.reduce_scatter, params, grads, dtype, target, device)
+
+    def with_comms(self, all_gather: AllGather, reduce_scatter: ReduceScatter) -> Transport:
+        return FlatTransport(all_gather, reduce_scatter)
+
+    def __repr__(self) -> str:
+        return f"FlatTransport({self.all_gather!r}, {self.reduce_scatter!r})"
+
+
+def _start_all_gather(
+    transport: FlatTransport, send: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup, device: torch.device,
+    copied: Completion | None, header: torch.Tensor | None,
+) -> AllGatherInFlight:
+    """Issue the flat all-gather of ``send`` (after ``copied``, the copy-in that filled it, if any).
+
+    ``header``, if given, is stamped into the first 16 bytes of ``send`` first. ``transport.all_gather``
+    allocates the output and runs the collective (``_comm.py``).
+    """
+    streams = streams_for(device)
+    if header is not None:
+        send[:HEADER].copy_(header, non_blocking=True)
+    if plan.world == 1:  # nothing to gather: the send buffer is the result
+        return AllGatherInFlight(copied or Completion(), plan, send[None, :HEADER], transport, send, send)
+    with streams.side("all_gather"):
+        streams.after(copied)
+        comm = transport.all_gather
+        output = comm.allocate((plan.world * plan.slice_bytes,), dtype=torch.uint8, device=device)
+        work = comm(output, send, group, async_op=True)
+        done = streams.issued(work)
+    headers = output.view(plan.world, plan.slice_bytes)[:, :HEADER]
+    return AllGatherInFlight(done, plan, headers, transport, send, output)
+
+
+def _copy_out(inflight: AllGatherInFlight, targets: GatherTargets) -> None:
+    """Scatter the rank-major gathered bytes into the parameter-major unsharded buffer.
+
+    One op for the whole group: a ``split_with_sizes_copy`` of the output's byte columns
+    (no view per parameter per step), else one foreach copy of per-entry views.
+    """
+    plan = inflight.plan
+    split = targets.split
+    with torch.no_grad():
+        if split is not None:
+            rows = inflight.output.view(plan.world, plan.slice_bytes)[:, HEADER:]
+            torch.split_with_sizes_copy(rows, split[0], dim=1, out=split[1])
+        else:
+            torch._foreach_copy_(targets.chunks, plan.rank_major(inflight.output))
+
+
+def _start_reduce_scatter(
+    comm: ReduceScatter, params: Sequence[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype,
+    target: ReduceTarget, device: torch.device,
+) -> ReduceScatterInFlight:
+    """Copy the full gradients ``grads`` into a rank-major buffer and reduce-scatter it with ``comm``.
+
+    ``grads`` is emptied once the gradients are copied in, so that, the caller holding no other
+    reference, they are freed before the output is allocated.
+    """
+    world, group = target.world, target.group
+    offs, total = packed_offsets([p.layout.local_numel for p in params], align=False)
+    op, pre, post = reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
+    if world > 1:
+        _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
+                              target.root)
+    streams = streams_for(device)
+    with streams.side("reduce_scatter"):
+        send = comm.allocate((world * total,), dtype=dtype, device=device)
+        _copy_rank_major(send.view(world, total), params, grads, offs)
+        held_grads = tuple(grads) if streams.cuda else ()
+        grads.clear()  # the caller's list: the gradients are freed before the output exists
+        if pre is not None and pre != 1:
+            send.div_(pre)
+        if world == 1:  # nothing to scatter: the send buffer is the result
+            output, work = send, None
+        else:
+            output = comm.allocate((total,), dtype=dtype, device=device)
+            work = comm(output, send, group, op, async_op=True)
+        done = streams.issued(work)
+    # CUDA: the copy-in ran on the reduce-scatter stream; hold the full gradients until the
+    # compute stream waited on it. CPU: copied already, freed (``grads`` emptied) above.
+    held = (send, *held_grads)
+    return ReduceScatterInFlight(done, tuple(params), tuple(offs), op, post, target, output, held)
+
+
+def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grads: Sequence[torch.Tensor],
+                     offsets: Sequence[int]) -> None:
+    """Copy each full gradient's chunk ``r`` into row ``r`` of ``by_rank`` (world, total)."""
+    world = by_rank.shape[0]
+    if all(p.layout.dim == 0 and p.layout.local_numel for p in params):  # the usual case: one op
+        with torch.no_grad():
+            _compat.chunk_cat(list(grads), world, by_rank)
+        return
+    targets, sources = [], []  # even shards: one foreach copy for all of them
+    with torch.no_grad():
+        for p, grad, off in zip(params, grads, offsets):
+            lay = p.layout
+            dst = by_rank.as_strided((world, *lay.local_shape), (by_rank.stride(0), *lay.local_stride),
+                                     by_rank.storage_offset() + off)
+            if lay.shape[lay.dim] == lay.chunk * world:
+                targets.append(dst)
+                sources.append(lay.chunks_view(grad.contiguous()))
+            else:  # uneven: zero the padding, then copy each rank's true rows
+                dst.zero_()
+                for r in range(world):
+                    rows = lay.rows(r)
+                    if rows:
+                        dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
+        if targets:
+            torch._foreach_copy_(targets, sources)

@@ -1,0 +1,139 @@
+"""The transport interface: how one group's all-gather and reduce-scatter move bytes.
+
+The runtime (``runtime/_group.py``) never asks which transport it has; it asks the
+transport. Two implementations:
+
+* ``FlatTransport`` (``_flat.py``): one ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+  per collective (or a custom comm), on side streams. The path NCCL takes; runs on gloo too.
+* ``ExchangeTransport`` (``cpu/_transport.py``): point-to-point exchanges straight into and
+  out of the unsharded buffer and gradients, by messages or by same-host reads. CPU only,
+  imported only when a CPU group picks it.
+
+A group gets one when it is built (:func:`choose_transport`) and again when its dtypes
+or devices change; a custom comm makes that collective flat (:func:`flat_transport`).
+``FSDP2_CPU_COLLECTIVES=auto|read|exchange|flat`` picks for CPU groups; this module is
+the only one that reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ..runtime._param import ShardedParam
+    from ._collectives import AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight, ReduceTarget
+    from ._comm import AllGather, ReduceScatter
+    from ._streams import Completion
+
+__all__ = ["CPU_COLLECTIVES_ENV", "EXCHANGE_MIN_BYTES", "GatherSource", "Transport", "choose_transport",
+           "cpu_transport", "flat_transport"]
+
+CPU_COLLECTIVES_ENV = "FSDP2_CPU_COLLECTIVES"
+CPU_TRANSPORTS = ("auto", "read", "exchange", "flat")
+# Below this many unsharded bytes a group's exchange costs more than gloo's flat collective:
+# each point-to-point message costs ~0.2 ms to post on gloo, whatever its size, while the
+# flat collective's extra copies and slower transfer grow with the bytes. Measured on the
+# 2-core development machine, 2 ranks, one unshard + reshard: 0.5 MiB flat 1.7 ms, exchange
+# 2.4 ms; 2 MiB flat 3.4 ms, exchange 2.9 ms; 18 MiB flat 27 ms, exchange 10 ms.
+EXCHANGE_MIN_BYTES = 2**20
+
+
+class GatherSource(Protocol):
+    """What a transport asks of the group whose parameters it gathers."""
+
+    device: torch.device
+    label: str
+
+    def send_slice(self, plan: GatherPlan, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
+        """This rank's slice of the flat all-gather (header room first) and the copy that filled it."""
+        ...
+
+    def entries(self, plan: GatherPlan) -> list[torch.Tensor]:
+        """This rank's part of each entry of ``plan``, where it lives now."""
+        ...
+
+    def targets(self, plan: GatherPlan) -> GatherTargets:
+        """Where the gathered entries go: the unsharded buffer (allocated by this call)."""
+        ...
+
+
+class Transport(ABC):
+    """How a group's collectives move bytes. One object per group and collective kind."""
+
+    name: ClassVar[str]
+    gathers_in_place: ClassVar[bool] = False
+    """The all-gather receives into the unsharded buffer itself, so it is allocated at issue."""
+    reduce_headers: ClassVar[bool] = False
+    """A reduce-scatter carries this rank's schedule header (``_checks.reduce_header``)."""
+
+    def probe(self, pg: dist.ProcessGroup) -> None:  # noqa: B027 - a no-op unless overridden
+        """Collective, once per process group, at the first all-gather over it (every rank of
+        ``pg`` is there): find out what the ranks can do for each other."""
+
+    @abstractmethod
+    def start_all_gather(self, source: GatherSource, plan: GatherPlan, pg: dist.ProcessGroup,
+                         header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
+        """Issue the all-gather of ``source``'s entries over ``pg``; ``header``: this rank's schedule
+        header (None: not checked); ``explicit``: the user's ``unshard(async_op=True)``."""
+
+    @abstractmethod
+    def finish_all_gather(self, inflight: AllGatherInFlight, targets: GatherTargets) -> None:
+        """After the wait: the gathered entries in place in ``targets``."""
+
+    @abstractmethod
+    def start_reduce_scatter(self, params: Sequence[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype,
+                             target: ReduceTarget, device: torch.device,
+                             header: torch.Tensor | None) -> ReduceScatterInFlight:
+        """Issue the reduce-scatter of the full gradients ``grads`` in ``dtype``. The transport
+        empties ``grads`` where it no longer needs them (so they can be freed early)."""
+
+    def with_comms(self, all_gather: AllGather, reduce_scatter: ReduceScatter) -> Transport:
+        """This transport with its flat collectives run by these comms (``_comm.py``): the
+        exchanges have none to run, so they are unchanged."""
+        return self
+
+    def reduce_scatters_in_flight(self, world: int) -> int:
+        """How many reduce-scatters may be in flight by default once a group issued its own
+        (that one included); the oldest are finished first (``runtime/_reduce_queue.py``)."""
+        return 1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def cpu_transport() -> str:
+    """``FSDP2_CPU_COLLECTIVES``, checked: ``auto`` (the default), ``read``, ``exchange`` or ``flat``."""
+    choice = os.environ.get(CPU_COLLECTIVES_ENV, "auto")
+    if choice not in CPU_TRANSPORTS:
+        raise ValueError(f"{CPU_COLLECTIVES_ENV}={choice!r}: use 'auto' (the default), 'read', 'exchange' or 'flat'")
+    return choice
+
+
+def choose_transport(device: torch.device, unsharded_bytes: int) -> Transport:
+    """The transport of a group with ``unsharded_bytes`` of unsharded parameters on ``device``.
+
+    CPU (gloo) groups of at least ``EXCHANGE_MIN_BYTES`` exchange point to point: faster than
+    gloo's flat collectives there, and with no flat buffer to copy through; they read the
+    peers' memory where the ranks allow it. Smaller CPU groups, and every group on an
+    accelerator (NCCL), use the flat collectives. ``FSDP2_CPU_COLLECTIVES`` overrides this for
+    CPU groups built afterwards: ``read`` or ``exchange`` (messages only) always, ``flat``
+    never (the path NCCL takes, which runs on gloo too, so the tests cover it without a GPU).
+    """
+    choice = cpu_transport()
+    if device.type != "cpu" or choice == "flat" or (choice == "auto" and unsharded_bytes < EXCHANGE_MIN_BYTES):
+        return flat_transport()
+    from .cpu._transport import exchange_transport  # the CPU transport, only where a group takes it
+
+    return exchange_transport(may_read=choice != "exchange", must_read=choice == "read")
+
+
+def flat_transport(all_gather: AllGather | None = None, reduce_scatter: ReduceScatter | None = None) -> Transport:
+    """The flat collectives, run by ``all_gather`` / ``reduce_scatter`` (fsdp2's defaults if None)."""
+    from ._flat import FlatTransport
+
+    return FlatTransport(all_gather, reduce_scatter)

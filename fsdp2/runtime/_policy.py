@@ -1,0 +1,50 @@
+"""What the ``FSDPModule`` setters choose for one group, in one object the group reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["GroupPolicy"]
+
+
+@dataclass
+class GroupPolicy:
+    """One parameter group's settings. ``fully_shard`` and the ``FSDPModule`` setters write
+    it; the group reads it at each step. Fields that change how bytes move (comms, the
+    reduce-scatter group, allocation) go through ``ParamGroup`` methods, which pick the
+    transports again."""
+
+    reshard_after_forward: bool | int | None = None
+    """None until the root's lazy init resolves it (the root keeps its parameters)."""
+    reshard_after_backward: bool = True
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True
+    """HSDP: all-reduce across replicas after the reduce-scatter (False: sums wait)."""
+    reduce_unused: bool = False
+    """``set_reduce_scatter_unused_params``: zeros for gradients the rank did not produce."""
+    unshard_in_backward: bool = True
+    """False: backward needs none of the values (e.g. embeddings), so no all-gather then."""
+    force_sum: bool = False
+    """``set_force_sum_reduction_for_comms``: SUM then divide, never the backend's AVG."""
+    all_reduce_hook: tuple[Any, Any] | None = None
+    """``set_all_reduce_hook``: (fn, CUDA stream or None), run on each reduced gradient."""
+    divide_factor: float | None = None
+    """``set_gradient_divide_factor``; None: the data-parallel world size."""
+    check_finite: bool = False
+    """``set_check_finite_gradients``: record non-finite reduced gradients."""
+    max_reduce_buffers: int | None = None
+    """``set_reduce_scatter_max_input_buffers``; None: the transport's default."""
+    mp_policy: Any = None
+    """The ``MixedPrecisionPolicy``, handed to all-gather extensions' pre-all-gather hooks."""
+    custom_all_gather: Any = None
+    """``set_custom_all_gather``: the comm (``fsdp2.AllGather``) that runs the all-gather, flat."""
+    custom_reduce_scatter: Any = None
+    """``set_custom_reduce_scatter``: the comm that runs the reduce-scatter, flat."""
+    reduce_group: dist.ProcessGroup | None = None
+    """``set_separate_reduce_scatter_group``; None: the shard group."""
+    allocate_from_process_group: bool = False
+    """``set_allocate_memory_from_process_group_for_comm``: fsdp2's comms allocate from the
+    process group (NCCL can register the memory)."""
