@@ -9,8 +9,8 @@ HSDP with 2 replicas; FSDP x TP with tp 2), shards it as ``recipes/llama/paralle
 does (TP, then ``fully_shard`` per block, then the root, reduce in fp32), trains one
 untracked step (so AdamW's state exists) and tracks the second with
 ``fsdp2.MemoryTracker``. Rank 0 asks ``fsdp2.estimate_memory`` for the same layouts first,
-before the process group exists (its tensor-parallel simulation brings a fake one), from a
-model on the meta device, and prints one table per case and a summary; each case is also
+before the process group exists (its tensor-parallel simulation brings a fake one), from the
+same model built on fake tensors, and prints one table per case and a summary; each case is also
 one JSON line (``--json``). The tracker's numbers are rank 0's; the planner's are for the
 rank with the most padding, which is rank 0 too.
 """
@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/ next to fsdp2/
 
 from fsdp2 import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from fsdp2.memory import CATEGORIES, MemoryTracker, estimate_memory  # noqa: E402
+from fsdp2.memory import CATEGORIES, Layout, MemoryTracker, ModelBuilder, estimate_memory  # noqa: E402
 from fsdp2.memory._tracker import format_bytes, format_table  # noqa: E402
 from recipes.llama.model import ModelArgs, Transformer  # noqa: E402
 from recipes.llama.parallelize import ParallelDims, apply_activation_checkpointing, tp_plan  # noqa: E402
@@ -93,14 +92,14 @@ def track(margs: ModelArgs, case: dict, batch: int, seq: int):
 
 
 def plan(margs: ModelArgs, case: dict, world: int, batch: int, seq: int):
-    with torch.device("meta"):
-        model = Transformer(margs)
     replicate, tp = LAYOUTS[case.get("layout", "fsdp")]
-    return estimate_memory(model, world=world, dp_replicate=replicate, tp=tp, tp_plan=tp_plan, batch=batch, seq=seq,
-                           param_dtype=DTYPES[case["param_dtype"]],
-                           reduce_dtype=torch.float32, reshard_after_forward=case["reshard_after_forward"],
-                           activation_checkpointing=case["activation_checkpointing"], make_inputs=_inputs,
-                           backend="gloo", cpu_reads=case.get("cpu_reads", True))
+    layout = Layout(world=world, dp_replicate=replicate, tp=tp, batch=batch, seq=seq,
+                    param_dtype=DTYPES[case["param_dtype"]], reduce_dtype=torch.float32,
+                    reshard_after_forward=case["reshard_after_forward"],
+                    activation_checkpointing=case["activation_checkpointing"], backend="gloo",
+                    cpu_reads=case.get("cpu_reads", True))
+    # Every block built (no extrapolation); with tp, the Llama's own tp_plan, as build() above applies.
+    return estimate_memory(layout, ModelBuilder(build=lambda: Transformer(margs), make_inputs=_inputs))
 
 
 def _inputs(batch: int, seq: int) -> torch.Tensor:

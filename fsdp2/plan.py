@@ -3,8 +3,9 @@
     python -m fsdp2.plan --config llama3_70b --world 64 --tp 8 --param-dtype bf16 --gpu-memory 80GiB
     python -m fsdp2.plan --config llama3_8b --world 8 --compare
 
-Builds two blocks on fake tensors (no memory; with ``--tp``, on a fake process group),
-simulates a training step with fsdp2's buffer schedule; see docs/memory.md.
+Builds two blocks of the recipe's Llama (``fsdp2.models.llama``) on fake tensors (no memory;
+with ``--tp``, on a fake process group), simulates a training step with fsdp2's buffer
+schedule and extrapolates to the config's blocks; see docs/memory.md.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import sys
 
 import torch
 
-from .memory import estimate_memory
-from .memory._llama import CONFIGS, LlamaModel
+from .memory import Layout, MemoryEstimate, ModelBuilder, estimate_memory
+from .models.llama import LLAMA3
 from .memory._tracker import format_bytes, format_table
 
 __all__ = ["main", "parse_bytes"]
@@ -54,7 +55,7 @@ def _positive(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fsdp2.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, choices=sorted(CONFIGS))
+    p.add_argument("--config", required=True, choices=sorted(LLAMA3))
     p.add_argument("--world", required=True, type=_positive, help="total ranks")
     p.add_argument("--dp-replicate", type=_positive, default=1)
     p.add_argument("--tp", type=_positive, default=1)
@@ -70,26 +71,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _estimate(args: argparse.Namespace, *, dp_replicate: int, tp: int, reshard: bool, ac: bool):
-    shape = CONFIGS[args.config]
-    return estimate_memory(
-        lambda: LlamaModel(shape, n_blocks=min(2, shape.n_layers)), world=args.world, batch=args.batch, seq=args.seq,
-        dp_replicate=dp_replicate, tp=tp, param_dtype=DTYPES[args.param_dtype],
-        reduce_dtype=DTYPES[args.reduce_dtype], reshard_after_forward=reshard,
-        activation_checkpointing=ac, optimizer=args.optimizer, num_blocks=shape.n_layers,
-        gpu_memory=args.gpu_memory,
-    )
+def _layout(args: argparse.Namespace, **fields: object) -> Layout:
+    """The flags' layout; ``fields`` override some (``--compare`` ignores the flags' mesh and policies)."""
+    flags = dict(world=args.world, batch=args.batch, seq=args.seq, dp_replicate=args.dp_replicate, tp=args.tp,
+                 param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype],
+                 reshard_after_forward=args.reshard_after_forward,
+                 activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer)
+    return Layout(**{**flags, **fields})
+
+
+def _estimate(args: argparse.Namespace, layout: Layout) -> MemoryEstimate:
+    """The recipe's Llama of ``--config`` (two blocks built, the rest extrapolated) on ``layout``."""
+    return estimate_memory(layout, ModelBuilder.llama(args.config), gpu_memory=args.gpu_memory)
 
 
 def _candidates(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     """(name, dp_replicate, tp) for FSDP, HSDP and FSDP x TP layouts that divide the world."""
-    shape, world = CONFIGS[args.config], args.world
+    shape, world = LLAMA3[args.config], args.world
     out = [("FSDP", 1, 1)]
     for r in (2, 4, 8):
         if world % r == 0 and world // r > 1:
             out.append((f"HSDP {r}x{world // r}", r, 1))
     for t in (2, 4, 8):
-        if world % t == 0 and shape.n_kv_heads % t == 0 and world // t >= 1:
+        if world % t == 0 and shape.kv_heads % t == 0 and world // t >= 1:
             out.append((f"FSDP x TP{t}", 1, t))
     return out
 
@@ -99,7 +103,8 @@ def _compare(args: argparse.Namespace) -> str:
     for name, r, t in _candidates(args):
         for reshard in (True, False):
             for ac in (False, True):
-                est = _estimate(args, dp_replicate=r, tp=t, reshard=reshard, ac=ac)
+                est = _estimate(args, _layout(args, dp_replicate=r, tp=t, reshard_after_forward=reshard,
+                                              activation_checkpointing=ac))
                 rows.append((est.peak_bytes, (name, "on" if reshard else "off", "on" if ac else "off",
                              format_bytes(est.peak_bytes), est.peak_point, format_bytes(est.comm_bytes_per_step),
                              "-" if est.fits is None else "yes" if est.fits else "no")))
@@ -110,16 +115,15 @@ def _compare(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.seq > CONFIGS[args.config].max_seq_len:
-        _parser().error(f"--seq {args.seq} exceeds the config's max_seq_len {CONFIGS[args.config].max_seq_len}")
+    if args.seq > LLAMA3[args.config].max_seq_len:
+        _parser().error(f"--seq {args.seq} exceeds the config's max_seq_len {LLAMA3[args.config].max_seq_len}")
     try:
         if args.compare:
             print(f"{args.config}, world {args.world}, batch {args.batch} x seq {args.seq}, "
                   f"param {args.param_dtype}, optimizer {args.optimizer}")
             print(_compare(args))
         else:
-            est = _estimate(args, dp_replicate=args.dp_replicate, tp=args.tp,
-                            reshard=args.reshard_after_forward, ac=args.activation_checkpointing)
+            est = _estimate(args, _layout(args))
             print(f"{args.config}: {est.table()}")
             for note in est.notes:
                 print(f"note: {note}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
+from dataclasses import replace
+
 import expecttest
 
 import pytest
@@ -12,11 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
 
 import fsdp2
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
-from fsdp2.memory import MemoryTracker, estimate_memory
+from fsdp2.memory import Layout, MemoryTracker, ModelBuilder, estimate_memory
 from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
 
@@ -104,6 +105,9 @@ def _build_meta_transformer() -> nn.Module:
     return Transformer(dim=DIM, n_layers=LAYERS, seed=None)
 
 
+TESTS_TRANSFORMER = ModelBuilder(build=_build_meta_transformer)
+
+
 # The recipe's model, small: the planner-vs-tracker sweep of benchmarks/memory.py, two cases.
 _RECIPE = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, max_seq_len=64)
 _RECIPE_BATCH, _RECIPE_SEQ = 2, 64
@@ -158,34 +162,11 @@ def test_planner_matches_tracker_on_recipe_model(world, layout, param_dtype, res
     assert measured.peak_phase == "backward" and est.peak_point.startswith("backward")
 
 
-def test_planner_tp_plan_places_parameters_as_the_recipe_does():
-    """The planner's default TP plan (fsdp2/memory/_llama.py) is the recipe's, parameter by parameter."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fsdp2._compat import fake_process_group
-    from fsdp2.memory._llama import llama_tp_plan
-    from recipes.llama.model import ModelArgs, Transformer as Llama
-    from recipes.llama.parallelize import tp_plan
-
-    placements = []
-    with fake_process_group(2):
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        for plan in (tp_plan, llama_tp_plan):
-            with torch.device("meta"):
-                model = Llama(ModelArgs(**_RECIPE))
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                model.to_empty(device="cpu")
-                plan(model, mesh)
-            placements.append({n: (tuple(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()})
-    assert placements[0] == placements[1]
-    assert placements[0]["layers.0.attention.wo.weight"] == ((Shard(1),), (128, 64))
-
-
 def _planner_inside_a_process_group() -> str:
-    from recipes.llama.model import ModelArgs, Transformer as Llama
+    from recipes.llama.model import ModelArgs
 
-    with pytest.raises(ValueError, match="needs a process without one") as info:
-        estimate_memory(Llama(ModelArgs(**_RECIPE)), world=2, tp=2, batch=1, seq=16)
+    with pytest.raises(ValueError, match="needs a process without one"):
+        estimate_memory(Layout(world=2, tp=2, batch=1, seq=16), ModelBuilder.llama(ModelArgs(**_RECIPE)))
     return "refused"
 
 
@@ -194,35 +175,34 @@ def test_planner_with_tp_refuses_a_process_that_has_a_process_group():
 
 
 def test_planner_tp_needs_a_plan_for_other_models():
-    with pytest.raises(ValueError, match=r"the default tp_plan is the recipe's Llama plan .*pass tp_plan="):
-        estimate_memory(_build_meta_transformer, world=4, tp=2, batch=1, seq=16)
+    with pytest.raises(ValueError, match=r"needs the tensor-parallel plan of Transformer: pass "
+                                         r"ModelBuilder\(build=..., tp_plan=fn\)"):
+        estimate_memory(Layout(world=4, tp=2, batch=1, seq=16), TESTS_TRANSFORMER)
 
 
 def test_planner_counts_sharding_and_checkpointing():
-    base = dict(world=8, batch=2, seq=16)
-    fsdp = estimate_memory(_build_meta_transformer, **base)
-    hsdp = estimate_memory(_build_meta_transformer, dp_replicate=2, **base)
-    ac = estimate_memory(_build_meta_transformer, activation_checkpointing=True, **base)
+    base = Layout(world=8, batch=2, seq=16)
+    fsdp = estimate_memory(base, TESTS_TRANSFORMER)
+    hsdp = estimate_memory(replace(base, dp_replicate=2), TESTS_TRANSFORMER)
+    ac = estimate_memory(replace(base, activation_checkpointing=True), TESTS_TRANSFORMER)
     assert hsdp.peak_by_category["sharded_params"] == pytest.approx(2 * fsdp.peak_by_category["sharded_params"], rel=0.02)
-    saved_ac = estimate_memory(_build_meta_transformer, activation_checkpointing=True, num_blocks=20, **base)
-    saved = estimate_memory(_build_meta_transformer, num_blocks=20, **base)
+    twenty = replace(TESTS_TRANSFORMER, num_blocks=20)
+    saved_ac = estimate_memory(replace(base, activation_checkpointing=True), twenty)
+    saved = estimate_memory(base, twenty)
     assert saved_ac.points["loss"] < saved.points["loss"]
     # 18 more blocks keep 18 more blocks' activations at the end of forward.
     assert saved.points["loss"] - fsdp.points["loss"] > 18 * DIM * BATCH * SEQ * 4
     assert ac.saved_activation_bytes_per_block <= fsdp.saved_activation_bytes_per_block
 
 
-def test_planner_rejects_impossible_layouts():
-    with pytest.raises(ValueError, match=r"world \(6\) must be divisible by dp_replicate \(1\) x tp \(4\)"):
-        estimate_memory(_build_meta_transformer, world=6, tp=4, batch=1, seq=16)
-    with pytest.raises(ValueError, match="optimizer must be one of"):
-        estimate_memory(_build_meta_transformer, world=2, batch=1, seq=16, optimizer="lion")
+def test_planner_rejects_impossible_models():
+    # (Impossible layouts are refused by Layout itself: tests/tools/test_plan_inputs.py.)
+    layout = Layout(world=2, batch=1, seq=16)
+    one_block = ModelBuilder(build=lambda: Transformer(dim=DIM, n_layers=1, seed=None), num_blocks=8)
     with pytest.raises(ValueError, match=r"num_blocks \(8\) needs a model built with at least 2"):
-        estimate_memory(lambda: Transformer(dim=DIM, n_layers=1, seed=None), world=2, batch=1, seq=16, num_blocks=8)
-    with pytest.raises(ValueError, match="backend must be 'nccl' or 'gloo'"):
-        estimate_memory(_build_meta_transformer, world=2, batch=1, seq=16, backend="mpi")
+        estimate_memory(layout, one_block)
     with pytest.raises(ValueError, match=r"non-empty nn.ModuleList `.layers`"):
-        estimate_memory(lambda: nn.Linear(4, 4), world=2, batch=1, seq=16)
+        estimate_memory(layout, lambda: nn.Linear(4, 4))
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
@@ -284,8 +264,9 @@ fits in 80.00 GiB (28%)
                     x = layer(x)
                 return x
 
-        est = estimate_memory(Toy, world=2, batch=4, seq=1, make_inputs=lambda b, s: torch.zeros(b, 64),
-                              loss_fn=lambda out, _x: out.sum())
+        est = estimate_memory(Layout(world=2, batch=4, seq=1),
+                              ModelBuilder(build=Toy, make_inputs=lambda b, s: torch.zeros(b, 64),
+                                           loss_fn=lambda out, _x: out.sum()))
         weight = 64 * 64 * 4  # 16 KiB per block, fp32
         by_hand = {
             # Each rank keeps 32 of the 64 rows of both, packed in the all-gather's send layout

@@ -13,15 +13,13 @@ over that activation curve at the points where the peak can happen.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -29,14 +27,14 @@ from ..diagnostics._checks import HEADER
 from .._compat import fake_process_group, in_backward
 from ..comm._transport import Transport, choose_transport
 from ..comm.cpu._exchange import SMALL as EXCHANGE_SMALL
+from ..models import llama
+from ._layout import OPTIMIZER_STATES, Layout, ModelBuilder, positive_int
 from ._live import LiveStorages, plain_tensors, storage_key
-from ._llama import llama_tp_plan
 from ._tracker import CATEGORIES, format_bytes, format_table
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
 ALIGN = 16
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 
 
 @dataclass
@@ -440,11 +438,11 @@ def _grad_hook(group: str, ready: dict[str, list[torch.Tensor]], model: nn.Modul
     return hook
 
 
-def _simulate(model: nn.Module, sched: _Schedule, line: _Timeline, *, batch: int, seq: int,
-              activation_checkpointing: bool, extra_blocks: int, block: _Group, reshard: bool,
-              loss_fn: Callable, make_inputs: Callable[[int, int], torch.Tensor]) -> _Run:
+def _simulate(model: nn.Module, sched: _Schedule, line: _Timeline, layout: Layout, builder: ModelBuilder,
+              extra_blocks: int, block: _Group) -> _Run:
     """One forward, loss and backward of the fake model under the schedule."""
-    marks, _ = _install_hooks(model, sched, line, activation_checkpointing, extra_blocks, block, reshard)
+    marks, _ = _install_hooks(model, sched, line, layout.activation_checkpointing, extra_blocks, block,
+                              layout.reshard_after_forward)
     param_keys = {storage_key(plain) for p in model.parameters() for plain in plain_tensors(p)}
     saved: dict[int, int] = {}
     in_block = [False]
@@ -458,163 +456,151 @@ def _simulate(model: nn.Module, sched: _Schedule, line: _Timeline, *, batch: int
 
     model.layers[0].register_forward_pre_hook(lambda *_: in_block.__setitem__(0, True))
     model.layers[0].register_forward_hook(lambda *_: in_block.__setitem__(0, False))
-    tokens = make_inputs(batch, seq)
+    tokens = builder.make_inputs(layout.batch, layout.seq)
     line.extra["other"] += tokens.untyped_storage().nbytes()
     for t in [*model.parameters(), *model.buffers(), tokens]:
         line.add(t)
     line.offset = sum(line.extra.values()) - line.total  # the fake parameters are not fsdp2's memory
     with line, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(model(tokens), tokens)
+        loss = builder.loss_fn(model(tokens), tokens)
         loss.backward()
         sched.end_backward()
     return _Run(marks[1] - marks[0], sum(saved.values()))
 
 
-def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def _tokens(batch: int, seq: int) -> torch.Tensor:
-    return torch.zeros(batch, seq, dtype=torch.long)
-
-
-def _check_layout(world: int, dp_replicate: int, tp: int) -> int:
-    for name, value in (("world", world), ("dp_replicate", dp_replicate), ("tp", tp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if world % (dp_replicate * tp):
-        raise ValueError(
-            f"world ({world}) must be divisible by dp_replicate ({dp_replicate}) x tp ({tp}); "
-            f"the shard axis gets world / (dp_replicate x tp) ranks"
-        )
-    return world // (dp_replicate * tp)
-
-
-def estimate_memory(
-    model: nn.Module | Callable[[], nn.Module],
-    *,
-    world: int,
-    batch: int,
-    seq: int,
-    dp_replicate: int = 1,
-    tp: int = 1,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-    reshard_after_forward: bool = True,
-    root_reshard_after_forward: bool = False,
-    activation_checkpointing: bool = False,
-    optimizer: str = "adamw",
-    grad_accum: int = 1,
-    num_blocks: int | None = None,
-    gpu_memory: int | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _lm_loss,
-    make_inputs: Callable[[int, int], torch.Tensor] = _tokens,
-    backend: str = "nccl",
-    tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None,
-    cpu_reads: bool = True,
-) -> MemoryEstimate:
-    """Predict one rank's peak memory for training ``model`` with fsdp2 on a layout.
+def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module] | None = None, *,
+                    gpu_memory: int | None = None) -> MemoryEstimate:
+    """Predict one rank's peak memory for training a model with fsdp2 on ``layout``.
 
     The model is sharded as the recipe does: each of ``model.layers`` is one group, the root
     takes the rest. One forward, loss and backward run on fake tensors (nothing allocated);
     hooks replay fsdp2's buffer schedule around them (see ``_Schedule``), and the peak and
     its split into categories are read op by op, as ``MemoryTracker`` does on a real run.
-    ``batch`` is sequences per data-parallel rank.
 
     Args:
-        model: a module on the meta device (not modified), or a function building one.
-            It must have its blocks in an ``nn.ModuleList`` ``.layers``.
-        world: total ranks; ``dp_replicate`` replicas x shard ranks x ``tp``.
-        param_dtype, reduce_dtype: as ``MixedPrecisionPolicy`` (None: the parameters' dtype).
-        reshard_after_forward: for the blocks; ``root_reshard_after_forward`` for the root
-            (fsdp2's default keeps the root's parameters, backward needs them first).
-        activation_checkpointing: each block recomputes its forward in backward.
-        optimizer: "adamw"/"adam" (2 states), "sgd_momentum" (1), "sgd" (0).
-        grad_accum: micro-batches per step; above 1 the sharded gradients of the earlier
-            ones are live during the last one's forward and backward.
-        num_blocks: blocks of the real model when ``model`` was built with fewer identical
-            ones (at least 2 built); the missing ones are simulated as copies of block 0.
+        layout: mesh sizes, precision, resharding, optimizer, batch and sequence (``Layout``).
+        model: a ``ModelBuilder``, or a function building the model (``ModelBuilder(build=model)``);
+            default ``ModelBuilder.llama("llama3_8b")``, the recipe's Llama at Llama 3 8B.
         gpu_memory: bytes available per rank, to say whether it fits.
-        loss_fn: ``(output, inputs) -> loss``; default cross-entropy in fp32 on the tokens.
-        make_inputs: ``(batch, seq) -> input`` on the current (fake) device; default int64
-            tokens.
-        backend: "nccl" (flat collectives) or "gloo" (fsdp2's CPU transport: point-to-point
-            exchanges for groups of 1 MiB and more, where all-gathers land in the unsharded
-            buffer and reduce-scatters send from the gradients; gloo's flat collectives for
-            smaller groups), which hold different buffers.
-        cpu_reads: with ``backend="gloo"``, whether the exchanges read the peers' memory
-            (ranks on one host, fsdp2's default where the kernel allows it) or send messages
-            (across hosts, or ``FSDP2_CPU_COLLECTIVES=exchange``).
-        tp_plan: with ``tp > 1``, ``tp_plan(model, tp_mesh)`` applies tensor parallelism
-            (``parallelize_module``) to the fake model; default: the recipe's Llama plan
-            (Megatron-style with sequence parallelism). The model then runs as one rank
-            of the TP group does, on a fake process group of ``tp`` ranks (so there must
-            be no default process group in this process), and every byte is this rank's.
+
+    With ``layout.tp > 1`` the fake model is tensor-parallelised by the builder's ``tp_plan``
+    and runs as one rank of the TP group does, on a fake process group of ``tp`` ranks (so
+    there must be no default process group in this process); every byte is this rank's.
     """
-    shard = _check_layout(world, dp_replicate, tp)
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
-    if not isinstance(grad_accum, int) or grad_accum < 1:
-        raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
-    if isinstance(model, nn.Module):
-        model = copy.deepcopy(model)  # outside the fake mode: the copy's meta tensors stay real meta
+    if not isinstance(layout, Layout):
+        raise TypeError(f"estimate_memory(layout, model): layout must be a fsdp2.memory.Layout, got "
+                        f"{type(layout).__name__}; e.g. Layout(world=8, batch=1, seq=8192)")
+    builder = _as_builder(model)
+    if gpu_memory is not None:
+        positive_int("estimate_memory", "gpu_memory", gpu_memory)
+    shard = layout.dp_shard
     with contextlib.ExitStack() as stack:
-        tp_mesh = None
-        if tp > 1:  # DTensor needs a mesh, hence a process group; a fake one moves no data
-            stack.enter_context(fake_process_group(tp))
-            tp_mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-        # Non-fake inputs allowed: to_empty() of a meta module reads its (real) meta tensors.
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        model = model.to_empty(device="cpu") if isinstance(model, nn.Module) else model()
-        if not isinstance(getattr(model, "layers", None), nn.ModuleList) or len(model.layers) == 0:
-            raise ValueError("estimate_memory needs a model whose blocks are in a non-empty nn.ModuleList `.layers`")
-        n_built = len(model.layers)
-        n_blocks = num_blocks or n_built
+        module, tp_mesh = _build(builder, layout.tp, stack)
+        n_built = len(module.layers)
+        n_blocks = builder.num_blocks or n_built
         if n_blocks < n_built or (n_blocks > n_built and n_built < 2):
-            raise ValueError(f"num_blocks ({num_blocks}) needs a model built with at least 2 and at most "
+            raise ValueError(f"num_blocks ({n_blocks}) needs a model built with at least 2 and at most "
                              f"num_blocks blocks; it has {n_built}")
         if tp_mesh is not None:
-            _apply_tp(model, tp_mesh, tp_plan)
-        orig_dtype = next(model.parameters()).dtype
-        pdtype = param_dtype or orig_dtype
-        rdtype = reduce_dtype or pdtype
-        sizes = {"root": _Group()}
-        for name, p in model.named_parameters():
-            group = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
-            _add_param(sizes.setdefault(group, _Group()), p, shard, pdtype, rdtype)
+            _apply_tp(module, tp_mesh, builder.tp_plan)
+        orig_dtype = next(module.parameters()).dtype
+        pdtype = layout.param_dtype or orig_dtype
+        rdtype = layout.reduce_dtype or pdtype
+        sizes = _group_sizes(module, shard, pdtype, rdtype)
         block, root = sizes["layers.0"], sizes["root"]
-        constants, shard_values = _constants(model, sizes, n_blocks - n_built, optimizer, grad_accum, shard)
-        if pdtype != orig_dtype:  # as MixedPrecisionPolicy: the unsharded parameters in param_dtype
-            for module in model.modules():
-                for name, p in module._parameters.items():
-                    if p is not None and p.dtype.is_floating_point:
-                        module._parameters[name] = nn.Parameter(p.detach().to(pdtype), p.requires_grad)
+        constants, shard_values = _constants(module, sizes, n_blocks - n_built, layout.optimizer, layout.grad_accum,
+                                             shard)
+        if pdtype != orig_dtype:
+            _cast_parameters(module, pdtype)
         line = _Timeline()
-        alias = shard == 1 and dp_replicate == 1 and tp == 1 and pdtype == orig_dtype
+        alias = shard == 1 and layout.dp_replicate == 1 and layout.tp == 1 and pdtype == orig_dtype
         sched = _Schedule(line, sizes, ["root", *(f"layers.{i}" for i in range(n_built))], shard=shard,
-                          alias=alias, reshard=reshard_after_forward, root_reshard=root_reshard_after_forward,
-                          grad_accum=grad_accum, gloo=backend == "gloo", reads=cpu_reads)
+                          alias=alias, reshard=layout.reshard_after_forward,
+                          root_reshard=layout.root_reshard_after_forward, grad_accum=layout.grad_accum,
+                          gloo=layout.backend == "gloo", reads=layout.cpu_reads)
         for category, nbytes in constants.items():
             line.extra[category] += nbytes
-        run = _simulate(model, sched, line, batch=batch, seq=seq, activation_checkpointing=activation_checkpointing,
-                        extra_blocks=n_blocks - n_built, block=block, reshard=reshard_after_forward,
-                        loss_fn=loss_fn, make_inputs=make_inputs)
-        model_dim = _model_dim(model)
-    step = _optimizer_step(constants, shard_values, optimizer)
+        run = _simulate(module, sched, line, layout, builder, n_blocks - n_built, block)
+        model_dim = _model_dim(module)
+    step = _optimizer_step(constants, shard_values, layout.optimizer)
     line.points["optimizer step"] = sum(step.values())
     if sum(step.values()) > line.peak:
         line.peak, line.peak_by_category, line.peak_point = sum(step.values()), step, "optimizer step"
-    layout = (f"world {world} = dp_replicate {dp_replicate} x dp_shard {shard} x tp {tp}; "
-              f"{n_blocks} blocks; batch {batch} x seq {seq}; param {str(pdtype).removeprefix('torch.')}; "
-              f"reshard_after_forward={reshard_after_forward}; activation_checkpointing={activation_checkpointing}")
-    comm = _comm_bytes(root, block, n_blocks, shard, dp_replicate, tp, reshard_after_forward,
-                       activation_checkpointing, batch, seq, model_dim=model_dim, act_itemsize=pdtype.itemsize)
-    notes = [f"tensor parallelism simulated with {'the given tp_plan' if tp_plan else 'the recipe Llama plan'}"
-             ] if tp > 1 else []
+    comm = _comm_bytes(root, block, n_blocks, layout, model_dim=model_dim, act_itemsize=pdtype.itemsize)
+    notes = [f"tensor parallelism simulated with {'the given tp_plan' if builder.tp_plan else 'the recipe Llama plan'}"
+             ] if layout.tp > 1 else []
     return MemoryEstimate(line.peak, {c: line.peak_by_category.get(c, 0) for c in CATEGORIES}, line.peak_point,
-                          dict(line.points), layout, comm, run.saved_per_block, gpu_memory, notes)
+                          dict(line.points), _describe(layout, n_blocks, pdtype), comm, run.saved_per_block,
+                          gpu_memory, notes)
+
+
+def _as_builder(model: ModelBuilder | Callable[[], nn.Module] | None) -> ModelBuilder:
+    if isinstance(model, ModelBuilder):
+        return model
+    return ModelBuilder.llama() if model is None else ModelBuilder(build=model)
+
+
+def _build(builder: ModelBuilder, tp: int, stack: contextlib.ExitStack) -> tuple[nn.Module, DeviceMesh | None]:
+    """The model on fake tensors (and, with ``tp > 1``, a TP mesh on a fake process group)."""
+    tp_mesh = None
+    if tp > 1:  # DTensor needs a mesh, hence a process group; a fake one moves no data
+        stack.enter_context(fake_process_group(tp))
+        tp_mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    # Non-fake inputs allowed: the model's, loss's or inputs' functions may close over plain tensors.
+    stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+    model = builder.build()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ModelBuilder.build() must return an nn.Module, got {type(model).__name__}")
+    if not all(isinstance(t, FakeTensor) for t in [*model.parameters(), *model.buffers()]):
+        # Made before the call (it would be changed in place): not what a builder is for.
+        raise TypeError("ModelBuilder.build() returned a model made before the call (its tensors are not fake); "
+                        "make a new one inside the function, e.g. build=lambda: Model(args)")
+    _off_meta(model)
+    if not isinstance(getattr(model, "layers", None), nn.ModuleList) or len(model.layers) == 0:
+        raise ValueError("estimate_memory needs a model whose blocks are in a non-empty nn.ModuleList `.layers`")
+    return model, tp_mesh
+
+
+def _off_meta(model: nn.Module) -> None:
+    """A model built on the meta device gets fake CPU tensors instead (tied ones stay tied).
+
+    As ``to_empty(device="cpu")``, which cannot be used here: under the fake mode the meta
+    tensors are fake too, and ``nn.Module._apply`` cannot swap fake tensors.
+    """
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (meta tensor, kept alive; its fake CPU one)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or t.device.type != "meta":
+                    continue
+                if id(t) not in moved:
+                    empty = torch.empty_like(t, device="cpu")
+                    moved[id(t)] = t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                table[name] = moved[id(t)][1]
+
+
+def _group_sizes(model: nn.Module, shard: int, pdtype: torch.dtype, rdtype: torch.dtype) -> dict[str, _Group]:
+    """Each fsdp2 group's bytes: one per block of ``model.layers``, the root the rest."""
+    sizes = {"root": _Group()}
+    for name, p in model.named_parameters():
+        group = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        _add_param(sizes.setdefault(group, _Group()), p, shard, pdtype, rdtype)
+    return sizes
+
+
+def _cast_parameters(model: nn.Module, pdtype: torch.dtype) -> None:
+    """As ``MixedPrecisionPolicy``: the unsharded (floating-point) parameters in ``param_dtype``."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.dtype.is_floating_point:
+                module._parameters[name] = nn.Parameter(p.detach().to(pdtype), p.requires_grad)
+
+
+def _describe(layout: Layout, n_blocks: int, pdtype: torch.dtype) -> str:
+    return (f"world {layout.world} = dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard} x tp {layout.tp}; "
+            f"{n_blocks} blocks; batch {layout.batch} x seq {layout.seq}; param {str(pdtype).removeprefix('torch.')}; "
+            f"reshard_after_forward={layout.reshard_after_forward}; "
+            f"activation_checkpointing={layout.activation_checkpointing}")
 
 
 def _constants(model: nn.Module, sizes: dict[str, _Group], extra_blocks: int, optimizer: str,
@@ -645,30 +631,28 @@ def _model_dim(model: nn.Module) -> int:
 
 
 def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable[[nn.Module, DeviceMesh], None] | None) -> None:
-    """Tensor parallelism on the fake model: ``tp_plan``, or the recipe's Llama plan."""
+    """Tensor parallelism on the fake model: ``tp_plan``, or the Llama's own (``fsdp2.models.llama.tp_plan``)."""
     tp = tp_mesh.size()
     args = getattr(model, "args", None)
     if args is not None:
         heads, kv = args.n_heads, getattr(args, "kv_heads", args.n_heads)
         if heads % tp or kv % tp:
             raise ValueError(f"tp ({tp}) must divide the attention heads ({heads}) and kv heads ({kv})")
-    if tp_plan is None:
-        llama = ("tok_embeddings", "norm", "output")
-        if not all(hasattr(model, name) for name in llama) or not all(
-                hasattr(b, "attention") and hasattr(b, "feed_forward") for b in model.layers):
-            raise ValueError(
-                "estimate_memory(tp > 1): the default tp_plan is the recipe's Llama plan (tok_embeddings, "
-                "layers[i].attention.wq/wk/wv/wo, feed_forward.w1/w2/w3, norm, output); pass "
-                "tp_plan=fn(model, tp_mesh) applying your model's parallelize_module plan"
-            )
-        tp_plan = llama_tp_plan
-    tp_plan(model, tp_mesh)
+    if tp_plan is None and not isinstance(model, llama.Transformer):
+        raise ValueError(
+            f"estimate_memory(tp > 1) needs the tensor-parallel plan of {type(model).__name__}: pass "
+            "ModelBuilder(build=..., tp_plan=fn) with fn(model, tp_mesh) applying its parallelize_module plan "
+            "(only fsdp2.models.llama.Transformer has a default, its tp_plan)"
+        )
+    (tp_plan or llama.tp_plan)(model, tp_mesh)
 
 
-def _comm_bytes(root: _Group, block: _Group, n_blocks: int, shard: int, replicate: int, tp: int,
-                reshard: bool, ac: bool, batch: int, seq: int, model_dim: int, act_itemsize: int) -> int:
+def _comm_bytes(root: _Group, block: _Group, n_blocks: int, layout: Layout, model_dim: int,
+                act_itemsize: int) -> int:
     """Bytes each rank receives per step (ring collectives: (n - 1) / n of the full size)."""
     frac = lambda n: (n - 1) / n
+    shard, replicate, tp, reshard = layout.dp_shard, layout.dp_replicate, layout.tp, layout.reshard_after_forward
+    ac, batch, seq = layout.activation_checkpointing, layout.batch, layout.seq
     # The root is gathered once; blocks again in backward when resharded after forward.
     all_gather = (root.unsharded + block.unsharded * n_blocks * (2 if reshard else 1)) * frac(shard)
     reduce_scatter = (root.reduce + block.reduce * n_blocks) * frac(shard)

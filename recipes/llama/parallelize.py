@@ -13,18 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from fsdp2 import MixedPrecisionPolicy, fully_shard
+# The tensor-parallel plan is the model's own, in the package: the memory planner uses it too.
+from fsdp2.models.llama import check_tp, tp_plan
 
-from .model import ModelArgs, Transformer
+from .model import Transformer
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -162,7 +156,7 @@ def check_layout(dims: ParallelDims, config: JobConfig) -> None:
     """
     if dims.tp == 1:
         return
-    _check_tp(config.model, dims.tp)
+    check_tp(config.model, dims.tp)
     seq_len = config.training.seq_len
     if seq_len % dims.tp:
         # DTensor's uneven Shard(1) collectives fail on gloo (mismatched message sizes).
@@ -170,55 +164,6 @@ def check_layout(dims: ParallelDims, config: JobConfig) -> None:
             f"sequence parallelism splits each sequence over the tp ranks: training.seq_len ({seq_len}) "
             f"must be divisible by tp ({dims.tp})"
         )
-
-
-def _check_tp(args: ModelArgs, tp: int) -> None:
-    if args.n_heads % tp or args.kv_heads % tp:
-        raise ValueError(
-            f"tensor parallelism splits heads: model.n_heads ({args.n_heads}) and model.n_kv_heads "
-            f"({args.kv_heads}) must both be divisible by tp ({tp})"
-        )
-    if args.tie_embeddings:
-        raise ValueError(
-            "model.tie_embeddings is not supported with tensor parallelism: the embedding is split "
-            "row-wise and the output projection column-wise, so one weight cannot serve both"
-        )
-
-
-def tp_plan(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style tensor parallelism with sequence parallelism, as in torchtitan.
-
-    Inside a block, wq/wk/wv and w1/w3 are split by output features (column-wise: each
-    rank computes n_heads / tp heads and ffn_hidden / tp channels) and wo/w2 by input
-    features (row-wise: partial sums, reduce-scattered along the sequence). Between
-    blocks, activations stay sharded along the sequence (dim 1), so the norms and the
-    residual adds run on seq / tp tokens per rank; each attention and feed-forward
-    all-gathers its input sequence first.
-    """
-    _check_tp(model.args, tp_mesh.size())
-    parallelize_module(model, tp_mesh, {
-        # tokens are replicated; the embedding's output leaves sequence-sharded.
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        # gather the sequence, compute a vocab slice per rank, gather the logits.
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
-    for block in model.layers:
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            # (x, rope): gather x's sequence; rope is a plain replicated tensor.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
 
 
 def apply_activation_checkpointing(model: Transformer) -> None:

@@ -1,0 +1,172 @@
+"""What the memory planner is asked: a ``Layout`` (how the job runs) and a ``ModelBuilder`` (what it trains).
+
+Both are frozen dataclasses checked when made, so a bad request fails with a message that
+names the fix before any simulation starts. ``estimate_memory(layout, model)`` takes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..models.llama import LLAMA3, ModelArgs, Transformer
+
+__all__ = ["Layout", "ModelBuilder", "OPTIMIZER_STATES", "positive_int"]
+
+# Optimizer states per parameter element.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+BACKENDS = ("nccl", "gloo")
+
+
+def positive_int(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{owner}.{name} must be at least 1, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How a training job runs, for ``estimate_memory``: mesh, precision, resharding, optimizer, batch.
+
+    ``world`` ranks = ``dp_replicate`` replicas x shard ranks x ``tp``; the shard axis
+    (``dp_shard``) gets the rest. Change one field of a layout with ``dataclasses.replace``.
+
+    Args:
+        world: total ranks.
+        batch: sequences per data-parallel rank (the ranks of one TP group share theirs).
+        seq: tokens per sequence.
+        dp_replicate: data-parallel replicas (HSDP); 1 is plain FSDP.
+        tp: tensor-parallel degree (simulated with the model's plan, see ``ModelBuilder.tp_plan``).
+        param_dtype, reduce_dtype: as ``MixedPrecisionPolicy`` (None: the parameters' dtype;
+            ``reduce_dtype`` None: ``param_dtype``).
+        reshard_after_forward: for the blocks; ``root_reshard_after_forward`` for the root
+            (fsdp2's default keeps the root's parameters, backward needs them first).
+        activation_checkpointing: each block recomputes its forward in backward.
+        optimizer: "adamw"/"adam" (2 states), "sgd_momentum" (1), "sgd" (0).
+        grad_accum: micro-batches per step; above 1 the sharded gradients of the earlier
+            ones are live during the last one's forward and backward.
+        backend: "nccl" (flat collectives) or "gloo" (fsdp2's CPU transport: point-to-point
+            exchanges for groups of 1 MiB and more, where all-gathers land in the unsharded
+            buffer and reduce-scatters send from the gradients; gloo's flat collectives for
+            smaller groups), which hold different buffers.
+        cpu_reads: with ``backend="gloo"``, whether the exchanges read the peers' memory
+            (ranks on one host, fsdp2's default where the kernel allows it) or send messages
+            (across hosts, or ``FSDP2_CPU_COLLECTIVES=exchange``).
+    """
+
+    world: int
+    batch: int
+    seq: int
+    dp_replicate: int = 1
+    tp: int = 1
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+    root_reshard_after_forward: bool = False
+    activation_checkpointing: bool = False
+    optimizer: str = "adamw"
+    grad_accum: int = 1
+    backend: str = "nccl"
+    cpu_reads: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("world", "batch", "seq", "dp_replicate", "tp", "grad_accum"):
+            positive_int("Layout", name, getattr(self, name))
+        if self.world % (self.dp_replicate * self.tp):
+            raise ValueError(
+                f"world ({self.world}) must be divisible by dp_replicate ({self.dp_replicate}) x tp ({self.tp}); "
+                f"the shard axis gets world / (dp_replicate x tp) ranks: change world, dp_replicate or tp"
+            )
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(f"Layout.{name} must be a torch.dtype or None, got {value!r}; e.g. torch.bfloat16")
+            if value is not None and not value.is_floating_point:
+                raise ValueError(f"Layout.{name} must be a floating-point dtype, got {value}")
+        for name in ("reshard_after_forward", "root_reshard_after_forward", "activation_checkpointing", "cpu_reads"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Layout.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks that shard each parameter: world / (dp_replicate x tp)."""
+        return self.world // (self.dp_replicate * self.tp)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32 over (batch, seq, vocab) logits, as the recipe trains."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def tokens(batch: int, seq: int) -> torch.Tensor:
+    """(batch, seq) int64 tokens."""
+    return torch.zeros(batch, seq, dtype=torch.long)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelBuilder:
+    """The model ``estimate_memory`` simulates: how to build it, and how it is parallelised and fed.
+
+    ``build()`` is called under a fake-tensor mode, so nothing is allocated whether it builds
+    the model plainly or on the meta device. The model's blocks must be an ``nn.ModuleList``
+    named ``layers`` (each one fsdp2 group; the root takes the rest).
+    ``ModelBuilder.llama("llama3_70b")`` is the recipe's Llama (``fsdp2.models.llama``).
+
+    Args:
+        build: ``() -> nn.Module``, e.g. the model's class or ``lambda: Model(args)``.
+        num_blocks: blocks of the real model when ``build`` makes fewer identical ones (at
+            least 2 built); the missing ones are simulated as copies of block 0. None: as built.
+        tp_plan: ``tp_plan(model, tp_mesh)`` applies tensor parallelism (``parallelize_module``)
+            when the layout's ``tp > 1``; None: ``fsdp2.models.llama.tp_plan`` for that model
+            (Megatron-style with sequence parallelism), required for any other.
+        loss_fn: ``(output, inputs) -> loss``; default cross-entropy in fp32 on the tokens.
+        make_inputs: ``(batch, seq) -> input`` on the current (fake) device; default int64 tokens.
+    """
+
+    build: Callable[[], nn.Module]
+    num_blocks: int | None = None
+    tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    make_inputs: Callable[[int, int], torch.Tensor] = tokens
+
+    def __post_init__(self) -> None:
+        if isinstance(self.build, nn.Module) or not callable(self.build):
+            what = f"a {type(self.build).__name__} instance" if isinstance(self.build, nn.Module) else repr(self.build)
+            raise TypeError(
+                f"the planner's model must be a function that makes it (its class, or lambda: Model(args)), "
+                f"got {what}: the planner calls it under fake tensors, so nothing is allocated"
+            )
+        if self.num_blocks is not None:
+            positive_int("ModelBuilder", "num_blocks", self.num_blocks)
+        if self.tp_plan is not None and not callable(self.tp_plan):
+            raise TypeError(f"ModelBuilder.tp_plan must be a function (model, tp_mesh) or None, got {self.tp_plan!r}")
+        for name in ("loss_fn", "make_inputs"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"ModelBuilder.{name} must be a function, got {getattr(self, name)!r}")
+
+    @classmethod
+    def llama(cls, args: ModelArgs | str = "llama3_8b", built_blocks: int = 2) -> ModelBuilder:
+        """The recipe's Llama of shape ``args`` (or a name in ``fsdp2.models.llama.LLAMA3``).
+
+        Builds ``built_blocks`` of its blocks and extrapolates to ``args.n_layers``.
+        """
+        if isinstance(args, str):
+            if args not in LLAMA3:
+                raise ValueError(f"unknown Llama config {args!r}; choose one of {sorted(LLAMA3)} or pass a ModelArgs")
+            args = LLAMA3[args]
+        if not isinstance(args, ModelArgs):
+            raise TypeError(f"ModelBuilder.llama takes a ModelArgs or a config name, got {type(args).__name__}")
+        positive_int("ModelBuilder.llama", "built_blocks", built_blocks)
+        built = dataclasses.replace(args, n_layers=min(built_blocks, args.n_layers))
+        return cls(build=lambda: Transformer(built), num_blocks=args.n_layers)
