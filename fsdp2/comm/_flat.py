@@ -22,7 +22,7 @@ from ..diagnostics._checks import HEADER
 from ._collectives import AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight, ReduceTarget, packed_offsets, reduce_op
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
 from ._streams import Completion, streams_for
-from ._transport import GatherSource, Transport
+from ._transport import BufferNeeds, GatherSource, GroupBytes, Transport
 
 if TYPE_CHECKING:
     from ..runtime._param import ShardedParam
@@ -53,6 +53,19 @@ class FlatTransport(Transport):
                              target: ReduceTarget, device: torch.device,
                              header: torch.Tensor | None) -> ReduceScatterInFlight:
         return _start_reduce_scatter(self.reduce_scatter, params, grads, dtype, target, device)
+
+    def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:
+        """A send slice (none where the shards are packed) and a rank-major output of ``world``
+        slices, each led by its header; for the reduce-scatter a full-size send buffer and a
+        1/world output (on gloo, which copies the input again, one more full size)."""
+        slice_bytes = HEADER + sizes.slice
+        if world == 1:  # no collective: the (copied-in) send buffer is the output
+            gather = slice_bytes
+        else:
+            gather = (0 if sizes.packed else slice_bytes) + world * slice_bytes
+        out = sizes.reduce // world if world > 1 else 0
+        gloo_copy = sizes.reduce if backend == "gloo" and world > 1 else 0
+        return BufferNeeds(gather, False, sizes.reduce, out, False, reduce_input_copy=gloo_copy)
 
     def with_comms(self, all_gather: AllGather, reduce_scatter: ReduceScatter) -> Transport:
         return FlatTransport(all_gather, reduce_scatter)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
     from ._comm import AllGather, ReduceScatter
     from ._streams import Completion
 
-__all__ = ["CPU_COLLECTIVES_ENV", "EXCHANGE_MIN_BYTES", "GatherSource", "Transport", "choose_transport",
-           "cpu_transport", "flat_transport"]
+__all__ = ["CPU_COLLECTIVES_ENV", "EXCHANGE_MIN_BYTES", "BufferNeeds", "GatherSource", "GroupBytes", "Transport",
+           "choose_transport", "cpu_transport", "flat_transport"]
 
 CPU_COLLECTIVES_ENV = "FSDP2_CPU_COLLECTIVES"
 CPU_TRANSPORTS = ("auto", "read", "exchange", "flat")
@@ -60,6 +61,43 @@ class GatherSource(Protocol):
     def targets(self, plan: GatherPlan) -> GatherTargets:
         """Where the gathered entries go: the unsharded buffer (allocated by this call)."""
         ...
+
+
+@dataclass
+class GroupBytes:
+    """One group's sizes on one rank, from which a transport says what buffers it needs (the
+    memory planner asks, without running anything)."""
+
+    unsharded: int = 0
+    """The unsharded buffer: every entry in its gathered dtype, padded, 16-byte aligned."""
+    slice: int = 0
+    """This rank's all-gather entries, each 16-byte aligned (the header not included)."""
+    reduce: int = 0
+    """The full gradients in their reduce dtype, padded."""
+    packed: bool = True
+    """The shards live in the send slice (no cast, no offload): no copy-in."""
+    entries: list[tuple[int, int, bool]] = field(default_factory=list)
+    """Per tensor: its gathered chunk's bytes, its full gradient's bytes in the reduce dtype,
+    and whether the gradient is copied before it is sent (cast, padded or pre-divided)."""
+
+
+class BufferNeeds(NamedTuple):
+    """The communication bytes one group's collectives hold on a rank (``Transport.buffer_needs``)."""
+
+    gather: int
+    """While its all-gather is in flight (send and receive buffers, headers)."""
+    gather_until_reshard: bool
+    """Those stay until the unsharded buffer is freed (peers read from it), not the wait."""
+    reduce_sent: int
+    """The reduce-scatter's input side (send buffer or the copies it sends from)."""
+    reduce_received: int
+    """Its output side, the output included."""
+    reduce_holds_gradients: bool
+    """The full gradients stay alive until the reduce-scatter finishes (sent from where they are)."""
+    reduce_copies_in: bool = True
+    """The gradients are copied into the send buffer and freed before the output is allocated."""
+    reduce_input_copy: int = 0
+    """A copy of the input the backend makes and ops see at the wait (gloo's flat reduce-scatter)."""
 
 
 class Transport(ABC):
@@ -91,6 +129,11 @@ class Transport(ABC):
                              header: torch.Tensor | None) -> ReduceScatterInFlight:
         """Issue the reduce-scatter of the full gradients ``grads`` in ``dtype``. The transport
         empties ``grads`` where it no longer needs them (so they can be freed early)."""
+
+    @abstractmethod
+    def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:
+        """What a group of ``sizes`` holds for its collectives over ``world`` ranks on ``backend``;
+        ``reads``: same-host reads are possible (the planner's assumption)."""
 
     def with_comms(self, all_gather: AllGather, reduce_scatter: ReduceScatter) -> Transport:
         """This transport with its flat collectives run by these comms (``_comm.py``): the

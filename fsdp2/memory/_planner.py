@@ -25,8 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ..diagnostics._checks import HEADER
 from .._compat import fake_process_group, in_backward
-from ..comm._transport import Transport, choose_transport
-from ..comm.cpu._exchange import SMALL as EXCHANGE_SMALL
+from ..comm._transport import BufferNeeds, GroupBytes, Transport, choose_transport
 from ..models import llama
 from ._layout import OPTIMIZER_STATES, Layout, ModelBuilder, positive_int
 from ._live import LiveStorages, plain_tensors, storage_key
@@ -71,35 +70,19 @@ class MemoryEstimate:
 
 
 @dataclass
-class _Group:
-    """One fsdp2 group's bytes on a rank."""
+class _Group(GroupBytes):
+    """One fsdp2 group's bytes on a rank: what its transport needs (``GroupBytes``), and more."""
 
     sharded: int = 0  # original dtype
-    unsharded: int = 0  # param dtype, padded and aligned (the unsharded buffer)
-    slice: int = 0  # all-gather send buffer
-    reduce: int = 0  # full gradients in reduce dtype, padded (the flat reduce-scatter's send buffer)
-    reduce_copies: int = 0  # of which the exchange copies (gradients cast to the reduce dtype or padded)
-    packed_gather: int = 0  # the exchange's all-gather: chunks under 64 KiB, packed (16-byte aligned)
-    packed_reduce: int = 0  # the exchange's reduce-scatter: chunks under 64 KiB, packed
-    tensors: int = 0
     same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
-    packed: bool = True  # no cast: the shards are the all-gather's send buffer (no copy-in)
 
     def transport(self, gloo: bool) -> Transport:
         """The transport fsdp2 picks for this group (``comm/_transport.choose_transport``)."""
         return choose_transport(torch.device("cpu" if gloo else "meta"), self.unsharded)
 
-    def exchange(self, gloo: bool) -> bool:
-        """Whether the transport receives the all-gather in the unsharded buffer (the CPU exchange)."""
-        return self.transport(gloo).gathers_in_place
-
-    def descriptor(self) -> int:
-        """Bytes of one read descriptor (``_cma.describe``): pid, then address and size per tensor."""
-        return 8 * (1 + 2 * self.tensors)
-
     def shard_storage(self, shard: int) -> int:
         """Bytes of the shards' storage: packed into one send slice (header included) when sharded."""
-        return HEADER + self.slice if self.packed and shard > 1 and self.tensors else self.sharded
+        return HEADER + self.slice if self.packed and shard > 1 and self.entries else self.sharded
 
 
 def _add_param(group: _Group, p: torch.Tensor, shard: int, param_dtype: torch.dtype,
@@ -116,15 +99,10 @@ def _add_param(group: _Group, p: torch.Tensor, shard: int, param_dtype: torch.dt
     group.slice += aligned(chunk * rest * pdtype.itemsize)
     reduced = chunk * shard * rest * (reduce_dtype if p.dtype.is_floating_point else p.dtype).itemsize
     group.reduce += reduced
-    if chunk * rest * pdtype.itemsize < EXCHANGE_SMALL:
-        group.packed_gather += aligned(chunk * rest * pdtype.itemsize)
-    if reduced // shard < EXCHANGE_SMALL:
-        group.packed_reduce += reduced // shard
-    # fp16 reduces pre-divide their copy (fsdp2/comm/_collectives.py::_reduce_op).
+    # fp16 reduces pre-divide their copy (fsdp2/comm/_collectives.py::reduce_op).
     predivide = p.dtype.is_floating_point and reduce_dtype not in (torch.float32, torch.bfloat16)
-    if pdtype != reduce_dtype and p.dtype.is_floating_point or chunk * shard != rows or predivide:
-        group.reduce_copies += reduced
-    group.tensors += 1
+    copied = pdtype != reduce_dtype and p.dtype.is_floating_point or chunk * shard != rows or predivide
+    group.entries.append((chunk * rest * pdtype.itemsize, reduced, copied))
     group.same_grad_dtype &= not p.dtype.is_floating_point or reduce_dtype == p.dtype
     group.packed &= pdtype == p.dtype
 
@@ -207,9 +185,14 @@ class _Schedule:
                  alias: bool, reshard: bool, root_reshard: bool, grad_accum: int, gloo: bool,
                  reads: bool) -> None:
         self.line, self.sizes, self.order = line, sizes, order
-        self.gloo = gloo
-        self.reads = reads  # gloo exchanges read the peers' memory (one host) instead of messages
         self.shard, self.alias, self.grad_accum = shard, alias, grad_accum
+        # What each group's transport holds for its collectives (reads: gloo exchanges read the
+        # peers' memory, one host, instead of messages).
+        transports = {name: g.transport(gloo) for name, g in sizes.items()}
+        self.in_place = {name: t.gathers_in_place for name, t in transports.items()}
+        self.limit = {name: t.reduce_scatters_in_flight(shard) for name, t in transports.items()}
+        self.needs: dict[str, BufferNeeds] = {
+            name: t.buffer_needs(sizes[name], shard, "gloo" if gloo else "nccl", reads) for name, t in transports.items()}
         self.reshard_after_forward = {name: reshard for name in order}
         self.reshard_after_forward["root"] = root_reshard
         self.state = {name: "sharded" for name in order}
@@ -218,23 +201,11 @@ class _Schedule:
 
     def _gather_bytes(self, name: str) -> int:
         """Communication buffers of a group's all-gather in flight."""
-        g = self.sizes[name]
-        if self.alias:
-            return 0
-        if g.exchange(self.gloo) and self.reads and self.shard > 1:  # the headers; a descriptor
-            # sent and one received per peer, with a 1-byte acknowledgement each and one to send
-            return (self.shard + 1) * HEADER + self.shard * g.descriptor() + self.shard
-        if g.exchange(self.gloo):  # the chunks land in the unsharded buffer, except the small ones:
-            # packed, sent from one buffer and received into one per peer; the headers
-            return (self.shard + 1) * HEADER + (self.shard * g.packed_gather if self.shard > 1 else 0)
-        slice_bytes = HEADER + g.slice  # each rank's slice starts with the schedule header
-        if self.shard == 1:  # no collective: the (copied-in) send buffer is the output
-            return slice_bytes
-        return (0 if g.packed else slice_bytes) + self.shard * slice_bytes
+        return 0 if self.alias else self.needs[name].gather
 
     def _released_at_reshard(self, name: str) -> bool:
         """Read all-gathers keep their buffers until the unsharded buffer is freed (peers read it)."""
-        return not self.alias and self.sizes[name].exchange(self.gloo) and self.reads and self.shard > 1
+        return not self.alias and self.needs[name].gather_until_reshard
 
     def _unsharded_bytes(self, name: str) -> int:
         return 0 if self.alias else self.sizes[name].unsharded
@@ -243,14 +214,14 @@ class _Schedule:
         if self.state[name] == "sharded":
             self.state[name] = "gathering"
             self.line.add_bytes("communication", self._gather_bytes(name))
-            if self.sizes[name].exchange(self.gloo):
+            if self.in_place[name]:
                 self.line.add_bytes("unsharded_params", self._unsharded_bytes(name))
 
     def wait(self, name: str) -> None:
         self.unshard(name)
         if self.state[name] == "gathering":
             self.state[name] = "unsharded"
-            if not self.sizes[name].exchange(self.gloo):
+            if not self.in_place[name]:
                 self.line.add_bytes("unsharded_params", self._unsharded_bytes(name))
             if not self._released_at_reshard(name):
                 self.line.add_bytes("communication", -self._gather_bytes(name))
@@ -285,24 +256,12 @@ class _Schedule:
             self.unshard(target)
 
     def _rs_bytes(self, name: str) -> tuple[int, int]:
-        """(input, output) buffers of a group's reduce-scatter in flight; one when nothing is scattered.
-
-        Flat: the rank-major send buffer and the output. Exchange: the cast or padded
-        copies it sends from and the small chunks packed per peer, and one received row per
-        peer (the first becomes the output) and the headers.
-        """
-        g = self.sizes[name]
+        """(input, output) buffers of a group's reduce-scatter in flight (the transport's
+        ``buffer_needs``); on one rank with nothing to cast, the gradients as they are."""
         if self.alias:
-            return g.reduce, 0
-        out = g.reduce // self.shard if self.shard > 1 else 0
-        if g.exchange(self.gloo) and self.shard > 1 and self.reads:  # (and the headers; per peer a
-            # descriptor sent, one received and a 1-byte acknowledgement; one to send)
-            return (g.reduce_copies,
-                    (self.shard - 1) * (out + 2 * g.descriptor() + 1) + 1 + (self.shard + 1) * HEADER)
-        if g.exchange(self.gloo) and self.shard > 1:  # (and the headers, and the small chunks packed per peer)
-            return (g.reduce_copies + (self.shard - 1) * g.packed_reduce,
-                    (self.shard - 1) * out + (self.shard + 1) * HEADER)
-        return g.reduce, out
+            return self.sizes[name].reduce, 0
+        needs = self.needs[name]
+        return needs.reduce_sent, needs.reduce_received
 
     def post_backward(self, name: str, drop_grads: Callable[[], None]) -> None:
         """As ``ParamGroup._reduce_gradients``: reshard, finish the oldest reduce-scatters until
@@ -314,18 +273,16 @@ class _Schedule:
         sent, received = self._rs_bytes(name)
         if self.alias:  # one rank: the full gradients are the sharded ones, kept as they are
             return
-        exchange = g.exchange(self.gloo) and self.shard > 1
-        limit = g.transport(self.gloo).reduce_scatters_in_flight(self.shard)
-        while len(self.pending) >= limit:
+        while len(self.pending) >= self.limit[name]:
             self.finish(*self.pending.pop(0))
         # The exchange sends from the gradients themselves unless every one was copied.
-        held = exchange and g.reduce_copies < g.reduce
+        held, copies_in = self.needs[name].reduce_holds_gradients, self.needs[name].reduce_copies_in
         self.line.add_bytes("communication", sent)
-        if not exchange:
+        if copies_in:
             drop_grads()  # copied into the send buffer: freed before the output is allocated
         self.line.add_bytes("communication", received)
         self.pending.append((name, drop_grads if held else None))
-        if exchange and not held:
+        if not copies_in and not held:
             drop_grads()  # only now: the reducing function holds them until it returns
 
     def finish(self, name: str, drop_grads: Callable[[], None] | None) -> None:
@@ -337,7 +294,7 @@ class _Schedule:
         sent, received = self._rs_bytes(name)
         g = self.sizes[name]
         out = g.reduce // self.shard if self.shard > 1 else 0
-        gloo_copy = sent if self.gloo and not g.exchange(self.gloo) and self.shard > 1 else 0
+        gloo_copy = 0 if self.alias else self.needs[name].reduce_input_copy
         self.line.add_bytes("communication", gloo_copy)
         if self.grad_accum > 1:  # added into the sharded gradients of earlier micro-batches
             self.line.add_bytes("communication", -out)
@@ -609,7 +566,7 @@ def _constants(model: nn.Module, sizes: dict[str, _Group], extra_blocks: int, op
     groups = [*sizes.values(), *[sizes["layers.0"]] * extra_blocks]
     sharded = sum(g.sharded for g in groups)
     # AdamW's states are zeros_like the sharded parameters, plus a 4-byte step per tensor.
-    states = OPTIMIZER_STATES[optimizer] * sharded + (sum(g.tensors for g in groups) * 4 if optimizer != "sgd" else 0)
+    states = OPTIMIZER_STATES[optimizer] * sharded + (sum(len(g.entries) for g in groups) * 4 if optimizer != "sgd" else 0)
     other = sum(b.untyped_storage().nbytes() for b in model.buffers())  # the inputs: added by _simulate
     return dict(sharded_params=sum(g.shard_storage(shard) for g in groups), optimizer_state=states, other=other,
                 gradients=sharded if grad_accum > 1 else 0), sharded

@@ -16,9 +16,10 @@ import torch.distributed as dist
 
 from ...diagnostics import _debug
 from ...diagnostics._checks import HEADER
-from .._collectives import AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight, ReduceTarget, reduce_op
+from .._collectives import ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight, ReduceTarget, reduce_op
 from .._streams import Completion
-from .._transport import CPU_COLLECTIVES_ENV, GatherSource, Transport, cpu_transport, flat_transport
+from .._transport import (CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupBytes, Transport, cpu_transport,
+                          flat_transport)
 from . import _cma, _exchange, _pipes
 
 if TYPE_CHECKING:
@@ -95,6 +96,32 @@ class ExchangeTransport(Transport):
         launches of 5) for one more group's gradients alive. One at world size 1."""
         return 2 if world > 1 else 1
 
+    def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:
+        """The all-gather lands in the unsharded buffer: only the headers and (messages) the
+        small chunks packed per peer, or (reads) a descriptor and an acknowledgement per peer,
+        kept until the peers have read. The reduce-scatter sends from the gradients (copies
+        only to cast or pad) and receives one 1/world row per peer."""
+        reads = reads and self.may_read and world > 1
+        headers = (world + 1) * HEADER
+        descriptor = 8 * (1 + 2 * len(sizes.entries))  # _cma.describe: pid, then address and size per tensor
+        small_gathered = sum(_aligned(g) for g, _, _ in sizes.entries if g < _exchange.SMALL)
+        if reads:  # a descriptor sent and one received per peer, a 1-byte acknowledgement each and one to send
+            gather = headers + world * descriptor + world
+        else:
+            gather = headers + (world * small_gathered if world > 1 else 0)
+        if world == 1:
+            local = self._local.buffer_needs(sizes, world, backend, reads)
+            return BufferNeeds(gather, False, local.reduce_sent, local.reduce_received, False)
+        out = sizes.reduce // world
+        copies = sum(full for _, full, copied in sizes.entries if copied)
+        holds = copies < sizes.reduce
+        if reads:
+            return BufferNeeds(gather, True, copies, (world - 1) * (out + 2 * descriptor + 1) + 1 + headers, holds,
+                               reduce_copies_in=False)
+        small_reduced = sum(full // world for _, full, _ in sizes.entries if full // world < _exchange.SMALL)
+        return BufferNeeds(gather, False, copies + (world - 1) * small_reduced, (world - 1) * out + headers, holds,
+                           reduce_copies_in=False)
+
     def __repr__(self) -> str:
         return f"ExchangeTransport(may_read={self.may_read}, must_read={self.must_read})"
 
@@ -113,6 +140,10 @@ def probe_reads(pg: dist.ProcessGroup, must_read: bool | None = None) -> bool:
             "restrictions, or a seccomp filter); use 'auto' to fall back to messages"
         )
     return False
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _sendable(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor], dtype: torch.dtype, world: int,
