@@ -1,6 +1,6 @@
 """The CUDA path's hazards, fixed by construction: the parts of the logic that run on CPU too.
 
-The CUDA side of each is in ``tests/test_cuda.py`` (skipped without a GPU). Here, on gloo:
+The CUDA side of each is in ``tests/comm/test_cuda.py`` (skipped without a GPU). Here, on gloo:
 
 * an explicit ``unshard(async_op=True)`` sends a copy of the shards, taken at issue time,
   so an in-place change before the wait (``optimizer.step()``) cannot reach the collective;
@@ -144,7 +144,7 @@ def test_one_subgroup_per_mesh_and_k():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
 def test_step_time_device_cuda_fails_clearly_without_cuda():
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "step_time.py"
     out = subprocess.run([sys.executable, str(script), "--device", "cuda"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0

@@ -42,7 +42,7 @@ from tests._dist import run_on_ranks
 from tests._models import lm_loss, make_batch
 from tests._parity import average_grads, full
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
 
 SMALL_MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",

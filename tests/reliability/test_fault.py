@@ -40,9 +40,9 @@ from recipes.llama.model import Transformer
 from recipes.metrics import MetricsWriter
 from recipes.train import build_optimizer, lr_schedule
 from tests._dist import run_on_ranks
-from tests.test_recipe import _train_on_ranks
+from tests.tools.test_recipe import _train_on_ranks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
 SMALL_MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
                "--model.max_seq_len=32", "--training.seq_len=32"]
@@ -184,7 +184,7 @@ def _save_then_hang_in_the_next_save(root: str) -> None:
 
 def test_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, caplog):
     root = tmp_path / "ckpt"
-    code = f"from tests.test_fault import _save_then_hang_in_the_next_save as f; f({str(root)!r})"
+    code = f"from tests.reliability.test_fault import _save_then_hang_in_the_next_save as f; f({str(root)!r})"
     child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "writing\n", "the child must reach the write of step 2"

@@ -112,7 +112,7 @@ def test_fsdp_module_method_matches_torch(method):
 
 
 def test_package_never_imports_torch_fsdp():
-    """Except fsdp2/patch.py, whose job is to replace torch's names (tests/test_patch.py)."""
+    """Except fsdp2/patch.py, whose job is to replace torch's names (tests/unit/test_patch.py)."""
     offenders = []
     patch = Path(fsdp2.__file__).parent / "patch.py"
     for path in sorted(Path(fsdp2.__file__).parent.rglob("*.py")):

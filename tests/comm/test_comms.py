@@ -11,7 +11,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as TorchAllG
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as TorchReduceScatter
 
 import fsdp2
-from fsdp2.comm.cpu import _cma, _trace
+from fsdp2.comm.cpu import _cma
+from fsdp2.diagnostics import _trace
 from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV
 from fsdp2._common import get_state
 from tests._dist import environ, run_on_ranks

@@ -26,8 +26,8 @@ import fsdp2.checkpoint as fsdp2_ckpt
 from fsdp2.checkpoint.__main__ import export
 from fsdp2 import fully_shard
 from tests._dist import run_on_ranks
-from tests.test_2d import Attention
-from tests.test_checkpoint import _assert_same, _dcp_load, _dcp_save
+from tests.parallel.test_2d import Attention
+from tests.tools.test_checkpoint import _assert_same, _dcp_load, _dcp_save
 from tests._models import Transformer, lm_loss, make_batch
 
 LAYOUTS = ["hsdp", "fsdp_tp"]
