@@ -125,7 +125,8 @@ def _subgroups_per_mesh_and_k() -> list[bool]:
         for block in other.layers:
             fsdp2.fully_shard(block, mesh=mesh, reshard_after_forward=2)  # same mesh and k: same group
         same_again = len(created) == after_k2
-        shared = other.layers[0]._fsdp_state().group.subgroup.group is model.layers[0]._fsdp_state().group.subgroup.group
+        shared = (other.layers[0]._fsdp_state().group.subgroup.group
+                  is model.layers[0]._fsdp_state().group.subgroup.group)
     finally:
         c10d.new_group = original
     # The cached subgroups train as before: forward, backward (resharding to pairs in between).

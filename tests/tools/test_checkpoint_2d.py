@@ -68,7 +68,9 @@ _HSDP_VOCAB, _TP_VOCAB = 61, 31
 
 
 def _plain(layout: str, seed: int = 0) -> nn.Module:
-    return Transformer(vocab=_HSDP_VOCAB, n_layers=2, seed=seed) if layout == "hsdp" else _Llama(vocab=_TP_VOCAB, seed=seed)
+    if layout == "hsdp":
+        return Transformer(vocab=_HSDP_VOCAB, n_layers=2, seed=seed)
+    return _Llama(vocab=_TP_VOCAB, seed=seed)
 
 
 def _mesh(layout: str) -> DeviceMesh:

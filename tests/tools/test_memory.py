@@ -81,7 +81,7 @@ def _tracker_vs_rss():
     model = nn.Sequential(*(nn.Linear(_BIG, _BIG, bias=False) for _ in range(4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(256, _BIG)
-    for measured in (False, True):  # the first pass pages in code, thread stacks, allocator arenas
+    for _measured in (False, True):  # the first pass pages in code, thread stacks, allocator arenas
         opt.zero_grad()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -176,7 +176,8 @@ def test_planner_tp_plan_places_parameters_as_the_recipe_does():
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model.to_empty(device="cpu")
                 plan(model, mesh)
-            placements.append({n: (tuple(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()})
+            placements.append({n: (tuple(p.placements), tuple(p.to_local().shape))
+                               for n, p in model.named_parameters()})
     assert placements[0] == placements[1]
     assert placements[0]["layers.0.attention.wo.weight"] == ((Shard(1),), (128, 64))
 
@@ -184,7 +185,7 @@ def test_planner_tp_plan_places_parameters_as_the_recipe_does():
 def _planner_inside_a_process_group() -> str:
     from recipes.llama.model import ModelArgs, Transformer as Llama
 
-    with pytest.raises(ValueError, match="needs a process without one") as info:
+    with pytest.raises(ValueError, match="needs a process without one"):
         estimate_memory(Llama(ModelArgs(**_RECIPE)), world=2, tp=2, batch=1, seq=16)
     return "refused"
 
@@ -203,7 +204,8 @@ def test_planner_counts_sharding_and_checkpointing():
     fsdp = estimate_memory(_build_meta_transformer, **base)
     hsdp = estimate_memory(_build_meta_transformer, dp_replicate=2, **base)
     ac = estimate_memory(_build_meta_transformer, activation_checkpointing=True, **base)
-    assert hsdp.peak_by_category["sharded_params"] == pytest.approx(2 * fsdp.peak_by_category["sharded_params"], rel=0.02)
+    assert hsdp.peak_by_category["sharded_params"] == pytest.approx(2 * fsdp.peak_by_category["sharded_params"],
+                                                                    rel=0.02)
     saved_ac = estimate_memory(_build_meta_transformer, activation_checkpointing=True, num_blocks=20, **base)
     saved = estimate_memory(_build_meta_transformer, num_blocks=20, **base)
     assert saved_ac.points["loss"] < saved.points["loss"]

@@ -27,8 +27,8 @@ from tests._models import MLP, Transformer, train
 from tests._parity import train_parity
 
 PUBLIC_NAMES = {
-    "fully_shard", "fully_shard_auto", "patch_torch", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
-    "CPUOffloadPolicy", "register_fsdp_forward_method", "record_schedule", "clip_grad_norm_",
+    "fully_shard", "fully_shard_auto", "patch_torch", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy",
+    "OffloadPolicy", "CPUOffloadPolicy", "register_fsdp_forward_method", "record_schedule", "clip_grad_norm_",
     "MemoryTracker", "estimate_memory", "share_comm_ctx", "AllGather", "ReduceScatter",
     "DataParallelMeshDims",
 }
