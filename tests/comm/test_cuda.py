@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.cuda  # every test here needs CUDA devices (each also skips without them)
+
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
 )

@@ -95,6 +95,7 @@ def _worker_of_rank(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"torchrun (pid {torchrun_pid}) has no worker with RANK={rank}: children {children}")
 
 
+@pytest.mark.slow  # torchrun, a kill and a restart: minutes on 2 cores
 def test_sigkilled_rank_restarts_and_resumes_exactly(tmp_path):
     rng = random.Random(SEED)
     kill_rank = rng.randrange(2)
@@ -182,6 +183,7 @@ def _save_then_hang_in_the_next_save(root: str) -> None:
     checkpointer.save(2, model, optimizer, scheduler)
 
 
+@pytest.mark.slow
 def test_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, caplog):
     root = tmp_path / "ckpt"
     code = f"from tests.reliability.test_fault import _save_then_hang_in_the_next_save as f; f({str(root)!r})"
@@ -250,6 +252,7 @@ BAD_BATCH_ARGS = [*BASE, "--training.steps=6", "--metrics.log_every=2", "--check
                   "--checkpoint.keep=0", "--faults.nan_loss_at_steps=3"]
 
 
+@pytest.mark.slow
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     runs = {}
     for name, rank in (("rank1", "1"), ("every_rank", "-1")):
