@@ -116,7 +116,8 @@ def compare(measured, est) -> dict:
         p = est.peak_bytes if c == "total" else est.peak_by_category[c]
         small = c != "total" and max(m, p) < SMALL * peak
         err = (p - m) / m if m else (0.0 if p == 0 else float("inf"))
-        ok = abs(p - m) <= SMALL * peak if small else abs(err) <= (PEAK_TOLERANCE if c == "total" else CATEGORY_TOLERANCE)
+        tolerance = PEAK_TOLERANCE if c == "total" else CATEGORY_TOLERANCE
+        ok = abs(p - m) <= SMALL * peak if small else abs(err) <= tolerance
         rows[c] = {"tracker": m, "planner": p, "error": err, "small": small, "ok": ok}
     return rows
 

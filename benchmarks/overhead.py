@@ -45,7 +45,7 @@ import pstats
 import statistics
 import sys
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 os.environ.setdefault("FSDP2_CPU_COLLECTIVES", "flat")  # before fsdp2 builds any group
 

@@ -116,11 +116,13 @@ def main() -> None:
             line = {"launch": launch, "config": cfg.__dict__, "world": dist.get_world_size(),
                     "peak_bytes": {i: r["peak_bytes"] for i, r in results.items()},
                     "peak_mb": {i: round(r["peak_bytes"] / MB, 1) for i, r in results.items()},
-                    "ratio_to_torch_fsdp2": {i: round(r["peak_bytes"] / ref, 4) for i, r in results.items()} if ref else {},
+                    "ratio_to_torch_fsdp2": ({i: round(r["peak_bytes"] / ref, 4) for i, r in results.items()}
+                                             if ref else {}),
                     "target_met": {i: results[i]["peak_bytes"] <= t * ref for i, t in TARGETS.items()
                                    if i in results and ref},
                     "targets": TARGETS,
-                    "fsdp2_breakdown_mb": {i: {"phase": r["peak_phase"], "ours_peak": round(r["ours_peak_bytes"] / MB, 1),
+                    "fsdp2_breakdown_mb": {i: {"phase": r["peak_phase"],
+                                               "ours_peak": round(r["ours_peak_bytes"] / MB, 1),
                                                **{k: round(v / MB, 1) for k, v in r["peak_by_category"].items()},
                                                "groups": r["peak_by_group"]}
                                            for i, r in results.items() if "peak_phase" in r}}

@@ -32,7 +32,7 @@ def load(path: str) -> dict[tuple[str, int], dict[int, dict[str, list[float]]]]:
                 rec = json.loads(line)
                 params, world, median = rec["config"]["params"], rec["config"]["world"], rec["median_s"]
             except (json.JSONDecodeError, KeyError) as e:
-                raise SystemExit(f"{path}:{n}: not a step_time.py result line ({e})")
+                raise SystemExit(f"{path}:{n}: not a step_time.py result line ({e})") from None
             cfg = rec["config"]
             if cfg.get("wrap", "blocks") != "blocks" or cfg.get("foreach") or cfg.get("malloc", "default") != "default":
                 continue  # variants (--wrap titan, --foreach, --malloc keep) are not mixed into the default's lines
@@ -54,7 +54,7 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("plot.py needs matplotlib: pip install matplotlib")
+        raise SystemExit("plot.py needs matplotlib: pip install matplotlib") from None
 
     series = load(args.results)
     if not series:

@@ -291,7 +291,8 @@ def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
     mem = {impl: gather_rows(state_bytes(models[impl], opts[impl]), torch.int64) for impl in impls}
     rss = gather_rows([peak_rss_mb()])[:, 0].tolist()
     result = {
-        "config": {**asdict(cfg), "params": n_params, "world": world, "steps": steps, "warmup": warmup, "wrap": how, "foreach": foreach, "malloc": malloc,
+        "config": {**asdict(cfg), "params": n_params, "world": world, "steps": steps, "warmup": warmup, "wrap": how,
+                   "foreach": foreach, "malloc": malloc,
                    "device": device.type, "threads": torch.get_num_threads(), "torch": torch.__version__},
         "median_s": {impl: round(median[impl], 5) for impl in impls},
         "iqr_s": {impl: [round(quartiles[impl][0], 5), round(quartiles[impl][2], 5)] for impl in impls},

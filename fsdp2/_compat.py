@@ -135,7 +135,8 @@ def detach(t: torch.Tensor) -> torch.Tensor:
 
 # torch 2.13 renamed the flat collectives (the old names warn); older releases only have the old ones.
 all_gather_flat = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-reduce_scatter_flat = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+reduce_scatter_flat = (getattr(torch.distributed, "reduce_scatter_single", None)
+                       or torch.distributed.reduce_scatter_tensor)
 
 
 def root_mesh(mesh):

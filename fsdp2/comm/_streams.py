@@ -25,7 +25,7 @@ record until the compute stream has waited on the side stream's completion; the
 reduce-scatter output the all-reduce stream works on, by ``ReducedGrads`` until
 the end of backward.
 
-Not yet run on a GPU (none was available); ``tests/test_cuda.py`` checks the CUDA
+Not yet run on a GPU (none was available); ``tests/comm/test_cuda.py`` checks the CUDA
 side, under ``TORCH_CUDA_SANITIZER=1``.
 """
 

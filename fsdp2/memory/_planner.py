@@ -85,6 +85,10 @@ class _Group(GroupBytes):
         return HEADER + self.slice if self.packed and shard > 1 and self.entries else self.sharded
 
 
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
 def _add_param(group: _Group, p: torch.Tensor, shard: int, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype) -> None:
     # A tensor-parallel parameter: fsdp2 shards this rank's TP shard.
@@ -93,10 +97,9 @@ def _add_param(group: _Group, p: torch.Tensor, shard: int, param_dtype: torch.dt
     rest = math.prod(shape[1:]) if len(shape) > 1 else 1
     chunk = math.ceil(rows / shard)
     pdtype = param_dtype if p.dtype.is_floating_point else p.dtype
-    aligned = lambda n: (n + ALIGN - 1) // ALIGN * ALIGN
     group.sharded += chunk * rest * p.dtype.itemsize
-    group.unsharded += aligned(chunk * shard * rest * pdtype.itemsize)
-    group.slice += aligned(chunk * rest * pdtype.itemsize)
+    group.unsharded += _aligned(chunk * shard * rest * pdtype.itemsize)
+    group.slice += _aligned(chunk * rest * pdtype.itemsize)
     reduced = chunk * shard * rest * (reduce_dtype if p.dtype.is_floating_point else p.dtype).itemsize
     group.reduce += reduced
     # fp16 reduces pre-divide their copy (fsdp2/comm/_collectives.py::reduce_op).
@@ -191,8 +194,9 @@ class _Schedule:
         transports = {name: g.transport(gloo) for name, g in sizes.items()}
         self.in_place = {name: t.gathers_in_place for name, t in transports.items()}
         self.limit = {name: t.reduce_scatters_in_flight(shard) for name, t in transports.items()}
+        backend = "gloo" if gloo else "nccl"
         self.needs: dict[str, BufferNeeds] = {
-            name: t.buffer_needs(sizes[name], shard, "gloo" if gloo else "nccl", reads) for name, t in transports.items()}
+            name: t.buffer_needs(sizes[name], shard, backend, reads) for name, t in transports.items()}
         self.reshard_after_forward = {name: reshard for name in order}
         self.reshard_after_forward["root"] = root_reshard
         self.state = {name: "sharded" for name in order}
@@ -269,7 +273,6 @@ class _Schedule:
         (flat) free them before the output exists."""
         self.reduced.add(name)
         self.reshard(name)
-        g = self.sizes[name]
         sent, received = self._rs_bytes(name)
         if self.alias:  # one rank: the full gradients are the sharded ones, kept as they are
             return
@@ -566,7 +569,8 @@ def _constants(model: nn.Module, sizes: dict[str, _Group], extra_blocks: int, op
     groups = [*sizes.values(), *[sizes["layers.0"]] * extra_blocks]
     sharded = sum(g.sharded for g in groups)
     # AdamW's states are zeros_like the sharded parameters, plus a 4-byte step per tensor.
-    states = OPTIMIZER_STATES[optimizer] * sharded + (sum(len(g.entries) for g in groups) * 4 if optimizer != "sgd" else 0)
+    steps = sum(len(g.entries) for g in groups) * 4 if optimizer != "sgd" else 0
+    states = OPTIMIZER_STATES[optimizer] * sharded + steps
     other = sum(b.untyped_storage().nbytes() for b in model.buffers())  # the inputs: added by _simulate
     return dict(sharded_params=sum(g.shard_storage(shard) for g in groups), optimizer_state=states, other=other,
                 gradients=sharded if grad_accum > 1 else 0), sharded
@@ -607,7 +611,9 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable[[nn.Modul
 def _comm_bytes(root: _Group, block: _Group, n_blocks: int, layout: Layout, model_dim: int,
                 act_itemsize: int) -> int:
     """Bytes each rank receives per step (ring collectives: (n - 1) / n of the full size)."""
-    frac = lambda n: (n - 1) / n
+    def frac(n: int) -> float:
+        return (n - 1) / n
+
     shard, replicate, tp, reshard = layout.dp_shard, layout.dp_replicate, layout.tp, layout.reshard_after_forward
     ac, batch, seq = layout.activation_checkpointing, layout.batch, layout.seq
     # The root is gathered once; blocks again in backward when resharded after forward.

@@ -9,6 +9,7 @@ categories come from the same identity pass over the live storages the dispatch 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,9 @@ from ..diagnostics import _trace
 from .._compat import in_backward, prepend_post_accumulate_grad_hook
 from .._common import ShardState, get_state
 from ._live import LiveStorages, plain_tensors, storage_key
+
+if TYPE_CHECKING:
+    from ..runtime._group import ParamGroup
 
 __all__ = ["CATEGORIES", "MemoryReport", "MemoryTracker", "format_bytes"]
 
@@ -36,7 +40,10 @@ def format_bytes(n: float) -> str:
 
 def format_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    def line(r: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
 
 
@@ -67,7 +74,8 @@ class MemoryReport:
         text = format_table(rows, ("category", "at peak", "now"))
         text += f"\npeak during {self.peak_phase}"
         if self.peak_by_group:
-            group_rows = [(label, str(g["state"]), format_bytes(g["unsharded_params"]), format_bytes(g["communication"]))
+            group_rows = [(label, str(g["state"]), format_bytes(g["unsharded_params"]),
+                           format_bytes(g["communication"]))
                           for label, g in self.peak_by_group.items()]
             text += "; fsdp2 groups holding more than their shards at the peak:\n"
             text += format_table(group_rows, ("group", "state", "unsharded_params", "communication"))

@@ -549,8 +549,9 @@ class ParamGroup:
             # The flat transport empties each ``grads`` list once copied in: the unsharded
             # gradients are freed before the output is allocated.
             inflight = [
-                transport.start_reduce_scatter(params, grads, dtype, target, self.device,
-                                               _checks.reduce_header(self, params) if transport.reduce_headers else None)
+                transport.start_reduce_scatter(
+                    params, grads, dtype, target, self.device,
+                    _checks.reduce_header(self, params) if transport.reduce_headers else None)
                 for dtype, (params, grads) in buckets.items()
             ]
         del buckets

@@ -23,7 +23,8 @@ from .model import Transformer
 if TYPE_CHECKING:
     from ..config import JobConfig
 
-__all__ = ["ParallelDims", "parallelize", "check_layout", "tp_plan", "apply_activation_checkpointing", "apply_compile", "apply_fsdp"]
+__all__ = ["ParallelDims", "parallelize", "check_layout", "tp_plan", "apply_activation_checkpointing", "apply_compile",
+           "apply_fsdp"]
 
 # Mesh axis names, outermost first: replicas, then the ranks that shard, then tensor parallel
 # innermost so a TP group is the most tightly connected ranks (one node's GPUs).

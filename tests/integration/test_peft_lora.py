@@ -65,7 +65,7 @@ def _train() -> list[str]:
             if p.grad is not None:
                 dist.all_reduce(p.grad)
                 p.grad /= world
-        for name, opt in opts.items():
+        for opt in opts.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.testing.assert_close(losses["fsdp2"], losses["ref"], msg=lambda m: f"step {step} loss: {m}")

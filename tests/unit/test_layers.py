@@ -61,7 +61,8 @@ def _import_time_imports(path: pathlib.Path) -> set[str]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                 if not base.startswith("fsdp2"):
                     continue
                 for alias in node.names:  # ``from pkg import module`` names a module

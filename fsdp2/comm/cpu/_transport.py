@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from ...diagnostics import _debug
 from ...diagnostics._checks import HEADER
-from .._collectives import ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight, ReduceTarget, reduce_op
+from .._collectives import (ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight,
+                           ReduceTarget, reduce_op)
 from .._streams import Completion
 from .._transport import (CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupBytes, Transport, cpu_transport,
                           flat_transport)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2.checkpoint as fsdp2_ckpt
 from fsdp2 import fully_shard
-from tests._dist import run_on_ranks
+from tests._dist import REPO_ROOT, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
 
 
@@ -323,7 +323,7 @@ def test_command_line_export_consolidates_without_a_process_group(tmp_path):
     saved = run_on_ranks(_helpers_resume, 2, str(tmp_path / "ckpt"))[0]
     out = tmp_path / "out.safetensors"
     subprocess.run([sys.executable, "-m", "fsdp2.checkpoint", "export", str(tmp_path / "ckpt"), str(out)],
-                   check=True, cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True)
+                   check=True, cwd=REPO_ROOT, capture_output=True)
     _assert_same({f"model.{k}": v for k, v in load_file(out).items()},
                  {k: v for k, v in saved.items() if k.startswith("model.")})
 

@@ -33,7 +33,7 @@ import fsdp2
 import fsdp2.checkpoint
 from tests._dist import run_on_ranks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGES = sorted(REPO.glob("docs/*.md")) + [REPO / "README.md"]
 MARKER = re.compile(r"^\s*<!--\s*test(?::\s*(?P<options>.*?))?\s*-->\s*$")
 FENCE = re.compile(r"^\s*```(?P<lang>[\w+-]*)\s*$")

@@ -42,7 +42,7 @@ from tests._dist import run_on_ranks
 from tests._models import lm_loss, make_batch
 from tests._parity import average_grads, full
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
 
 SMALL_MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -211,11 +211,13 @@ def _fsdp_recipe_matches_unsharded(compile: bool = False) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_fsdp_recipe_matches_unsharded_model():
     losses = run_on_ranks(_fsdp_recipe_matches_unsharded, 2)
     assert all(math.isfinite(x) for rank in losses for x in rank)
 
 
+@pytest.mark.slow
 def test_compiled_fsdp_recipe_matches_unsharded_model():
     """``--training.compile``: each (checkpoint-wrapped) block compiled in place with inductor."""
     losses = run_on_ranks(_fsdp_recipe_matches_unsharded, 2, True, timeout=600)
@@ -290,6 +292,7 @@ def _2d_recipe_matches_unsharded(degrees: tuple[int, int, int]) -> tuple[str, ..
     return sharded["layers.0.attention.wq.weight"].device_mesh.mesh_dim_names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_2d_recipe_matches_unsharded_model(layout):
     meshes = run_on_ranks(_2d_recipe_matches_unsharded, 4, LAYOUTS[layout])
@@ -383,6 +386,7 @@ def layout_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # full_run: train.py under torchrun, end to end
 def test_recipe_loss_is_finite_and_falls(full_run):
     root, stdout = full_run
     records = _records(root / "a.jsonl")
@@ -397,6 +401,7 @@ def test_recipe_loss_is_finite_and_falls(full_run):
     assert (root / "a.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # layout_run: the recipe on 4 ranks, per layout
 @pytest.mark.parametrize("layout", LAYOUT_FLAGS)
 def test_2d_recipe_loss_is_finite_and_falls(layout_run, layout):
     records = _records(layout_run(layout) / "a.jsonl")
@@ -406,23 +411,27 @@ def test_2d_recipe_loss_is_finite_and_falls(layout_run, layout):
     assert len(records[6]["memory_mb"]) == 4
 
 
+@pytest.mark.slow  # full_run
 def test_recipe_checkpoints_are_complete(full_run):
     root, _ = full_run
     assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step-00000004", "step-00000008"]
     assert (root / "ckpt" / "step-00000008" / "fsdp2_complete.json").is_file()
 
 
+@pytest.mark.slow  # full_run
 def test_recipe_resume_reproduces_losses(full_run):
     # The resumed run is train() in the 2-rank test world: it must match the torchrun run exactly.
     root, _ = full_run
     _resume(root, 2, RUN_ARGS, step=4, steps=8)
 
 
+@pytest.mark.slow  # layout_run
 @pytest.mark.parametrize("layout", LAYOUT_FLAGS)
 def test_2d_recipe_resume_reproduces_losses(layout_run, layout):
     _resume(layout_run(layout), 4, [*RUN_ARGS_2D, *LAYOUT_FLAGS[layout]], step=3, steps=6)
 
 
+@pytest.mark.slow  # full_run and layout_run
 @pytest.mark.parametrize("layout", EXPORTS)
 def test_recipe_export_loads_into_unsharded_model(full_run, layout_run, layout):
     path = (full_run[0] if layout == "fsdp" else layout_run(layout)) / EXPORTS[layout]

@@ -40,7 +40,7 @@ from fsdp2._common import get_state
 from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import MLP, Block, Transformer, lm_loss, make_batch
 from tests._parity import assert_params_match, average_grads
-from tests.test_module_behaviour import InjectedFailure, _RaiseInBackward
+from tests.runtime.test_module_behaviour import InjectedFailure, _RaiseInBackward
 
 DIM, HEADS = 32, 4
 

@@ -109,7 +109,8 @@ def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cl
     if offload:  # on CPU the moves are no-ops: this pins that the hooks see the shard where it lives
         from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
 
-        policy["offload_policy"], torch_policy["offload_policy"] = fsdp2.CPUOffloadPolicy(), TorchOffload(pin_memory=False)
+        policy["offload_policy"] = fsdp2.CPUOffloadPolicy()
+        torch_policy["offload_policy"] = TorchOffload(pin_memory=False)
     with environ(CPU_COLLECTIVES_ENV, transport):
         models = {"ref": _build(frozen, rows, cls),
                   "fsdp2": _shard(_build(frozen, rows, cls), fsdp2.fully_shard, mesh, **policy)}
@@ -145,7 +146,7 @@ def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cl
                                                msg=lambda m: f"step {step} {other} {pname} grad: {m}")
                     if other == "fsdp2" and "torch" in named:  # same collectives: the same bits
                         torch.testing.assert_close(full(p.grad), full(named["torch"][pname].grad), atol=0, rtol=0)
-        for name, opt in opts.items():
+        for opt in opts.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
         for pname, ref in named["ref"].items():

@@ -27,8 +27,8 @@ from tests._models import MLP, Transformer, train
 from tests._parity import train_parity
 
 PUBLIC_NAMES = {
-    "fully_shard", "fully_shard_auto", "patch_torch", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
-    "CPUOffloadPolicy", "register_fsdp_forward_method", "record_schedule", "clip_grad_norm_",
+    "fully_shard", "fully_shard_auto", "patch_torch", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy",
+    "OffloadPolicy", "CPUOffloadPolicy", "register_fsdp_forward_method", "record_schedule", "clip_grad_norm_",
     "MemoryTracker", "estimate_memory", "share_comm_ctx", "AllGather", "ReduceScatter",
     "DataParallelMeshDims",
 }
@@ -112,7 +112,7 @@ def test_fsdp_module_method_matches_torch(method):
 
 
 def test_package_never_imports_torch_fsdp():
-    """Except fsdp2/patch.py, whose job is to replace torch's names (tests/test_patch.py)."""
+    """Except fsdp2/patch.py, whose job is to replace torch's names (tests/unit/test_patch.py)."""
     offenders = []
     patch = Path(fsdp2.__file__).parent / "patch.py"
     for path in sorted(Path(fsdp2.__file__).parent.rglob("*.py")):

@@ -40,9 +40,9 @@ from recipes.llama.model import Transformer
 from recipes.metrics import MetricsWriter
 from recipes.train import build_optimizer, lr_schedule
 from tests._dist import run_on_ranks
-from tests.test_recipe import _train_on_ranks
+from tests.tools.test_recipe import _train_on_ranks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
 SMALL_MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
                "--model.max_seq_len=32", "--training.seq_len=32"]
@@ -95,6 +95,7 @@ def _worker_of_rank(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"torchrun (pid {torchrun_pid}) has no worker with RANK={rank}: children {children}")
 
 
+@pytest.mark.slow  # torchrun, a kill and a restart: minutes on 2 cores
 def test_sigkilled_rank_restarts_and_resumes_exactly(tmp_path):
     rng = random.Random(SEED)
     kill_rank = rng.randrange(2)
@@ -182,9 +183,10 @@ def _save_then_hang_in_the_next_save(root: str) -> None:
     checkpointer.save(2, model, optimizer, scheduler)
 
 
+@pytest.mark.slow
 def test_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, caplog):
     root = tmp_path / "ckpt"
-    code = f"from tests.test_fault import _save_then_hang_in_the_next_save as f; f({str(root)!r})"
+    code = f"from tests.reliability.test_fault import _save_then_hang_in_the_next_save as f; f({str(root)!r})"
     child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "writing\n", "the child must reach the write of step 2"
@@ -250,6 +252,7 @@ BAD_BATCH_ARGS = [*BASE, "--training.steps=6", "--metrics.log_every=2", "--check
                   "--checkpoint.keep=0", "--faults.nan_loss_at_steps=3"]
 
 
+@pytest.mark.slow
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     runs = {}
     for name, rank in (("rank1", "1"), ("every_rank", "-1")):

@@ -10,10 +10,10 @@ that touches memory another stream uses without an event between them (the class
 these tests are about: fsdp2 runs copy-in, all-gather, reduce-scatter and all-reduce on
 side streams)::
 
-    TORCH_CUDA_SANITIZER=1 python -m pytest tests/test_cuda.py -v
+    TORCH_CUDA_SANITIZER=1 python -m pytest tests/comm/test_cuda.py -v
 
 The hazards the CPU-only review found, each fixed by construction and checked here (the
-parts of their logic that also run on CPU: ``tests/test_gpu_path.py``):
+parts of their logic that also run on CPU: ``tests/comm/test_gpu_path.py``):
 
 * an explicit ``unshard(async_op=True)`` sends a copy of the shards, made before anything
   later on the compute stream (``optimizer.step()``) can write them;
@@ -34,6 +34,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.cuda  # every test here needs CUDA devices (each also skips without them)
 
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"

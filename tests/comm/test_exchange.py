@@ -26,7 +26,8 @@ from fsdp2.comm.cpu import _cma, _exchange
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES
 from fsdp2.comm.cpu._transport import probe_reads
 from fsdp2._common import get_state
-from tests import test_2d, test_mixed_precision, test_parity
+from tests.parallel import test_2d
+from tests.runtime import test_mixed_precision, test_parity
 from tests._dist import environ, info_records, run_on_ranks
 from tests._parity import assert_grads_are_average
 from tests._models import MLP

@@ -1,6 +1,6 @@
 """The CUDA path's hazards, fixed by construction: the parts of the logic that run on CPU too.
 
-The CUDA side of each is in ``tests/test_cuda.py`` (skipped without a GPU). Here, on gloo:
+The CUDA side of each is in ``tests/comm/test_cuda.py`` (skipped without a GPU). Here, on gloo:
 
 * an explicit ``unshard(async_op=True)`` sends a copy of the shards, taken at issue time,
   so an in-place change before the wait (``optimizer.step()``) cannot reach the collective;
@@ -125,7 +125,8 @@ def _subgroups_per_mesh_and_k() -> list[bool]:
         for block in other.layers:
             fsdp2.fully_shard(block, mesh=mesh, reshard_after_forward=2)  # same mesh and k: same group
         same_again = len(created) == after_k2
-        shared = other.layers[0]._fsdp_state().group.subgroup.group is model.layers[0]._fsdp_state().group.subgroup.group
+        shared = (other.layers[0]._fsdp_state().group.subgroup.group
+                  is model.layers[0]._fsdp_state().group.subgroup.group)
     finally:
         c10d.new_group = original
     # The cached subgroups train as before: forward, backward (resharding to pairs in between).
@@ -144,7 +145,7 @@ def test_one_subgroup_per_mesh_and_k():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
 def test_step_time_device_cuda_fails_clearly_without_cuda():
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "step_time.py"
     out = subprocess.run([sys.executable, str(script), "--device", "cuda"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0

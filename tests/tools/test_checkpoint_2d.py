@@ -26,8 +26,8 @@ import fsdp2.checkpoint as fsdp2_ckpt
 from fsdp2.checkpoint.__main__ import export
 from fsdp2 import fully_shard
 from tests._dist import run_on_ranks
-from tests.test_2d import Attention
-from tests.test_checkpoint import _assert_same, _dcp_load, _dcp_save
+from tests.parallel.test_2d import Attention
+from tests.tools.test_checkpoint import _assert_same, _dcp_load, _dcp_save
 from tests._models import Transformer, lm_loss, make_batch
 
 LAYOUTS = ["hsdp", "fsdp_tp"]
@@ -68,7 +68,9 @@ _HSDP_VOCAB, _TP_VOCAB = 61, 31
 
 
 def _plain(layout: str, seed: int = 0) -> nn.Module:
-    return Transformer(vocab=_HSDP_VOCAB, n_layers=2, seed=seed) if layout == "hsdp" else _Llama(vocab=_TP_VOCAB, seed=seed)
+    if layout == "hsdp":
+        return Transformer(vocab=_HSDP_VOCAB, n_layers=2, seed=seed)
+    return _Llama(vocab=_TP_VOCAB, seed=seed)
 
 
 def _mesh(layout: str) -> DeviceMesh:

@@ -82,7 +82,7 @@ def _tracker_vs_rss():
     model = nn.Sequential(*(nn.Linear(_BIG, _BIG, bias=False) for _ in range(4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(256, _BIG)
-    for measured in (False, True):  # the first pass pages in code, thread stacks, allocator arenas
+    for _measured in (False, True):  # the first pass pages in code, thread stacks, allocator arenas
         opt.zero_grad()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -249,6 +249,7 @@ def _hsdp_parity(accumulate: bool) -> list[list[str]]:
                                configure=configure if accumulate else None)
 
 
+@pytest.mark.slow
 def test_hsdp_matches_reference():
     run_on_ranks(_hsdp_parity, 4, False)
 
@@ -288,6 +289,7 @@ def _tp_3d_parity() -> None:
     _train_vs_reference(model, ref, dp_rank)
 
 
+@pytest.mark.slow  # 8 ranks
 def test_hsdp_tp_3d_matches_reference():
     run_on_ranks(_tp_3d_parity, 8, timeout=240.0)
 

@@ -133,5 +133,5 @@ def _torch_fully_shard_two_steps():
 
 def test_torch_fully_shard_matches_reference_on_gloo():
     losses = run_on_ranks(_torch_fully_shard_two_steps, 2)
-    assert len(losses) == 2 and all(len(l) == 2 for l in losses)
+    assert len(losses) == 2 and all(len(per_rank) == 2 for per_rank in losses)
     assert losses[0] != losses[1]  # each rank saw its own data

@@ -133,7 +133,7 @@ def train_three_ways(build: Callable[[], nn.Module], steps: int, before_step=Non
                 p.grad /= dist.get_world_size()
         _compare(models, step)
         with_grads.append(" ".join(n for n, p in ref.named_parameters() if p.grad is not None))
-        for name, opt in opts.items():
+        for opt in opts.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.testing.assert_close(losses["fsdp2"], losses["ref"], msg=lambda m: f"step {step} loss: {m}")

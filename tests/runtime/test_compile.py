@@ -128,6 +128,7 @@ def _compile_parity(mode: str, backend: str, atol: float) -> None:
             torch.testing.assert_close(p, q, atol=tol, rtol=tol)
 
 
+@pytest.mark.slow  # Dynamo and inductor compile on every rank
 @pytest.mark.parametrize("mode, backend, atol", [
     ("wrapper", "aot_eager", 1e-6),
     ("in_place", "inductor", 1e-4),  # inductor fuses: rounding differs from eager a little
@@ -226,5 +227,6 @@ def _compiled_autograd_refused() -> None:
     assert sum(e.startswith("reduce_scatter") for e in events) == 3, events
 
 
+@pytest.mark.slow
 def test_compiled_autograd_is_refused_clearly():
     run_on_ranks(_compiled_autograd_refused, 2)
