@@ -90,14 +90,24 @@ class ReadExchange:
     see ``_lease.py``.
     """
 
-    __slots__ = ("pg", "what", "pending", "release", "descriptors", "defer")
+    __slots__ = ("pg", "what", "pending", "release", "descriptors", "defer", "headers")
 
     def __init__(self, pg: Link, what: str, ack_tag: int, defer: bool = False, pids: Sequence[int] = ()) -> None:
         _lease.prune()  # a safe point: settle exchanges dropped earlier, before new messages
         self.pg, self.what, self.defer = pg, what, defer
-        self.pending: list[tuple[int, dist.Work, torch.Tensor, list[torch.Tensor]]] = []
+        self.pending: list[tuple[int, dist.Work | None, torch.Tensor, list[torch.Tensor]]] = []
         self.release = _lease.Lease(pg, what, ack_tag, pids)
         self.descriptors: list[torch.Tensor] = []
+        self.headers: tuple[list[dist.Work], dict[int, int]] = ([], {})  # header works not yet waited; their peers
+
+    def with_headers(self, header: torch.Tensor, headers: torch.Tensor, works: list[dist.Work]) -> None:
+        """The exchange's header messages (``_exchange_headers``), ``works`` the list their
+        ``Exchange`` pops as it waits: those left are held too, should the exchange be dropped
+        before they are done (their buffers must outlive them, gloo must not match them late)."""
+        me = self.pg.rank()
+        peers = [q for q in range(self.pg.size()) if q != me for _ in range(2)]  # a receive, then a send each
+        self.headers = (works, {id(w): q for q, w in zip(peers, works)})
+        self.release.hold([header, headers])
 
     def expect(self, peer: int, descriptor_size: int, descriptor_tag: int, places: list[torch.Tensor]) -> None:
         """Post the receives of ``peer``'s descriptor and acknowledgement; its chunks go to ``places``."""
@@ -117,7 +127,9 @@ class ReadExchange:
         """Read every peer's chunks and acknowledge them; then, unless ``defer``, wait for ``release``."""
         while self.pending:
             peer, work, descriptor, places = self.pending[0]
-            work.wait()
+            if work is not None:
+                work.wait()
+                self.pending[0] = (peer, None, descriptor, places)  # a gloo work must not be waited twice
             _cma.read(descriptor, places, self.what)
             self.pending.pop(0)  # only once read: a failed wait leaves it to be waited on again
             self.release.acknowledge(peer)
@@ -128,7 +140,9 @@ class ReadExchange:
         # never will; what they may still read of this rank's stays held (``_lease.py``).
         try:
             if not self.release.done:
-                self.release.orphan([(peer, work) for peer, work, _, _ in self.pending])
+                works, peers = self.headers
+                self.release.orphan([(peer, work) for peer, work, _, _ in self.pending if work is not None]
+                                    + [(peers[id(w)], w) for w in works])
         except Exception:  # noqa: BLE001 - interpreter teardown; the exit drain ran before it
             pass
 
@@ -253,6 +267,7 @@ def _read_all_gather(own: list[torch.Tensor], chunks: Sequence[torch.Tensor], he
     where, ack = _tag(key, "where", mine), _tag(key, "ack", mine)
     headers, header_works = _exchange_headers(header, pg)
     reads = ReadExchange(pg, key, ack, defer=True, pids=pids)
+    reads.with_headers(header, headers, header_works)
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     for peer in range(world):
         if peer == me:
@@ -374,6 +389,7 @@ def start_reduce_scatter(
     made = list(copies)
     if read:
         reads = _read_reduce_scatter(chunks, made, offsets, sizes, total, dtype, device, received, pg, key, pids)
+        reads.with_headers(header, headers, header_works)
         return ExchangeReduceScatter(Exchange(header_works), reads, headers, header, me, tuple(offsets),
                                      tuple(received), tuple(c[me] for c in chunks), tuple(sent), tuple(made))
     for peer in range(world):

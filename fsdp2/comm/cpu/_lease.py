@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 import time
 from typing import Any, Sequence
 
@@ -53,7 +54,8 @@ class Lease:
     tensors given to ``hold`` stay alive, whoever else drops them.
     """
 
-    __slots__ = ("link", "what", "ack", "ack_tag", "pids", "works", "keep", "unread", "orphaned", "done", "gone")
+    __slots__ = ("link", "what", "ack", "ack_tag", "pids", "works", "keep", "unread", "orphaned", "done", "gone",
+                 "waiter")
 
     def __init__(self, link: Any, what: str, ack_tag: int, pids: Sequence[int] = ()) -> None:
         _hook_exit()
@@ -64,6 +66,7 @@ class Lease:
         self.unread: list[int] = []  # peers this rank has yet to acknowledge (it has not read them)
         self.orphaned = self.done = False
         self.gone: set[int] = set()  # peers found exited before they acknowledged
+        self.waiter: threading.Thread | None = None  # gloo: the thread waiting for the works
         _live[id(self)] = self
 
     def hold(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -107,10 +110,22 @@ class Lease:
         self._acknowledge_unread(quietly=True)
 
     def poll(self) -> bool:
-        """Progress without waiting (safe points only); whether the lease is released."""
+        """Progress without waiting (safe points only); whether the lease is released.
+
+        Pipes are read as far as they have data. gloo's works cannot be asked whether they
+        are done without waiting on them, so a thread of its own waits for them instead.
+        """
         if self.done:
             return True
         self._acknowledge_unread(quietly=False)
+        if not hasattr(self.link, "try_send"):  # gloo
+            if self.waiter is None:
+                self.waiter = threading.Thread(target=self._wait_all, name="fsdp2-read-lease", daemon=True)
+                self.waiter.start()
+            elif self.works and all(_gone(self._pid(peer)) for peer, _ in list(self.works)):
+                self.gone.update(peer for peer, _ in list(self.works))
+                self._close()  # the waiter stays blocked on works nobody will answer
+            return self.done
         pending = []
         for peer, work in self.works:
             try:
@@ -129,6 +144,17 @@ class Lease:
         if not pending and not self.unread:
             self._close()
         return self.done
+
+    def _wait_all(self) -> None:
+        """The waiter thread's work (gloo): every work in turn; a failure means the peer is gone."""
+        while self.works and not self.done:
+            peer, work = self.works[0]
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the connection failed or timed out
+                self.gone.add(peer)
+            self.works.pop(0)
+        self._close()
 
     def waiting_on(self) -> list[int]:
         """The peers whose acknowledgements (or this rank's messages to whom) are still due."""
@@ -174,7 +200,8 @@ def drain(timeout_s: float) -> list[Lease]:
     """Send what every lease owes and wait up to ``timeout_s`` for what is due; the leases
     still unreleased then (logged at WARNING), for exit."""
     deadline = time.monotonic() + timeout_s
-    leases, pause = live(), 0.001
+    everyone = leases = live()
+    pause = 0.001
     while leases:
         leases = [lease for lease in leases if not lease.poll()]
         if not leases or time.monotonic() >= deadline:
@@ -182,7 +209,7 @@ def drain(timeout_s: float) -> list[Lease]:
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
     _orphans[:] = [lease for lease in _orphans if not lease.done]
-    for lease in live():
+    for lease in everyone:
         if lease.gone:
             logger.warning("fsdp2: %s: the same-host peer(s) %s (group ranks) exited without saying they had "
                            "finished reading this process's memory", lease.what, sorted(lease.gone))

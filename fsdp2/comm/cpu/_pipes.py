@@ -98,14 +98,20 @@ _SENT = _Sent()
 
 
 class _Receive:
-    """A posted receive: ``wait()`` copies the ``n``-th message with ``tag`` from ``peer`` into ``tensor``."""
+    """A posted receive: ``wait()`` copies the ``n``-th message with ``tag`` from ``peer`` into ``tensor``.
 
-    __slots__ = ("pipes", "peer", "tag", "n", "tensor")
+    Like gloo's works, waiting again once it is done returns at once.
+    """
+
+    __slots__ = ("pipes", "peer", "tag", "n", "tensor", "done")
 
     def __init__(self, pipes: Pipes, peer: _Peer, tag: int, n: int, tensor: torch.Tensor) -> None:
         self.pipes, self.peer, self.tag, self.n, self.tensor = pipes, peer, tag, n, tensor
+        self.done = False
 
     def wait(self, timeout: object = None) -> bool:
+        if self.done:
+            return True
         key = (self.tag, self.n)
         peer = self.peer
         if key not in peer.stash:
@@ -119,10 +125,13 @@ class _Receive:
                 f"expects {nbytes} (tag {self.tag}): the ranks disagree on what they exchange"
             )
         ctypes.memmove(t.data_ptr(), data, nbytes)
+        self.done = True
         return True
 
     def is_completed(self) -> bool:
         """Whether ``wait()`` would return at once (reads what has arrived, never waits)."""
+        if self.done:
+            return True
         if (self.tag, self.n) not in self.peer.stash:
             self.pipes.poll_now()
         return (self.tag, self.n) in self.peer.stash or bool(self.peer.broken)
