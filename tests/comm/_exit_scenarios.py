@@ -5,9 +5,9 @@ interpreter: ``python -m tests.comm._exit_scenarios ...``) or the way ``mp.spawn
 multiprocessing child, which leaves by ``os._exit`` after multiprocessing's exit hook), so
 that interpreter exit really happens. Scenarios:
 
-* ``exit``: rank 0 reads rank 1's chunk, then its process ends while rank 1 has not read
-  rank 0's yet; rank 1 reads it only once rank 0 is on its way out. Rank 1 must get the
-  right values (rank 0's exit waits for its acknowledgement).
+* ``exit``: rank 0 reads rank 1's chunk, destroys its process group and ends its process
+  while rank 1 has not read rank 0's chunk yet; rank 1 reads it once rank 0 is gone (or 5 s
+  later). Rank 1 must get the right values (rank 0's exit waits for its acknowledgement).
 * ``peer_dies``: rank 1 is killed before it reads rank 0's chunk; rank 0 then exits and
   must neither hang nor wait out the full bound, and must say that the peer is gone.
 
@@ -72,13 +72,20 @@ def main(rank: int, scenario: str, init_file: str, out: str) -> None:
                 peer = json.load(f)["pid"]
             while not _gone(peer):
                 time.sleep(0.01)
+        else:  # as a script ends (gloo's teardown would otherwise wait for the peer to leave too)
+            dist.destroy_process_group()
         open(f"{out}.left", "w").close()
         return  # the process ends here, the model still unsharded (nothing waited for the peer's read)
     if scenario == "peer_dies":
+        _wait_for(f"{out}.rank0.json")  # rank 0 has read this rank's chunk
         _write_json(f"{out}.rank1.json", result)
         os.kill(os.getpid(), signal.SIGKILL)  # gone without reading rank 0's chunk
     _wait_for(f"{out}.left")
-    time.sleep(1.0)  # rank 0's interpreter is exiting: without a guard its memory is gone by now
+    with open(f"{out}.rank0.json") as f:
+        peer = json.load(f)["pid"]
+    deadline = time.monotonic() + 5.0
+    while not _gone(peer) and time.monotonic() < deadline:  # without a guard rank 0 is gone at once
+        time.sleep(0.01)
     try:
         model.unshard()  # reads rank 0's chunk
         result["right"] = all(torch.equal(p.detach(), f) for p, f in zip(model.parameters(), full))

@@ -195,7 +195,8 @@ def _launch(scenario: str, launcher: str, tmp: Path) -> tuple[list[int | None], 
         exited = time.time()
         procs[1].join(timeout=120)
         codes, errs = [p.exitcode for p in procs], ["", ""]
-    return codes, errs, exited - os.path.getmtime(f"{out}.left")
+    left = os.path.getmtime(f"{out}.left") if os.path.exists(f"{out}.left") else float("-inf")
+    return codes, errs, exited - left
 
 
 def _results(tmp: Path) -> list[dict]:
