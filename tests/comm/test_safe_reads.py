@@ -15,6 +15,7 @@ import gc
 import json
 import multiprocessing as mp
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -160,7 +161,7 @@ def _training_leaves_nothing_held() -> list[int]:
     model = MLP(256)
     with environ(CPU_COLLECTIVES_ENV, "read"):
         fsdp2.fully_shard(model)
-    for step in range(2):
+    for _ in range(2):
         model(torch.randn(4, 256)).sum().backward()
     return [len(_lease.live()), len(_lease._orphans)]
 
@@ -251,6 +252,26 @@ def test_yama_names_the_narrowest_process_covering_the_peers():
 def test_yama_scope_is_read_from_the_kernel():
     path = Path(_yama.SCOPE_PATH)
     assert _yama.scope() == (int(path.read_text()) if path.exists() else None)
+
+
+_DECLARE = textwrap.dedent("""
+    import os
+    from fsdp2.comm.cpu import _yama
+    first = _yama._declare(os.getppid())  # this process may be read by its parent and the parent's descendants
+    print(repr(first), repr(_yama._declare(0)), _yama._declared)
+""")
+
+
+def test_the_declaration_reaches_the_kernel():
+    # Where Yama runs, prctl(PR_SET_PTRACER) takes the pid and 0 withdraws it; elsewhere the
+    # kernel refuses the option, and the refusal is reported, not hidden.
+    done = subprocess.run([sys.executable, "-c", _DECLARE], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if _yama.scope() is None:
+        assert re.fullmatch(r"'prctl\(PR_SET_PTRACER, \d+\) failed: Invalid argument' '' 0\n", done.stdout), done.stdout
+    else:
+        assert done.stdout == "'' '' 0\n", done.stdout
 
 
 def _allowed_here() -> list[object]:

@@ -41,8 +41,8 @@ __all__ = ["EXIT_WAIT_S", "Lease", "drain", "live", "prune"]
 EXIT_WAIT_S = 30.0  # at exit: the longest wait for peers still reading this process
 logger = logging.getLogger(__name__)
 
-_live: dict[int, "Lease"] = {}  # id -> every lease not yet released, in creation order
-_orphans: list["Lease"] = []  # leases whose exchange was dropped before they were released
+_live: dict[int, Lease] = {}  # id -> every lease not yet released, in creation order
+_orphans: list[Lease] = []  # leases whose exchange was dropped before they were released
 _hooked_pid = 0  # the process whose exit hooks are registered (0: none yet)
 
 
