@@ -10,6 +10,7 @@ narrows the padding away and reports the true global shape.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable
 
 import torch
@@ -284,7 +285,11 @@ class ShardedParam:
         """Tell the group when autograd accumulated the unsharded gradient (trainable parameters only:
         a tensor that does not require grad takes no such hook, so a frozen one gets it when unfrozen)."""
         if self.requires_grad and not self._grad_hooked:
-            self.unsharded.register_post_accumulate_grad_hook(lambda _p: self._on_grad_ready(self))
+            # A weak reference: torch's garbage collector does not look into a tensor's
+            # post-accumulate hooks, so a hook holding this object would keep it, its group and
+            # the unsharded buffer alive forever once the model is deleted.
+            me = weakref.ref(self)
+            self.unsharded.register_post_accumulate_grad_hook(lambda _p: _grad_ready(me))
             self._grad_hooked = True
 
     def sync_requires_grad(self) -> bool:
@@ -391,3 +396,10 @@ class ShardedParam:
         else:
             with torch.no_grad():
                 grad._local_tensor.add_(local.to(padded.device) if move else local)
+
+
+def _grad_ready(ref: weakref.ref) -> None:
+    """An unsharded parameter's post-accumulate hook: tell its group (if the model still exists)."""
+    param = ref()
+    if param is not None:
+        param._on_grad_ready(param)

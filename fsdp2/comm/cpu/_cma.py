@@ -23,6 +23,7 @@ call, read nothing or the wrong bytes, and fall back to messages.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import secrets
@@ -32,9 +33,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ... import _compat
+from . import _yama
+from ... import _compat, _wire
 
-__all__ = ["describe", "probe", "read", "usable"]
+__all__ = ["describe", "pids", "probe", "read", "usable"]
 
 _IOV_MAX = 1024  # iovecs per call on Linux
 logger = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ class _IoVec(ctypes.Structure):
 
 
 _readv = None
-_usable: dict[int, tuple[dist.ProcessGroup, bool]] = {}  # id(pg) -> (pg, verdict)
+_usable: dict[int, tuple[dist.ProcessGroup, bool, tuple[int, ...]]] = {}  # id(pg) -> (pg, verdict, pids)
 
 
 def _readv_fn():
@@ -67,19 +69,36 @@ def _readv_fn():
 
 
 def describe(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[pid, address, nbytes, address, nbytes, ...]`` of contiguous CPU ``tensors`` (int64)."""
+    """``[pid, address, nbytes, address, nbytes, ...]`` of contiguous CPU ``tensors`` (int64).
+
+    Raises ``ValueError`` for a tensor that is not a contiguous CPU tensor: a peer would
+    read the wrong bytes (its address and size say one dense run of memory).
+    """
     values = [os.getpid()]
-    for t in tensors:
+    for i, t in enumerate(tensors):
+        _check_dense(t, f"offered tensor {i}", "describe")
         values += [t.data_ptr(), t.numel() * t.element_size()]
     return torch.tensor(values, dtype=torch.int64)
+
+
+def _check_dense(t: torch.Tensor, which: str, what: str) -> None:
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"fsdp2: {what}: {which} is {'not on the CPU' if t.device.type != 'cpu' else 'not contiguous'} "
+            f"(shape {tuple(t.shape)}, stride {t.stride()}, {t.device}): a same-host read moves one dense "
+            "run of CPU memory; pass a contiguous CPU tensor (e.g. stage it through .contiguous())"
+        )
 
 
 def read(descriptor: torch.Tensor, places: Sequence[torch.Tensor], what: str) -> None:
     """Copy the peer memory ``descriptor`` lists into ``places`` (contiguous, in the same order).
 
-    Raises ``RuntimeError`` if the sizes do not match ``places`` (the ranks disagree on
-    what moves) or the kernel copies less than asked.
+    Raises ``ValueError`` for a place that is not a contiguous CPU tensor (the bytes would
+    land in the wrong elements), ``RuntimeError`` if the sizes do not match ``places`` (the
+    ranks disagree on what moves) or the kernel copies less than asked.
     """
+    for i, t in enumerate(places):
+        _check_dense(t, f"place {i}", what)
     values = descriptor.tolist()
     pid, regions = values[0], values[1:]
     if len(regions) != 2 * len(places) or any(
@@ -112,49 +131,97 @@ def usable(pg: dist.ProcessGroup) -> bool:
     return entry is not None and entry[0] is pg and entry[1]
 
 
+def pids(pg: dist.ProcessGroup) -> tuple[int, ...]:
+    """The process ids of ``pg``'s ranks (group rank order) where ``probe(pg)`` said yes, else ()."""
+    entry = _usable.get(id(pg))
+    return entry[2] if entry is not None and entry[0] is pg and entry[1] else ()
+
+
+def _host() -> int:
+    """Names this host and PID namespace (63 bits): ranks with the same name may read each other."""
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/etc/hostname"):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    try:
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        parts.append(str(os.getpid()))  # nothing to tell hosts apart by: this process only
+    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _let_peers_read(pg: dist.ProcessGroup, rows: Sequence[torch.Tensor]) -> str:
+    """Yama: let this rank's same-host peers read it (``_yama.py``); "" or why they may not."""
+    me = pg.rank()
+    if any(int(row[_ROW_HOST]) != int(rows[me][_ROW_HOST]) for row in rows):
+        return ""  # not all on this host: the reads cannot work, and say why below
+    peers = [_yama.Rank(int(row[0]), int(row[_ROW_PPID])) for q, row in enumerate(rows) if q != me]
+    why = _yama.allow(pg, peers)
+    return f"cannot let its peers read it ({why})" if why else ""
+
+
+# The probe's row per rank: describe([token]) (pid, address, size), the token (4), then:
+_ROW_PPID, _ROW_HOST = 7, 8
+
+
 def probe(pg: dist.ProcessGroup) -> bool:
     """Whether every rank of ``pg`` can read every other's memory (once per group; collective).
 
-    Every rank of ``pg`` must call it at the same point.
+    Every rank of ``pg`` must call it at the same point. Under Yama's ``ptrace_scope=1``
+    each rank first lets its same-host peers read it (``_yama.py``).
     """
     entry = _usable.get(id(pg))
     if entry is not None and entry[0] is pg:
         return entry[1]
-    for key, (known, _) in list(_usable.items()):  # let destroyed groups (and their sockets) go
+    for key, (known, *_) in list(_usable.items()):  # let destroyed groups (and their sockets) go
         if not _compat.is_live_process_group(known):
             del _usable[key]
-    verdict = False
+    verdict, ids = False, ()
     if pg.size() > 1:
-        ranks = dist.get_process_group_ranks(pg)
-        token = torch.tensor([secrets.randbits(63) for _ in range(4)], dtype=torch.int64)
-        why = "" if _readv_fn() is not None else "this rank has no process_vm_readv"
-        mine = torch.cat([describe([token]), token, torch.tensor([int(not why)], dtype=torch.int64)])
-        rows = [torch.empty_like(mine) for _ in range(pg.size())]
-        dist.all_gather(rows, mine, group=pg)
-        for peer, row in enumerate(rows):
-            if why:
-                break
-            if peer == pg.rank():
-                continue
-            if not row[-1]:
-                why = f"rank {ranks[peer]} has no process_vm_readv"
-                break
-            got = torch.zeros(4, dtype=torch.int64)
-            try:
-                read(row[:3], [got], "probe")
-            except RuntimeError as e:
-                why = str(e).split(";")[0]  # names the pid and the errno
-                break
-            if not torch.equal(got, row[3:7]):
-                why = f"rank {ranks[peer]}'s token read back wrong (another PID namespace?)"
-                break
-        flag = torch.tensor([int(not why)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
-        verdict = bool(flag.item())
-        if not verdict:  # expected across hosts; on one host it costs speed (docs/troubleshooting.md)
-            logger.info(
-                "fsdp2: the ranks %s cannot read each other's memory with process_vm_readv (%s); CPU "
-                "exchanges over this process group send messages instead (on one host: Yama's "
-                "kernel.yama.ptrace_scope=0 allows the reads)", ranks, why or "a peer could not read")
-    _usable[id(pg)] = (pg, verdict)
+        verdict, ids = _probe(pg)
+        if not verdict:
+            _yama.forget(pg)
+    _usable[id(pg)] = (pg, verdict, ids)
     return verdict
+
+
+def _probe(pg: dist.ProcessGroup) -> tuple[bool, tuple[int, ...]]:
+    """``probe``'s collectives: who is where, whether each rank lets its peers in, the reads, the verdict."""
+    ranks = dist.get_process_group_ranks(pg)
+    token = torch.tensor([secrets.randbits(63) for _ in range(4)], dtype=torch.int64)
+    mine = torch.cat([describe([token]), token, torch.tensor([os.getppid(), _host()], dtype=torch.int64)])
+    rows = [torch.empty_like(mine) for _ in range(pg.size())]
+    dist.all_gather(rows, mine, group=pg)
+    why = "has no process_vm_readv" if _readv_fn() is None else _let_peers_read(pg, rows)
+    # Also the barrier that keeps every read after every rank's Yama declaration.
+    reasons = _wire.all_gather_json(why, pg)
+    why = f"this rank {why}" if why else ""
+    for peer, row in enumerate(rows):
+        if why:
+            break
+        if peer == pg.rank():
+            continue
+        if reasons[peer]:
+            why = f"rank {ranks[peer]} {reasons[peer]}"
+            break
+        got = torch.zeros(4, dtype=torch.int64)
+        try:
+            read(row[:3], [got], "probe")
+        except RuntimeError as e:
+            why = str(e).split(";")[0]  # names the pid and the errno
+            break
+        if not torch.equal(got, row[3:7]):
+            why = f"rank {ranks[peer]}'s token read back wrong (another PID namespace?)"
+            break
+    flag = torch.tensor([int(not why)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
+    verdict = bool(flag.item())
+    if not verdict:  # expected across hosts; on one host it costs speed (docs/troubleshooting.md)
+        logger.info(
+            "fsdp2: the ranks %s cannot read each other's memory with process_vm_readv (%s); CPU "
+            "exchanges over this process group send messages instead", ranks, why or "a peer could not read")
+    return verdict, tuple(int(row[0]) for row in rows)

@@ -46,7 +46,7 @@ from typing import NamedTuple, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import _cma, _pipes
+from . import _cma, _lease, _pipes
 from ...diagnostics._checks import HEADER
 
 # What messages go over: a process group, or the pipes connecting its ranks on one host.
@@ -81,45 +81,70 @@ class ReadExchange:
     """Reading peers' memory (``_cma.py``): ``wait()`` reads what every peer describes.
 
     Per peer, once its descriptor has arrived: read its chunks into their places, then
-    acknowledge. ``release`` finishes once every peer has acknowledged this rank's chunks
-    too, so that the caller may free or overwrite them: ``wait()`` waits for it as well,
-    unless ``defer`` (all-gathers: their caller waits for ``release`` before it frees the
-    unsharded buffer, one block of compute later, so the ranks may drift apart by a block
-    instead of meeting at every wait).
+    acknowledge. ``release`` (a ``_lease.Lease``) finishes once every peer has acknowledged
+    this rank's chunks too, so that the caller may free or overwrite them: ``wait()`` waits
+    for it as well, unless ``defer`` (all-gathers: their caller waits for ``release`` before
+    it frees the unsharded buffer, one block of compute later, so the ranks may drift apart
+    by a block instead of meeting at every wait). Until then the lease holds the memory on
+    offer, even if the caller drops it (a model deleted mid-iteration, the process exiting):
+    see ``_lease.py``.
     """
 
-    __slots__ = ("pg", "what", "pending", "release", "ack", "ack_tag", "descriptors", "defer")
+    __slots__ = ("pg", "what", "pending", "release", "descriptors", "defer", "headers")
 
-    def __init__(self, pg: Link, what: str, ack_tag: int, defer: bool = False) -> None:
-        self.pg, self.what, self.ack_tag, self.defer = pg, what, ack_tag, defer
-        self.pending: list[tuple[int, dist.Work, torch.Tensor, list[torch.Tensor]]] = []
-        self.release = Exchange([])
-        self.ack = torch.ones(1, dtype=torch.uint8)
+    def __init__(self, pg: Link, what: str, ack_tag: int, defer: bool = False, pids: Sequence[int] = ()) -> None:
+        _lease.prune()  # a safe point: settle exchanges dropped earlier, before new messages
+        self.pg, self.what, self.defer = pg, what, defer
+        self.pending: list[tuple[int, dist.Work | None, torch.Tensor, list[torch.Tensor]]] = []
+        self.release = _lease.Lease(pg, what, ack_tag, pids)
         self.descriptors: list[torch.Tensor] = []
+        self.headers: tuple[list[dist.Work], dict[int, int]] = ([], {})  # header works not yet waited; their peers
+
+    def with_headers(self, header: torch.Tensor, headers: torch.Tensor, works: list[dist.Work]) -> None:
+        """The exchange's header messages (``_exchange_headers``), ``works`` the list their
+        ``Exchange`` pops as it waits: those left are held too, should the exchange be dropped
+        before they are done (their buffers must outlive them, gloo must not match them late)."""
+        me = self.pg.rank()
+        peers = [q for q in range(self.pg.size()) if q != me for _ in range(2)]  # a receive, then a send each
+        self.headers = (works, {id(w): q for q, w in zip(peers, works)})
+        self.release.hold([header, headers])
 
     def expect(self, peer: int, descriptor_size: int, descriptor_tag: int, places: list[torch.Tensor]) -> None:
         """Post the receives of ``peer``'s descriptor and acknowledgement; its chunks go to ``places``."""
         descriptor = torch.empty(descriptor_size, dtype=torch.int64)
-        acked = torch.empty(1, dtype=torch.uint8)
-        self.descriptors += [descriptor, acked]
+        self.release.hold([descriptor])
         work = self.pg.recv([descriptor], peer, descriptor_tag)
-        self.release.works.append(self.pg.recv([acked], peer, self.ack_tag))
+        self.descriptors += [descriptor, self.release.expect_ack(peer)]
         self.pending.append((peer, work, descriptor, places))
 
-    def offer(self, peer: int, descriptor: torch.Tensor, descriptor_tag: int) -> None:
-        """Tell ``peer`` where to read (the memory must stay as it is until ``release``)."""
+    def offer(self, peer: int, descriptor: torch.Tensor, descriptor_tag: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Tell ``peer`` where to read ``tensors``; the lease holds them until ``peer`` acknowledges."""
         self.descriptors.append(descriptor)
-        self.release.works.append(self.pg.send([descriptor], peer, descriptor_tag))
+        self.release.hold(tensors)
+        self.release.send(peer, descriptor, descriptor_tag)
 
     def wait(self) -> bool:
         """Read every peer's chunks and acknowledge them; then, unless ``defer``, wait for ``release``."""
         while self.pending:
             peer, work, descriptor, places = self.pending[0]
-            work.wait()
+            if work is not None:
+                work.wait()
+                self.pending[0] = (peer, None, descriptor, places)  # a gloo work must not be waited twice
             _cma.read(descriptor, places, self.what)
             self.pending.pop(0)  # only once read: a failed wait leaves it to be waited on again
-            self.release.works.append(self.pg.send([self.ack], peer, self.ack_tag))
+            self.release.acknowledge(peer)
         return True if self.defer else self.release.wait()
+
+    def __del__(self) -> None:
+        # Dropped before its lease was released: the peers this rank has not read are told it
+        # never will; what they may still read of this rank's stays held (``_lease.py``).
+        try:
+            if not self.release.done:
+                works, peers = self.headers
+                self.release.orphan([(peer, work) for peer, work, _, _ in self.pending if work is not None]
+                                    + [(peers[id(w)], w) for w in works])
+        except Exception:  # noqa: BLE001 - interpreter teardown; the exit drain ran before it
+            pass
 
 
 def _tag(key: str, what: str, tensor: torch.Tensor) -> int:
@@ -234,13 +259,15 @@ def _read_all_gather(own: list[torch.Tensor], chunks: Sequence[torch.Tensor], he
     Its messages (header, descriptor, acknowledgement) go over the group's pipes where the
     ranks connected them (``_pipes.py``), else over ``pg``.
     """
+    pids = _cma.pids(pg)
     pg = _pipes.link(pg)
     me, world = pg.rank(), pg.size()
     offered = [t if t.is_contiguous() else t.contiguous() for t in own]
     mine = _cma.describe(offered)
     where, ack = _tag(key, "where", mine), _tag(key, "ack", mine)
     headers, header_works = _exchange_headers(header, pg)
-    reads = ReadExchange(pg, key, ack, defer=True)
+    reads = ReadExchange(pg, key, ack, defer=True, pids=pids)
+    reads.with_headers(header, headers, header_works)
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     for peer in range(world):
         if peer == me:
@@ -254,7 +281,7 @@ def _read_all_gather(own: list[torch.Tensor], chunks: Sequence[torch.Tensor], he
                 place = got
             places.append(place)
         reads.expect(peer, mine.numel(), where, places)
-        reads.offer(peer, mine, where)
+        reads.offer(peer, mine, where, offered)
     return ExchangeAllGather(Exchange(header_works), reads, headers, (header, *offered), tuple(staged))
 
 
@@ -344,6 +371,7 @@ def start_reduce_scatter(
         key: names this exchange the same on every rank (group and dtype): its messages' tags.
         read: each peer reads its chunks out of this process (``_cma.py``), no messages.
     """
+    pids = _cma.pids(pg) if read else ()
     if read:  # its messages on the group's pipes, where the ranks connected them (``_pipes.py``)
         pg = _pipes.link(pg)
     me, world = pg.rank(), pg.size()
@@ -360,7 +388,8 @@ def start_reduce_scatter(
     works: list[dist.Work] = []
     made = list(copies)
     if read:
-        reads = _read_reduce_scatter(chunks, made, offsets, sizes, total, dtype, device, received, pg, key)
+        reads = _read_reduce_scatter(chunks, made, offsets, sizes, total, dtype, device, received, pg, key, pids)
+        reads.with_headers(header, headers, header_works)
         return ExchangeReduceScatter(Exchange(header_works), reads, headers, header, me, tuple(offsets),
                                      tuple(received), tuple(c[me] for c in chunks), tuple(sent), tuple(made))
     for peer in range(world):
@@ -372,8 +401,8 @@ def start_reduce_scatter(
         if small:
             pack = torch.empty(packed_total, dtype=dtype, device=device)
             with torch.no_grad():
-                torch._foreach_copy_([pack[offsets[i]:offsets[i] + sizes[i]].view(chunks[i][peer].shape) for i in small],
-                                     [chunks[i][peer] for i in small])
+                places = [pack[offsets[i]:offsets[i] + sizes[i]].view(chunks[i][peer].shape) for i in small]
+                torch._foreach_copy_(places, [chunks[i][peer] for i in small])
             made.append(pack)
             tag = _tag(key, ",".join(map(str, small)), pack)
             outgoing.append((pack, tag))
@@ -392,7 +421,8 @@ def start_reduce_scatter(
 
 def _read_reduce_scatter(chunks: Sequence[torch.Tensor], made: list[torch.Tensor], offsets: Sequence[int],
                          sizes: Sequence[int], total: int, dtype: torch.dtype, device: torch.device,
-                         received: list[torch.Tensor | None], pg: dist.ProcessGroup, key: str) -> ReadExchange:
+                         received: list[torch.Tensor | None], pg: Link, key: str,
+                         pids: Sequence[int] = ()) -> ReadExchange:
     """The reduce-scatter by reading: each peer reads its chunk of every gradient from here.
 
     Fills ``received`` with one row per peer (read into at ``wait()``) and ``made`` with
@@ -402,7 +432,7 @@ def _read_reduce_scatter(chunks: Sequence[torch.Tensor], made: list[torch.Tensor
     n = len(chunks)
     descriptor_bytes = 8 * (1 + 2 * n)  # int64: pid, then address and size per chunk
     where = _tag_of_size(key, "where", descriptor_bytes)
-    reads = ReadExchange(pg, key, _tag_of_size(key, "ack", descriptor_bytes))
+    reads = ReadExchange(pg, key, _tag_of_size(key, "ack", descriptor_bytes), pids=pids)
     for peer in range(world):
         if peer == me:
             continue
@@ -416,5 +446,5 @@ def _read_reduce_scatter(chunks: Sequence[torch.Tensor], made: list[torch.Tensor
                 made.append(chunk)
             offered.append(chunk)
         reads.expect(peer, 1 + 2 * n, where, [row[offsets[i]:offsets[i] + sizes[i]] for i in range(n)])
-        reads.offer(peer, _cma.describe(offered), where)
+        reads.offer(peer, _cma.describe(offered), where, offered)
     return reads

@@ -13,8 +13,8 @@ Ranks whose reads were probed (``_cma.probe``) connect (:func:`connect`, collect
 each rank makes one named pipe (FIFO) per peer to receive from, in a private directory
 of its own, and opens each peer's pipe to it for writing. The names are removed once
 every rank has opened its pipes, so nothing is left on disk, and a pipe closes when its
-process exits (the peer then reads an end of file instead of waiting). A forked child (a data-loader worker) closes its copies at
-once.
+process exits (the peer then reads an end of file instead of waiting). A forked child (a
+data-loader worker) closes its copies at once.
 
 :class:`Pipes` has the part of a process group's interface the exchanges use
 (``rank``, ``size``, ``send``, ``recv``), with gloo's matching: a receive gets the
@@ -30,7 +30,6 @@ closed pipe, every later wait on that peer fails at once, as gloo closes the pai
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import logging
 import os
 import select
@@ -91,19 +90,28 @@ class _Sent:
     def wait(self, timeout: object = None) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 _SENT = _Sent()
 
 
 class _Receive:
-    """A posted receive: ``wait()`` copies the ``n``-th message with ``tag`` from ``peer`` into ``tensor``."""
+    """A posted receive: ``wait()`` copies the ``n``-th message with ``tag`` from ``peer`` into ``tensor``.
 
-    __slots__ = ("pipes", "peer", "tag", "n", "tensor")
+    Like gloo's works, waiting again once it is done returns at once.
+    """
+
+    __slots__ = ("pipes", "peer", "tag", "n", "tensor", "done")
 
     def __init__(self, pipes: Pipes, peer: _Peer, tag: int, n: int, tensor: torch.Tensor) -> None:
         self.pipes, self.peer, self.tag, self.n, self.tensor = pipes, peer, tag, n, tensor
+        self.done = False
 
     def wait(self, timeout: object = None) -> bool:
+        if self.done:
+            return True
         key = (self.tag, self.n)
         peer = self.peer
         if key not in peer.stash:
@@ -117,7 +125,16 @@ class _Receive:
                 f"expects {nbytes} (tag {self.tag}): the ranks disagree on what they exchange"
             )
         ctypes.memmove(t.data_ptr(), data, nbytes)
+        self.done = True
         return True
+
+    def is_completed(self) -> bool:
+        """Whether ``wait()`` would return at once (reads what has arrived, never waits)."""
+        if self.done:
+            return True
+        if (self.tag, self.n) not in self.peer.stash:
+            self.pipes.poll_now()
+        return (self.tag, self.n) in self.peer.stash or bool(self.peer.broken)
 
 
 class Pipes:
@@ -128,6 +145,7 @@ class Pipes:
         self.timeout_s = timeout_s
         self._rank, self._size = pg.rank(), pg.size()
         self._inboxes = {p.inbox: p for p in peers.values()}
+        self._writing = False  # a frame is being written: no other may start (see try_send)
 
     def rank(self) -> int:
         return self._rank
@@ -148,7 +166,49 @@ class Pipes:
         p.posted[tag] = n + 1
         return _Receive(self, p, tag, n, t)
 
+    def try_send(self, tensor: torch.Tensor, peer: int, tag: int) -> bool:
+        """Send at once if that cannot wait or interleave, else do nothing; whether it was sent.
+
+        For code that may run anywhere, even inside another send (a finalizer at garbage
+        collection): one write of a frame of at most ``PIPE_BUF`` bytes is all or nothing,
+        and none is made while another frame is half written. A peer that is gone counts
+        as sent (nobody is left to tell).
+        """
+        p = self.peers.get(peer)
+        nbytes = tensor.numel() * tensor.element_size()
+        if p is None or self._writing or _FRAME.size + nbytes > getattr(select, "PIPE_BUF", 512):
+            return p is None
+        if p.broken:
+            return True
+        try:
+            os.write(p.out, _FRAME.pack(tag, nbytes) + ctypes.string_at(tensor.data_ptr(), nbytes))
+        except BlockingIOError:
+            return False
+        except OSError:
+            p.broken = p.broken or f"rank {p.rank} closed its end of the pipe (it exited)"
+        return True
+
+    def poll_now(self) -> None:
+        """Read whatever has arrived on any incoming pipe, without waiting."""
+        if not self._inboxes:
+            return
+        poller = select.poll()
+        for fd, source in self._inboxes.items():
+            if not source.broken:
+                poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(0):
+            source = self._inboxes.get(fd)
+            if source is not None:
+                self._drain(source)
+
     def _write(self, peer: _Peer, message: bytes) -> None:
+        self._writing = True
+        try:
+            self._write_frame(peer, message)
+        finally:
+            self._writing = False
+
+    def _write_frame(self, peer: _Peer, message: bytes) -> None:
         view = memoryview(message)
         deadline = None
         while view:
@@ -209,6 +269,7 @@ class Pipes:
 
     def close(self) -> None:
         for p in self.peers.values():
+            p.broken = p.broken or "the pipes were closed (their process group was destroyed)"
             for fd in (p.inbox, p.out):
                 try:
                     os.close(fd)
@@ -270,15 +331,27 @@ def _open_outboxes(directories: Sequence[str], me: int) -> dict[int, int]:
                 continue
             fd = os.open(os.path.join(directory, f"from-{me}"), os.O_WRONLY | os.O_NONBLOCK)
             outs[peer] = fd
-            try:
-                fcntl.fcntl(fd, _F_SETPIPE_SZ, _CAPACITY)
-            except OSError:
-                pass  # the default 64 KiB still works: a full pipe is waited on, not an error
+            _grow(fd)
     except OSError:
         for fd in outs.values():
             os.close(fd)
         raise
     return outs
+
+
+def _grow(fd: int) -> None:
+    """Ask for a pipe of ``_CAPACITY`` bytes (Linux); the default 64 KiB still works: a full
+    pipe is waited on, not an error. ``fcntl`` is imported here: not every platform has it."""
+    try:
+        import fcntl
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, _CAPACITY)
+    except (ImportError, OSError):
+        pass
+
+
+def available() -> bool:
+    """Whether this platform has what the pipes need (named pipes and ``poll``)."""
+    return hasattr(os, "mkfifo") and hasattr(select, "poll")
 
 
 def connect(pg: dist.ProcessGroup) -> bool:
@@ -293,7 +366,7 @@ def connect(pg: dist.ProcessGroup) -> bool:
         return entry[1] is not None
     _forget_destroyed_groups()
     me, world = pg.rank(), pg.size()
-    wanted = os.environ.get(PIPES_ENV, "1") != "0" and world > 1
+    wanted = os.environ.get(PIPES_ENV, "1") != "0" and world > 1 and available()
     directory, inboxes, outs, why = None, {}, {}, ""
     if wanted:
         try:

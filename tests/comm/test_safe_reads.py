@@ -1,0 +1,322 @@
+"""Same-host reads are safe: memory a peer may read outlives the model, the gradients and the
+process that offered it; reads check their places; Yama is handled per job; fsdp2 imports and
+trains where the CPU transport cannot run (``fsdp2/comm/cpu/_lease.py``, ``_cma.py``, ``_yama.py``).
+
+The rank that drops its memory (deletes the model, drops the gradients, exits) then allocates
+and fills memory of the same size, so that a read of freed memory gets the wrong bytes or
+fails, instead of finding the old values by luck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import json
+import multiprocessing as mp
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+import weakref
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+import fsdp2
+from fsdp2._common import get_state
+from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV, probe_reads
+from fsdp2.comm.cpu import _cma, _exchange, _lease, _pipes, _yama
+from tests._dist import REPO_ROOT, environ, run_on_ranks
+from tests._models import MLP
+
+
+@contextlib.contextmanager
+def _reading_group(pipes: bool) -> Iterator[dist.ProcessGroup]:
+    """A new process group over every rank whose ranks read each other; its small messages
+    on pipes or on gloo."""
+    pg = dist.new_group(timeout=datetime.timedelta(seconds=60))
+    try:
+        with environ(_pipes.PIPES_ENV, "1" if pipes else "0"):
+            assert probe_reads(pg)
+        assert isinstance(_pipes.link(pg), _pipes.Pipes) == pipes
+        yield pg
+    finally:
+        dist.destroy_process_group(pg)
+
+
+def _scribble(nbytes: int) -> list[torch.Tensor]:
+    """Take memory the size of what was dropped, several times over, and fill it."""
+    return [torch.full((nbytes // 4 + 1024 * k,), -7.0) for k in range(8)]
+
+
+def _released_soon() -> bool:
+    """Whether every lease of this process is released within 20 s (the peers acknowledged)."""
+    return not _lease.drain(20.0) and not _lease.live()
+
+
+# ---- a model deleted mid-iteration ---------------------------------------------------------
+
+def _model_deleted_mid_iteration(when: str, pipes: bool) -> list[object]:
+    """Rank 0 deletes its model (and collects it) while rank 1 has yet to read rank 0's chunk
+    of the unsharded parameters; rank 1 reads it afterwards and must get the right values.
+
+    ``after_unshard``: rank 0 dropped an all-gather it never waited for (it will not read
+    rank 1 either, and says so). ``after_forward``: rank 0 finished its forward (the root
+    keeps its parameters), and only the peer's read of rank 0 is outstanding. Both after a
+    first iteration, so that the second forward runs no collective but the all-gather.
+    """
+    with _reading_group(pipes) as pg:
+        mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=(f"safe_{pg.group_name}",))
+        torch.manual_seed(0)
+        model = MLP(256)
+        full = [p.detach().clone() for p in model.parameters()]
+        x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+        expected = model(x).detach()
+        with environ(CPU_COLLECTIVES_ENV, "read"):
+            fsdp2.fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        model(x).sum().backward()  # a first iteration on every rank: lazy init and its checks
+        group = get_state(model).group
+        nbytes = group._unsharded_bytes()
+        me = pg.rank()
+        if me == 1 or when == "after_unshard":
+            handle = model.unshard(async_op=True)  # offers this rank's chunk
+        if me == 0:
+            if when == "after_forward":
+                dist.barrier(group=pg)  # rank 1 has offered its chunk
+                model(x)  # reads rank 1's chunk, acknowledges; rank 1 has not read rank 0's
+            else:
+                assert isinstance(group._gather.exchange.exchange, _exchange.ReadExchange)
+                del handle
+            alive = weakref.ref(group)
+            del model, group
+            gc.collect()
+            junk = _scribble(nbytes)
+            dist.barrier(group=pg)  # rank 1 reads now
+            dist.barrier(group=pg)  # rank 1 has read and acknowledged
+            del junk
+            return [alive() is None, _released_soon()]
+        if when == "after_forward":
+            dist.barrier(group=pg)
+        dist.barrier(group=pg)  # rank 0's model is gone
+        out = model(x)  # finishes the all-gather: reads rank 0's chunk out of a deleted model
+        right = all(torch.equal(p.detach(), f) for p, f in zip(model.parameters(), full))
+        model.reshard()  # needs rank 0's acknowledgement, read or not
+        dist.barrier(group=pg)
+        return [right, torch.allclose(out, expected), _released_soon()]
+
+
+@pytest.mark.parametrize("pipes", [True, False], ids=["pipes", "gloo"])
+@pytest.mark.parametrize("when", ["after_unshard", "after_forward"])
+def test_a_model_deleted_mid_iteration_stays_readable_until_the_peer_has_read(when, pipes):
+    # Rank 0: its model was collected, and its lease let go once rank 1 acknowledged.
+    assert run_on_ranks(_model_deleted_mid_iteration, 2, when, pipes) == [[True, True], [True, True, True]]
+
+
+def _gradients_dropped_mid_reduce_scatter(pipes: bool) -> list[object]:
+    """Rank 0 starts a read reduce-scatter, then drops it and its gradients; rank 1 reads
+    rank 0's chunk of them afterwards and must get the right sum."""
+    with _reading_group(pipes) as pg:
+        me = pg.rank()
+        grads = [torch.arange(512 * 256, dtype=torch.float32).view(512, 256) * (k + 1) + 1000 * me
+                 for k in range(2)]
+        mine = [g.view(2, 256, 256)[1] for g in grads]  # rank 1's chunk of each, as rank 1 sees it here
+        header = torch.zeros(16, dtype=torch.uint8)
+        rs = _exchange.start_reduce_scatter([g.view(2, 256, 256) for g in grads], grads, [], torch.float32,
+                                            header, pg, "a dropped reduce-scatter", read=True)
+        rs.header_exchange.wait()
+        if me == 0:
+            alive = weakref.ref(grads[0])
+            nbytes = sum(g.numel() * 4 for g in grads)
+            del rs, grads, mine
+            gc.collect()
+            junk = _scribble(nbytes)
+            dist.barrier(group=pg)  # rank 1 reads now
+            dist.barrier(group=pg)
+            del junk
+            released = _released_soon()
+            return [released, alive() is None]  # held until rank 1 had read, then let go
+        dist.barrier(group=pg)
+        total = rs.reduced()  # reads rank 0's chunk of each gradient; waits for rank 0's acknowledgement
+        peer = [m - 1000 for m in mine]  # rank 0's values of the same chunk
+        want = torch.cat([(a + b).flatten() for a, b in zip(mine, peer)])
+        right = torch.equal(total, want)
+        dist.barrier(group=pg)
+        return [right, _released_soon()]
+
+
+@pytest.mark.parametrize("pipes", [True, False], ids=["pipes", "gloo"])
+def test_gradients_dropped_mid_reduce_scatter_stay_readable_until_the_peer_has_read(pipes):
+    assert run_on_ranks(_gradients_dropped_mid_reduce_scatter, 2, pipes) == [[True, True], [True, True]]
+
+
+def _training_leaves_nothing_held() -> list[int]:
+    torch.manual_seed(0)
+    model = MLP(256)
+    with environ(CPU_COLLECTIVES_ENV, "read"):
+        fsdp2.fully_shard(model)
+    for _ in range(2):
+        model(torch.randn(4, 256)).sum().backward()
+    return [len(_lease.live()), len(_lease._orphans)]
+
+
+def test_training_leaves_no_memory_held_for_peers():
+    # Every lease is released by the runtime's own waits: none is left for the exit drain.
+    assert run_on_ranks(_training_leaves_nothing_held, 2) == [[0, 0]] * 2
+
+
+# ---- a rank that exits early ------------------------------------------------------------------
+
+def _launch(scenario: str, launcher: str, tmp: Path) -> tuple[list[int | None], list[str], float]:
+    """Run ``tests/comm/_exit_scenarios.py`` on two ranks: their exit codes, their stderr (subprocess
+    only), and how long rank 0 took to exit once its main function had returned."""
+    init, out = tmp / "init", str(tmp / "result")
+    if launcher == "subprocess":  # as torchrun starts ranks: fresh interpreters
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.comm._exit_scenarios", str(r), scenario,
+                                   str(init), out], cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        errs = [procs[0].communicate(timeout=120)[1]]
+        exited = time.time()
+        errs.append(procs[1].communicate(timeout=120)[1])
+        codes: list[int | None] = [p.returncode for p in procs]
+    else:  # as mp.spawn starts ranks: multiprocessing children, which leave by os._exit
+        from tests.comm import _exit_scenarios
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_exit_scenarios.main, args=(r, scenario, str(init), out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        procs[0].join(timeout=120)
+        exited = time.time()
+        procs[1].join(timeout=120)
+        codes, errs = [p.exitcode for p in procs], ["", ""]
+    left = os.path.getmtime(f"{out}.left") if os.path.exists(f"{out}.left") else float("-inf")
+    return codes, errs, exited - left
+
+
+def _results(tmp: Path) -> list[dict]:
+    return [json.loads((tmp / f"result.rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("launcher", ["subprocess", "multiprocessing"])
+def test_a_rank_that_exits_early_stays_readable_until_its_peer_has_read(launcher, tmp_path):
+    codes, errs, _ = _launch("exit", launcher, tmp_path)
+    assert codes == [0, 0], errs
+    rank0, rank1 = _results(tmp_path)
+    assert rank0["right"] is True
+    assert rank1 == {"pid": rank1["pid"], "right": True}, rank1  # no error: rank 0 was still there
+
+
+def test_a_rank_whose_peer_died_unread_exits_at_once_and_says_so(tmp_path):
+    codes, errs, took = _launch("peer_dies", "subprocess", tmp_path)
+    assert codes[0] == 0 and codes[1] == -9, errs
+    assert took < _lease.EXIT_WAIT_S / 2, took  # did not wait for a peer that is gone
+    assert ("exited without saying they had finished reading this process's memory" in errs[0]), errs[0]
+
+
+# ---- reads check their places ---------------------------------------------------------------------
+
+def test_reads_refuse_places_and_sources_that_are_not_contiguous():
+    source = torch.arange(12, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"fsdp2: all_gather g: place 0 is not contiguous \(shape \(3, 2\), "
+                                         r"stride \(1, 3\), cpu\): a same-host read moves one dense run"):
+        _cma.read(_cma.describe([source[:6]]), [torch.empty(2, 3).t()], "all_gather g")
+    with pytest.raises(ValueError, match=r"fsdp2: describe: offered tensor 1 is not contiguous \(shape \(6,\), "
+                                         r"stride \(2,\), cpu\).*pass a contiguous CPU tensor"):
+        _cma.describe([source[:2], source[::2]])
+    got = torch.empty(2, 3)
+    _cma.read(_cma.describe([source[6:]]), [got], "all_gather g")  # contiguous: read from this process
+    assert torch.equal(got.flatten(), source[6:])
+
+
+# ---- Yama ----------------------------------------------------------------------------------------
+
+R = _yama.Rank
+
+
+def test_yama_names_the_narrowest_process_covering_the_peers():
+    assert _yama.tracer_for([R(200, 100)]) == 200  # one peer: itself
+    assert _yama.tracer_for([R(201, 100), R(202, 100), R(203, 100)]) == 100  # siblings: their launcher
+    assert _yama.tracer_for([R(300, 50), R(301, 300), R(302, 300)]) == 300  # one rank started the others
+    assert _yama.tracer_for([R(201, 100), R(301, 300)]) is None  # started apart: no narrow choice
+    assert _yama.tracer_for([R(201, 1), R(202, 1)]) is None  # pid 1's descendants are everything
+    assert _yama.tracer_for([]) is None
+
+
+def test_yama_scope_is_read_from_the_kernel():
+    path = Path(_yama.SCOPE_PATH)
+    assert _yama.scope() == (int(path.read_text()) if path.exists() else None)
+
+
+_DECLARE = textwrap.dedent("""
+    import os
+    from fsdp2.comm.cpu import _yama
+    first = _yama._declare(os.getppid())  # this process may be read by its parent and the parent's descendants
+    print(repr(first), repr(_yama._declare(0)), _yama._declared)
+""")
+
+
+def test_the_declaration_reaches_the_kernel():
+    # Where Yama runs, prctl(PR_SET_PTRACER) takes the pid and 0 withdraws it; elsewhere the
+    # kernel refuses the option, and the refusal is reported, not hidden.
+    done = subprocess.run([sys.executable, "-c", _DECLARE], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if _yama.scope() is None:
+        assert re.fullmatch(r"'prctl\(PR_SET_PTRACER, \d+\) failed: Invalid argument' '' 0\n", done.stdout), done.stdout
+    else:
+        assert done.stdout == "'' '' 0\n", done.stdout
+
+
+def _allowed_here() -> list[object]:
+    """On this host: nothing to declare without Yama or with ptrace_scope=0; reads work."""
+    pg = dist.new_group()
+    try:
+        ok = probe_reads(pg)
+        return [ok, _yama._declared, _yama.scope() in (None, 0) or _yama._declared != 0]
+    finally:
+        dist.destroy_process_group(pg)
+
+
+def test_the_probe_lets_the_peers_in_only_where_yama_asks():
+    results = run_on_ranks(_allowed_here, 2)
+    if _yama.scope() in (None, 0):
+        assert results == [[True, 0, True]] * 2  # nothing declared: Linux's own rule lets them read
+    else:  # ptrace_scope=1: each rank named its one peer
+        assert all(r[2] for r in results), results
+
+
+# ---- no fcntl, no reads --------------------------------------------------------------------------
+
+_WITHOUT_FCNTL = textwrap.dedent("""
+    import sys
+    sys.modules["fcntl"] = None  # as on a platform without it: importing it raises ImportError
+    import torch, torch.distributed as dist
+    import fsdp2
+    from tests._models import MLP
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+    torch.manual_seed(0)
+    model, reference = MLP(64), MLP(64)
+    reference.load_state_dict(model.state_dict())
+    fsdp2.fully_shard(model)
+    x = torch.randn(4, 64)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    same = all(torch.allclose(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters()))
+    print("fcntl" in sys.modules and sys.modules["fcntl"] is None, same)
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_imports_and_trains_without_fcntl(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_FCNTL, str(tmp_path / "init")], cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr
