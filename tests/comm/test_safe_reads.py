@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp2
 from fsdp2._common import get_state
-from fsdp2.comm._collectives import CPU_COLLECTIVES_ENV, probe_reads
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
+from fsdp2.comm.cpu._transport import probe_reads
 from fsdp2.comm.cpu import _cma, _exchange, _lease, _pipes, _yama
 from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import MLP
