@@ -401,8 +401,8 @@ def start_reduce_scatter(
         if small:
             pack = torch.empty(packed_total, dtype=dtype, device=device)
             with torch.no_grad():
-                places = [pack[offsets[i]:offsets[i] + sizes[i]].view(chunks[i][peer].shape) for i in small]
-                torch._foreach_copy_(places, [chunks[i][peer] for i in small])
+                slots = [pack[offsets[i]:offsets[i] + sizes[i]].view(chunks[i][peer].shape) for i in small]
+                torch._foreach_copy_(slots, [chunks[i][peer] for i in small])
             made.append(pack)
             tag = _tag(key, ",".join(map(str, small)), pack)
             outgoing.append((pack, tag))
