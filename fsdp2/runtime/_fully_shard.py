@@ -19,7 +19,7 @@ from .._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy
 from .. import _compat
 from . import _extension
 from ._group import ParamGroup, SubGroup
-from ._mesh import DataParallelMesh, SpmdAxes
+from ._mesh import DataParallelMesh, SpmdAxes, tp_mesh_of
 from ._module import FSDPModule
 from ._param import ShardedParam
 from .._errors import FSDPTypeError, FSDPValueError
@@ -463,11 +463,7 @@ def _check_tensor_parallel(found: list[Found], mesh: DeviceMesh, reshard_after_f
         if not isinstance(param, DTensor):
             continue
         tp_mesh = param.device_mesh
-        names = tp_mesh.mesh_dim_names or ()
-        shared = set(names) & set(mesh.mesh_dim_names or ())
-        # By value, not identity: DTensor's caches may hand back an equal mesh sliced from an
-        # equal root built by an earlier init_device_mesh call (torch's fully_shard accepts it too).
-        if tp_mesh == mesh or _compat.root_mesh(tp_mesh) != dp_root or not names or shared:
+        if tp_mesh_of(tp_mesh, mesh) is None:  # by value (see tp_mesh_of): torch accepts equal meshes too
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which is not a separate "
                 f"named axis of the data-parallel mesh's parent ({dp_root}). Build one mesh, e.g. "

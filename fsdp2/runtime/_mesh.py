@@ -16,7 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["DataParallelMesh", "SpmdAxes", "SubGroup"]
+from .. import _compat
+
+__all__ = ["DataParallelMesh", "SpmdAxes", "SubGroup", "tp_mesh_of"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +102,20 @@ class SubGroup:
         self.group = cached[key]
         self.size = size
         self.rank = dp.shard_rank % size
+
+
+def tp_mesh_of(param_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh | None:
+    """The axes of ``dp_mesh``'s root mesh that a tensor-parallel parameter's mesh names, if they
+    equal it; None if the parameter's mesh is not a separate named axis of that root.
+
+    By value, not identity: DTensor's sharding caches may hand back a DTensor on an equal mesh
+    of another root (an earlier ``init_device_mesh`` with the same ranks and names), which
+    cannot be joined with the data-parallel axes; the root's own axes can.
+    """
+    names = param_mesh.mesh_dim_names or ()
+    root = _compat.root_mesh(dp_mesh)
+    root_names = root.mesh_dim_names or ()
+    if not names or not set(names) <= set(root_names) or set(names) & set(dp_mesh.mesh_dim_names or ()):
+        return None
+    axes = root[names[0]] if len(names) == 1 else root[tuple(names)]
+    return axes if axes == param_mesh else None

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .. import _compat
 from . import _extension
 from ._layout import ShardLayout, contiguous_stride
-from ._mesh import DataParallelMesh
+from ._mesh import DataParallelMesh, tp_mesh_of
 
 __all__ = ["ShardLayout", "ShardedParam", "contiguous_stride"]
 
@@ -63,7 +63,10 @@ class ShardedParam:
         # its TP-local tensor and adds the data-parallel axes in front.
         self.tp: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         if isinstance(param, DTensor):
-            self.tp = (param.device_mesh, tuple(param.placements))
+            # The data-parallel root's own TP axes where they equal the parameter's mesh (see
+            # tp_mesh_of); dp_mesh_dims: the parameter's mesh is the whole SPMD mesh, kept.
+            mesh = param.device_mesh if dp.spmd is not None else tp_mesh_of(param.device_mesh, dp.mesh)
+            self.tp = (mesh or param.device_mesh, tuple(param.placements))
             local = param.to_local()
         else:
             local = param
