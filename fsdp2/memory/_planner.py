@@ -27,6 +27,7 @@ from ..diagnostics._checks import HEADER
 from .._compat import fake_process_group, in_backward
 from ..comm._transport import BufferNeeds, GroupBytes, Transport, choose_transport
 from ..models import llama
+from ..runtime._group import segment_bounds
 from ._layout import OPTIMIZER_STATES, Layout, ModelBuilder, positive_int
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._tracker import CATEGORIES, format_bytes, format_table
@@ -75,6 +76,11 @@ class _Group(GroupBytes):
 
     sharded: int = 0  # original dtype
     same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
+
+    def __add__(self, other: _Group) -> _Group:
+        return _Group(self.unsharded + other.unsharded, self.slice + other.slice, self.reduce + other.reduce,
+                      self.packed and other.packed, self.entries + other.entries, self.sharded + other.sharded,
+                      self.same_grad_dtype and other.same_grad_dtype)
 
     def transport(self, gloo: bool) -> Transport:
         """The transport fsdp2 picks for this group (``comm/_transport.choose_transport``)."""
@@ -186,7 +192,7 @@ class _Schedule:
 
     def __init__(self, line: _Timeline, sizes: dict[str, _Group], order: list[str], *, shard: int,
                  alias: bool, reshard: bool, root_reshard: bool, grad_accum: int, gloo: bool,
-                 reads: bool) -> None:
+                 reads: bool, root_params: dict[str, _Group], root_segments: list[list[str]]) -> None:
         self.line, self.sizes, self.order = line, sizes, order
         self.shard, self.alias, self.grad_accum = shard, alias, grad_accum
         # What each group's transport holds for its collectives (reads: gloo exchanges read the
@@ -197,10 +203,23 @@ class _Schedule:
         backend = "gloo" if gloo else "nccl"
         self.needs: dict[str, BufferNeeds] = {
             name: t.buffer_needs(sizes[name], shard, backend, reads) for name, t in transports.items()}
+        self._root_transport, self._needs_args = transports["root"], (shard, backend, reads)
+        # The root's parameters (by name) and its segments (ParamGroup.use_segments): after forward
+        # the segments forward saved nothing of are freed (release_unsaved); in backward, at each
+        # block's pre-backward, the root's final gradients are reduced and the segments all of
+        # whose gradients are final freed (release_finished). Not at world size 1 without a cast.
+        self.root_params = root_params
+        self.segments = root_segments if len(root_segments) > 1 and not alias else []
+        self.released: set[int] = set()
+        self.reduced_params: set[str] = set()
+        self.unsharded_now = {name: 0 for name in order}
+        self.gather_held = {name: False for name in order}
         self.reshard_after_forward = {name: reshard for name in order}
         self.reshard_after_forward["root"] = root_reshard
         self.state = {name: "sharded" for name in order}
-        self.pending: list[tuple[str, Callable[[], None] | None]] = []  # reduce-scatters and grads held
+        # Reduce-scatters in flight: group, how to drop the gradients they hold, and (a part of the
+        # root's gradients, release_finished) what they reduce.
+        self.pending: list[tuple[str, Callable[[], None] | None, _Group | None]] = []
         self.reduced: set[str] = set()
 
     def _gather_bytes(self, name: str) -> int:
@@ -219,25 +238,76 @@ class _Schedule:
             self.state[name] = "gathering"
             self.line.add_bytes("communication", self._gather_bytes(name))
             if self.in_place[name]:
-                self.line.add_bytes("unsharded_params", self._unsharded_bytes(name))
+                self._hold_unsharded(name)
+
+    def _hold_unsharded(self, name: str) -> None:
+        self.unsharded_now[name] = self._unsharded_bytes(name)
+        self.line.add_bytes("unsharded_params", self.unsharded_now[name])
 
     def wait(self, name: str) -> None:
         self.unshard(name)
         if self.state[name] == "gathering":
             self.state[name] = "unsharded"
             if not self.in_place[name]:
-                self.line.add_bytes("unsharded_params", self._unsharded_bytes(name))
-            if not self._released_at_reshard(name):
+                self._hold_unsharded(name)
+            if self._released_at_reshard(name):
+                self.gather_held[name] = True
+            else:
                 self.line.add_bytes("communication", -self._gather_bytes(name))
+
+    def _drop_gather(self, name: str) -> None:
+        """A read all-gather's buffers go when any of the unsharded buffer is first freed."""
+        if self.gather_held[name]:
+            self.gather_held[name] = False
+            self.line.add_bytes("communication", -self._gather_bytes(name))
 
     def reshard(self, name: str) -> None:
         if self.state[name] == "gathering":  # its buffers are in use by the collective
             self.wait(name)
         if self.state[name] == "unsharded":
             self.state[name] = "sharded"
-            if self._released_at_reshard(name):
-                self.line.add_bytes("communication", -self._gather_bytes(name))
-            self.line.add_bytes("unsharded_params", -self._unsharded_bytes(name))
+            self._drop_gather(name)
+            self.line.add_bytes("unsharded_params", -self.unsharded_now[name])
+            self.unsharded_now[name] = 0
+            if name == "root":
+                self.released.clear()
+
+    def _release_segment(self, k: int) -> None:
+        self._drop_gather("root")
+        freed = sum(self.root_params[n].unsharded for n in self.segments[k])
+        self.unsharded_now["root"] -= freed
+        self.line.add_bytes("unsharded_params", -freed)
+        self.released.add(k)
+
+    def release_unsaved(self, saved: set[str]) -> None:
+        """After the root's forward: free the segments none of whose parameters forward saved."""
+        if not self.segments or self.state["root"] != "unsharded":
+            return
+        for k, names in enumerate(self.segments):
+            if k not in self.released and not saved.intersection(names):
+                self._release_segment(k)
+
+    def release_finished(self, ready: list[str], drop_grads: Callable[[list[str]], None]) -> None:
+        """A block's pre-backward: reduce the root's final gradients (``ready``, by name), freeing
+        the segments whose gradients are all final first."""
+        if not self.segments or self.state["root"] != "unsharded" or "root" in self.reduced:
+            return
+        finished = [n for n in ready if n not in self.reduced_params]
+        if not finished:
+            return
+        done = set(ready)
+        for k, names in enumerate(self.segments):
+            if k not in self.released and done.issuperset(names):
+                self._release_segment(k)
+        self.reduced_params.update(finished)
+        self._reduce("root", lambda: drop_grads(finished), self.part(finished))
+
+    def part(self, names: list[str]) -> _Group:
+        """The bytes of some of the root's parameters, as a group of their own."""
+        return sum((self.root_params[n] for n in names[1:]), self.root_params[names[0]])
+
+    def _needs(self, name: str, part: _Group | None) -> BufferNeeds:
+        return self.needs[name] if part is None else self._root_transport.buffer_needs(part, *self._needs_args)
 
     def pre_forward(self, name: str) -> None:
         self.line.where = f"forward, {name}"
@@ -251,53 +321,67 @@ class _Schedule:
         if self.reshard_after_forward[name]:
             self.reshard(name)
 
-    def pre_backward(self, name: str) -> None:
+    def pre_backward(self, name: str, after_wait: Callable[[], None] | None = None) -> None:
+        """Gather ``name`` (wait), run ``after_wait`` (the root's release_finished), prefetch."""
         self.line.where = f"backward, {name}"
         self.wait(name)
+        if after_wait is not None:
+            after_wait()
         index = self.order.index(name)
         target = self.order[-1] if name == "root" else self.order[index - 1] if index > 0 else None
         if target is not None and target != name and target not in self.reduced:
             self.unshard(target)
 
-    def _rs_bytes(self, name: str) -> tuple[int, int]:
+    def _rs_bytes(self, name: str, part: _Group | None = None) -> tuple[int, int]:
         """(input, output) buffers of a group's reduce-scatter in flight (the transport's
         ``buffer_needs``); on one rank with nothing to cast, the gradients as they are."""
         if self.alias:
             return self.sizes[name].reduce, 0
-        needs = self.needs[name]
+        needs = self._needs(name, part)
         return needs.reduce_sent, needs.reduce_received
 
     def post_backward(self, name: str, drop_grads: Callable[[], None]) -> None:
-        """As ``ParamGroup._reduce_gradients``: reshard, finish the oldest reduce-scatters until
-        there is room for one more, then allocate the send buffer, copy the gradients in and
-        (flat) free them before the output exists."""
+        """As ``ParamGroup._reduce_gradients``: reshard, then reduce what is left (the root's
+        gradients not reduced by ``release_finished``)."""
         self.reduced.add(name)
         self.reshard(name)
-        sent, received = self._rs_bytes(name)
+        part = None
+        if name == "root" and self.reduced_params:
+            rest = [n for n in self.root_params if n not in self.reduced_params]
+            if not rest:
+                return
+            part = self.part(rest)
+        self._reduce(name, drop_grads, part)
+
+    def _reduce(self, name: str, drop_grads: Callable[[], None], part: _Group | None) -> None:
+        """Finish the oldest reduce-scatters until there is room for one more, then allocate the
+        send buffer, copy the gradients in and (flat) free them before the output exists."""
+        sent, received = self._rs_bytes(name, part)
         if self.alias:  # one rank: the full gradients are the sharded ones, kept as they are
             return
         while len(self.pending) >= self.limit[name]:
             self.finish(*self.pending.pop(0))
         # The exchange sends from the gradients themselves unless every one was copied.
-        held, copies_in = self.needs[name].reduce_holds_gradients, self.needs[name].reduce_copies_in
+        needs = self._needs(name, part)
+        held, copies_in = needs.reduce_holds_gradients, needs.reduce_copies_in
         self.line.add_bytes("communication", sent)
         if copies_in:
             drop_grads()  # copied into the send buffer: freed before the output is allocated
         self.line.add_bytes("communication", received)
-        self.pending.append((name, drop_grads if held else None))
+        self.pending.append((name, drop_grads if held else None, part))
         if not copies_in and not held:
             drop_grads()  # only now: the reducing function holds them until it returns
 
-    def finish(self, name: str, drop_grads: Callable[[], None] | None) -> None:
+    def finish(self, name: str, drop_grads: Callable[[], None] | None, part: _Group | None = None) -> None:
         """The reduce-scatter's output becomes the sharded gradients (a view of it).
 
         gloo's flat reduce-scatter holds a full-size copy of its input, which ops (and so the
         tracker) see once it is waited on, until the finished collective is dropped.
         """
-        sent, received = self._rs_bytes(name)
-        g = self.sizes[name]
+        sent, received = self._rs_bytes(name, part)
+        g = self.sizes[name] if part is None else part
         out = g.reduce // self.shard if self.shard > 1 else 0
-        gloo_copy = 0 if self.alias else self.needs[name].reduce_input_copy
+        gloo_copy = 0 if self.alias else self._needs(name, part).reduce_input_copy
         self.line.add_bytes("communication", gloo_copy)
         if self.grad_accum > 1:  # added into the sharded gradients of earlier micro-batches
             self.line.add_bytes("communication", -out)
@@ -326,7 +410,8 @@ class _Run:
 
 
 def _install_hooks(model: nn.Module, sched: _Schedule, line: _Timeline, activation_checkpointing: bool,
-                   extra_blocks: int, block: _Group, reshard: bool) -> tuple[list[int], dict[int, int]]:
+                   extra_blocks: int, block: _Group, reshard: bool,
+                   saved_root: set[str]) -> tuple[list[int], dict[int, int]]:
     """Hooks that drive ``sched`` from the fake model's forward and backward."""
     blocks = model.layers
     names = {blocks[i]: f"layers.{i}" for i in range(len(blocks))}
@@ -350,6 +435,8 @@ def _install_hooks(model: nn.Module, sched: _Schedule, line: _Timeline, activati
         if in_backward():
             return
         sched.post_forward(name)
+        if module is model:
+            sched.release_unsaved(saved_root)
         if module is blocks[0] and extra_blocks:  # the blocks not built run here, after block 0
             line.add_bytes("activations", extra_blocks * (marks[1] - marks[0]))
             line.add_bytes("unsharded_params", 0 if reshard else extra_blocks * block.unsharded)
@@ -363,13 +450,22 @@ def _install_hooks(model: nn.Module, sched: _Schedule, line: _Timeline, activati
             line.add_bytes("activations", -(extra_blocks * (marks[1] - marks[0])))
             line.add_bytes("unsharded_params", 0 if reshard else -extra_blocks * block.unsharded)
             line.add_bytes("gradients", extra_blocks * block.sharded)
-        sched.pre_backward(name)
+        # Backward reached a block: after its wait, the root's final gradients go.
+        sched.pre_backward(name, None if name == "root" else lambda: sched.release_finished(
+            [root_names[id(p)] for p in ready["root"]], drop_root_grads))
+
+    root_params = {n: p for n, p in model.named_parameters() if not n.startswith("layers.")}
+    root_names = {id(p): n for n, p in root_params.items()}
+
+    def drop_root_grads(names: list[str]) -> None:
+        for n in names:
+            root_params[n].grad = None
 
     marks: list[int] = []
     for module in [model, *blocks]:
         module.register_forward_pre_hook(pre_forward)
         module.register_forward_hook(post_forward)
-    ready: dict[str, list[torch.Tensor]] = {}
+    ready: dict[str, list[torch.Tensor]] = {"root": []}
     for name, p in model.named_parameters():
         group = name.split(".")[0] + "." + name.split(".")[1] if name.startswith("layers.") else "root"
         ready.setdefault(group, [])
@@ -401,15 +497,22 @@ def _grad_hook(group: str, ready: dict[str, list[torch.Tensor]], model: nn.Modul
 def _simulate(model: nn.Module, sched: _Schedule, line: _Timeline, layout: Layout, builder: ModelBuilder,
               extra_blocks: int, block: _Group) -> _Run:
     """One forward, loss and backward of the fake model under the schedule."""
+    # The root's parameters forward saves (views included; tensor-parallel ones are never freed
+    # after forward): the rest of the root is freed after forward (ParamGroup.release_unsaved).
+    saved_root = {n for n, p in model.named_parameters() if not n.startswith("layers.") and isinstance(p, DTensor)}
     marks, _ = _install_hooks(model, sched, line, layout.activation_checkpointing, extra_blocks, block,
-                              layout.reshard_after_forward)
+                              layout.reshard_after_forward, saved_root)
     param_keys = {storage_key(plain) for p in model.parameters() for plain in plain_tensors(p)}
+    root_keys = {storage_key(plain): n for n, p in model.named_parameters() if not n.startswith("layers.")
+                 for plain in plain_tensors(p)}
     saved: dict[int, int] = {}
     in_block = [False]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         for plain in plain_tensors(t):
             key = storage_key(plain)
+            if key in root_keys:
+                saved_root.add(root_keys[key])
             if in_block[0] and key is not None and key not in param_keys:
                 saved[key] = plain.untyped_storage().nbytes()
         return t
@@ -467,6 +570,7 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
         pdtype = layout.param_dtype or orig_dtype
         rdtype = layout.reduce_dtype or pdtype
         sizes = _group_sizes(module, shard, pdtype, rdtype)
+        root_params, root_segments = _root_parts(module, shard, pdtype, rdtype)
         block, root = sizes["layers.0"], sizes["root"]
         constants, shard_values = _constants(module, sizes, n_blocks - n_built, layout.optimizer, layout.grad_accum,
                                              shard)
@@ -477,7 +581,8 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
         sched = _Schedule(line, sizes, ["root", *(f"layers.{i}" for i in range(n_built))], shard=shard,
                           alias=alias, reshard=layout.reshard_after_forward,
                           root_reshard=layout.root_reshard_after_forward, grad_accum=layout.grad_accum,
-                          gloo=layout.backend == "gloo", reads=layout.cpu_reads)
+                          gloo=layout.backend == "gloo", reads=layout.cpu_reads, root_params=root_params,
+                          root_segments=root_segments)
         for category, nbytes in constants.items():
             line.extra[category] += nbytes
         run = _simulate(module, sched, line, layout, builder, n_blocks - n_built, block)
@@ -546,6 +651,21 @@ def _group_sizes(model: nn.Module, shard: int, pdtype: torch.dtype, rdtype: torc
         group = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
         _add_param(sizes.setdefault(group, _Group()), p, shard, pdtype, rdtype)
     return sizes
+
+
+def _root_parts(model: nn.Module, shard: int, pdtype: torch.dtype,
+                rdtype: torch.dtype) -> tuple[dict[str, _Group], list[list[str]]]:
+    """The root's parameters' bytes one by one (by name), and its segments (names each), cut as
+    ``ParamGroup.use_segments`` cuts them: one per module owning a run of its parameters."""
+    parts: dict[str, _Group] = {}
+    owners = []
+    for name, p in model.named_parameters():
+        if not name.startswith("layers."):
+            _add_param(parts.setdefault(name, _Group()), p, shard, pdtype, rdtype)
+            owners.append(model.get_submodule(name.rpartition(".")[0]))
+    names = list(parts)
+    bounds = segment_bounds(owners, [parts[n].unsharded for n in names])
+    return parts, [names[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _cast_parameters(model: nn.Module, pdtype: torch.dtype) -> None:

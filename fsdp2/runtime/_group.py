@@ -1,19 +1,29 @@
 """A group of parameters gathered, freed and reduced together, and its state machine.
 
-One ``fully_shard`` call makes one group. The group owns one persistent
+One ``fully_shard`` call makes one group. The group owns a persistent
 *unsharded buffer* (parameter-major; every unsharded parameter is a view of
 it) whose storage is allocated on unshard and released on reshard, so the
 parameter objects autograd refers to never change.
+
+A group whose module holds other groups (the root, usually: embeddings, final
+norm, output head) is backward's first and last group at once. Its buffer is
+cut into *segments*, one per module that owns parameters, each its own storage:
+once backward has moved on to another group, the parameters whose gradients are
+final are reduced and their segments freed (``release_finished``), instead of
+waiting, as torch's FSDP2 does, for the end of backward.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
 
+from .. import _compat
 from .._common import ShardState
 from ..diagnostics import _checks, _debug, _trace
 from ..comm._collectives import ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceTarget
@@ -28,7 +38,21 @@ from ._reduce_queue import ReduceQueue
 from ..comm._streams import Completion, streams_for
 
 
-__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "send_aliases_shards"]
+__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "segment_bounds", "send_aliases_shards"]
+
+MAX_SEGMENTS = 16  # storages per unsharded buffer at most (one allocation each per unshard)
+
+
+def segment_bounds(owners: list[Any], sizes: list[int]) -> list[int]:
+    """Where a group's parameters (in order, owned by ``owners``, ``sizes`` bytes unsharded) are cut
+    into segments: one per run of parameters of one module, at most ``MAX_SEGMENTS`` (the
+    neighbours holding the fewest bytes merged). ``[0, ..., len(owners)]``."""
+    n = len(owners)
+    bounds = [0, *(i for i in range(1, n) if owners[i] is not owners[i - 1]), n]
+    while len(bounds) - 1 > MAX_SEGMENTS:
+        joined = [sum(sizes[bounds[k]:bounds[k + 2]]) for k in range(len(bounds) - 2)]
+        del bounds[joined.index(min(joined)) + 1]
+    return bounds
 
 
 
@@ -78,7 +102,14 @@ class ParamGroup:
         self._gather: AllGatherInFlight | None = None
         self._unreleased: AllGatherInFlight | None = None  # a read all-gather the peers may still read from
         self._partial_send: torch.Tensor | None = None
-        self._buffer: torch.Tensor | None = None
+        # The unsharded buffer: one storage per segment, parameters ``bounds[k]:bounds[k + 1]``
+        # in segment ``k`` (one segment unless use_segments() cut it at lazy init).
+        self._bounds: list[int] = [0, len(params)]
+        self._buffers: list[torch.Tensor] = []
+        self._released: set[int] = set()  # segments freed early (release_unsaved, release_finished)
+        self._refs: list[tuple[int, ...]] = []  # per segment, before forward: see release_unsaved
+        self._accumulators: list[Any] = []  # held through forward: see note_forward_start
+        self._recompute_handles: list[Any] = []  # see _release_segment
         self._regions: list[torch.Tensor] = []
         self._chunk_views: dict[int, GatherTargets] = {}  # world -> the regions as (world, *local_shape)
         self._plans: dict[int, GatherPlan] = {}
@@ -91,6 +122,14 @@ class ParamGroup:
         self.backward_started = False
         self.post_backward_done = False
         self._grads_ready: set[int] = set()
+        self._reduced_early: set[int] = set()  # parameters reduced by release_finished this backward
+        self._early_parts = 0
+        # release_finished runs only from the second backward on, and only while no gradient
+        # has reached a parameter twice in one backward (reentrant checkpointing of shared
+        # modules), which would leave no point at which a gradient is known to be final.
+        self._release_armed = False
+        self._release_never = False
+        self._grad_repeated = False
         self._count_trainable()
         # Forwards whose inputs' gradients backward has yet to compute (groups that wait for
         # them, see waits_for_inputs): one token each, held by the autograd graph, so a graph
@@ -125,7 +164,7 @@ class ParamGroup:
         if self.state is not ShardState.SHARDED:
             raise RuntimeError(f"group {self.label} must be resharded before converting its module")
         self._plans.clear()
-        self._buffer, self._regions = None, []
+        self._buffers, self._regions = [], []
         self._chunk_views.clear()
         self._count_trainable()
         if self._ext is not None:
@@ -207,21 +246,39 @@ class ParamGroup:
             copied = streams.issued(None)
         return send, copied
 
-    def _unsharded_layout(self) -> tuple[list[int], list[int], int]:
-        """Byte offsets and sizes of each parameter's padded full tensor in the unsharded
-        buffer (16-byte aligned), and the buffer's size."""
+    def _region_sizes(self) -> list[int]:
+        """Bytes of each parameter's padded full tensor (each extension input's, for extension groups)."""
         if self._ext is not None and self._ext.known:  # per entry: each extension input gathered
-            sizes = self._ext.region_bytes(self.world)
-        else:
-            sizes = [p.layout.padded_shape.numel() * p.param_dtype.itemsize for p in self.params]
-        starts, total = [], 0
-        for size in sizes:
-            starts.append(total)
-            total += (size + ALIGN - 1) // ALIGN * ALIGN
-        return starts, sizes, max(total, ALIGN)
+            return self._ext.region_bytes(self.world)
+        return [p.layout.padded_shape.numel() * p.param_dtype.itemsize for p in self.params]
+
+    def _unsharded_layout(self) -> tuple[list[int], list[int], list[int]]:
+        """Byte offsets (in its segment's storage) and sizes of each parameter's padded full
+        tensor (16-byte aligned), and each segment's size."""
+        sizes = self._region_sizes()
+        bounds = self._bounds if self._ext is None else [0, len(sizes)]
+        starts, totals = [], []
+        for lo, hi in zip(bounds, bounds[1:]):
+            total = 0
+            for size in sizes[lo:hi]:
+                starts.append(total)
+                total += (size + ALIGN - 1) // ALIGN * ALIGN
+            totals.append(max(total, ALIGN))
+        return starts, sizes, totals
 
     def _unsharded_bytes(self) -> int:
-        return self._unsharded_layout()[2]
+        return sum(self._unsharded_layout()[2])
+
+    def use_segments(self) -> None:
+        """Cut the unsharded buffer into one storage per run of parameters a module owns
+        (at most ``MAX_SEGMENTS``, merging the smallest neighbours), so that backward can free
+        part of it (``release_finished``). Called at lazy init for a group whose module holds
+        other groups; a no-op once the buffer exists, for extension groups and without a buffer.
+        """
+        n = len(self.params)
+        if self._buffers or self._ext is not None or self._aliases or n < 2:
+            return
+        self._bounds = segment_bounds([p.locations[0][0] for p in self.params], self._region_sizes())
 
     def _alloc_unsharded(self) -> None:
         # The buffer and its parameter views outlive this forward: if the first unshard
@@ -230,24 +287,28 @@ class ParamGroup:
             self._alloc_unsharded_buffer()
 
     def _alloc_unsharded_buffer(self) -> None:
-        if self._buffer is None:
-            starts, sizes, total = self._unsharded_layout()
-            self._buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if not self._buffers:
+            starts, sizes, totals = self._unsharded_layout()
+            self._buffers = [torch.empty(total, dtype=torch.uint8, device=self.device) for total in totals]
             # Parameters are views of ``.data`` (its own version counter): refilling the
             # buffer each step must not look like an in-place change to autograd, which
             # saved these parameters in forward and reads them again in backward.
-            param_base = self._buffer.data
-            if self._ext is not None:  # one region per all-gather entry
-                self._regions = self._ext.bind(self._buffer, param_base, starts, sizes, self._plan(self.world),
+            if self._ext is not None:  # one region per all-gather entry, one segment
+                buffer = self._buffers[0]
+                self._regions = self._ext.bind(buffer, buffer.data, starts, sizes, self._plan(self.world),
                                                self._on_grad_ready)
                 return
-            for p, start, size in zip(self.params, starts, sizes):
-                self._regions.append(self._typed(self._buffer, p, start, size))
-                p.bind_unsharded(self._typed(param_base, p, start, size), self._on_grad_ready)
+            for k, buffer in enumerate(self._buffers):
+                param_base = buffer.data
+                for i in range(self._bounds[k], self._bounds[k + 1]):
+                    p, start, size = self.params[i], starts[i], sizes[i]
+                    self._regions.append(self._typed(buffer, p, start, size))
+                    p.bind_unsharded(self._typed(param_base, p, start, size), self._on_grad_ready)
             return
-        storage = self._buffer.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self._buffer.numel())
+        for buffer in self._buffers:
+            storage = buffer.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(buffer.numel())
 
     def _targets(self, plan: GatherPlan) -> GatherTargets:
         """The unsharded buffer's regions viewed as ``plan.world`` chunks each, where the
@@ -264,14 +325,23 @@ class ParamGroup:
         return buffer[start:start + size].view(p.param_dtype).view(p.layout.padded_shape)
 
     def _free_unsharded(self) -> None:
-        gather, self._unreleased = self._unreleased, None
-        if gather is not None:  # the peers read this rank's chunks out of the buffer
-            _debug.wait(gather.release, "all_gather", self.label,
-                        f"{gather.plan.world} ranks x {gather.plan.slice_bytes} bytes (the peers' reads)", self.root)
-        if self._buffer is not None:
-            self._buffer.untyped_storage().resize_(0)
+        self._wait_peer_reads()
+        for buffer in self._buffers:
+            buffer.untyped_storage().resize_(0)
+        self._released.clear()
+        for handle in self._recompute_handles:
+            handle.remove()
+        self._recompute_handles = []
         if self._ext is not None:
             self._ext.free()
+
+    def _wait_peer_reads(self) -> None:
+        """Before any of the unsharded buffer is freed: the peers of a read all-gather are done
+        reading this rank's chunks out of it."""
+        gather, self._unreleased = self._unreleased, None
+        if gather is not None:
+            _debug.wait(gather.release, "all_gather", self.label,
+                        f"{gather.plan.world} ranks x {gather.plan.slice_bytes} bytes (the peers' reads)", self.root)
 
     def probe_transport(self) -> None:
         """Let the transport find out once what the ranks can do for each other (collective).
@@ -327,7 +397,7 @@ class ParamGroup:
         found = {
             "sharded_params": [p.padded_local for p in self.params],
             "gradients": grads,
-            "unsharded_params": [self._buffer],
+            "unsharded_params": list(self._buffers),
             "communication": comm,
         }
         return {category: [t for t in ts if isinstance(t, torch.Tensor)] for category, ts in found.items()}
@@ -343,12 +413,16 @@ class ParamGroup:
                 and all(p.tp is None and p.param_dtype == p.orig_dtype and p.padded_local.device == self.device
                         for p in self.params))
 
-    def unshard(self, async_op: bool = False, explicit: bool = False) -> None:
+    def unshard(self, async_op: bool = False, explicit: bool = False, whole: bool = True) -> None:
         """Issue the all-gather (no-op if already gathered or in flight).
 
         ``explicit``: the user's ``unshard(async_op=True)``, after which any code may run
-        before the wait (``send_aliases_shards``).
+        before the wait (``send_aliases_shards``). ``whole``: segments freed early this
+        backward are gathered again (forward, recomputation, the user's call); backward's own
+        calls pass False, since it reads none of them again (``release_finished``).
         """
+        if self._released and whole:
+            self.reshard()  # then gathered whole, into the same storages autograd saved views of
         if self.state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return  # a prefetch already issued it: gathering twice would waste a collective
         if self.state is ShardState.SHARDED and self._aliases:
@@ -376,8 +450,10 @@ class ParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
-    def wait_for_unshard(self) -> None:
+    def wait_for_unshard(self, whole: bool = True) -> None:
         """Finish the all-gather and point the modules at the unsharded parameters."""
+        if self._released and whole:
+            self.reshard()
         if self.state in (ShardState.SHARDED, ShardState.PARTIAL):
             self.unshard(async_op=True)
         if self.state is ShardState.UNSHARDED:
@@ -388,7 +464,7 @@ class ParamGroup:
             self._alloc_unsharded()
             gather.transport.finish_all_gather(gather, self._targets(gather.plan))
             if self._ext is not None:  # rebuild the subclasses' unsharded tensors from what arrived
-                self._ext.post_all_gather(self._on_grad_ready, self._buffer)
+                self._ext.post_all_gather(self._on_grad_ready, self._buffers[0])
         if gather.release is not None:
             self._unreleased = gather
         self._gather = None  # only now: if the copy raised, reset() still finds the collective
@@ -462,7 +538,100 @@ class ParamGroup:
     def pre_backward(self) -> None:
         self.backward_started = True
         if self.policy.unshard_in_backward:
+            self.wait_for_unshard(whole=False)
+
+    # ---- releasing part of a group early (a group that holds others; see the module docstring)
+    @property
+    def segmented(self) -> bool:
+        return len(self._bounds) > 2
+
+    def _segment_refs(self, k: int) -> tuple[int, ...]:
+        """What holds segment ``k`` now: its storage's tensors, and each of its parameters' Python
+        references and C++ handles (autograd's saved tensors and accumulators, views' bases)."""
+        refs = [torch._C._storage_Use_Count(self._buffers[k].untyped_storage()._cdata)]
+        for p in self.params[self._bounds[k]:self._bounds[k + 1]]:
+            refs += [sys.getrefcount(p.unsharded), p.unsharded._use_count()]
+        return tuple(refs)
+
+    def note_forward_start(self) -> None:
+        """Before the group's forward: count what holds each segment (``release_unsaved``).
+
+        The trainable parameters' gradient accumulators are made (or found) and held first, so
+        that forward's own use of them adds nothing to the count."""
+        self._accumulators = [get_gradient_edge(p.unsharded).node for p in self.params
+                              if p.requires_grad and p.unsharded.requires_grad]
+        self._refs = [self._segment_refs(k) for k in range(len(self._bounds) - 1)]
+
+    def release_unsaved(self) -> None:
+        """After a forward that keeps this group unsharded: free the segments that forward left
+        nothing to read in backward (an embedding table: its backward needs the indices only).
+
+        A segment qualifies when forward added no reference to it: no tensor on its storage
+        (views, ``detach()``, what autograd saved), no Python reference to its parameters
+        (``ctx.weight = weight``) and no C++ handle to them (a saved parameter itself). A forward
+        re-run in backward (activation checkpointing) gathers the group whole again first
+        (``_recompute_hook``).
+        """
+        refs, self._refs = self._refs, []
+        if not refs or self.state is not ShardState.UNSHARDED or not self.policy.reshard_after_backward:
+            self._accumulators = []
+            return
+        unsaved = [k for k, before in enumerate(refs) if k not in self._released and self._segment_refs(k) == before
+                   and all(p.tp is None for p in self.params[self._bounds[k]:self._bounds[k + 1]])]
+        self._accumulators = []
+        for k in unsaved:
+            self._release_segment(k)
+
+    def _recompute_hook(self, _module: Any, _args: Any) -> None:
+        """A module owning parameters of this group runs inside backward (activation
+        checkpointing re-running forward): gather the segments released early again."""
+        if self._released and _compat.in_backward():
             self.wait_for_unshard()
+
+    def _release_segment(self, k: int) -> None:
+        if not self._released:
+            # While any segment is released, the modules owning the group's parameters gather it
+            # whole again if backward re-runs their forward. Registered only until the group is
+            # resharded: a (compiled) forward never meets these hooks.
+            hook = _compat.run_eagerly(self._recompute_hook)
+            owners = {id(m): m for p in self.params for m, _ in p.locations}
+            self._recompute_handles = [m.register_forward_pre_hook(hook) for m in owners.values()]
+        self._wait_peer_reads()
+        _trace.emit("release", self.label)
+        for p in self.params[self._bounds[k]:self._bounds[k + 1]]:
+            p.to_sharded()
+        self._buffers[k].untyped_storage().resize_(0)
+        self._released.add(k)
+
+    def release_finished(self) -> None:
+        """Backward has reached another group: reduce the gradients this group has that are
+        final, and free the segments whose parameters all have final gradients.
+
+        A gradient is final once autograd accumulated it: every use of the parameter has then
+        been differentiated, and none is left to read its unsharded values. The same rule frees
+        a whole group (``post_backward``); here it runs on part of one. Called on every rank at
+        the same point of backward (a group's pre-backward), so the partial reduce-scatters pair
+        up. Skipped where the gradients are not reduced now (no sync, HSDP keeping partial
+        sums, reduction at the module's inputs) or the parameters are to stay unsharded.
+        """
+        if not (self._release_armed and self.backward_started) or self.post_backward_done \
+                or self.state is not ShardState.UNSHARDED:
+            return
+        policy = self.policy
+        if not (policy.requires_gradient_sync and policy.reshard_after_backward) or self.waits_for_inputs \
+                or (self.dp.replicate_group is not None and (not policy.requires_all_reduce or self._partial_reduce)):
+            return
+        ready, done = self._grads_ready, self._reduced_early
+        finished = [p for p in self.params if id(p) in ready and id(p) not in done]
+        if not finished:
+            return
+        for k in range(len(self._bounds) - 1):
+            params = self.params[self._bounds[k]:self._bounds[k + 1]]
+            if k not in self._released and all(id(p) in ready for p in params):
+                self._release_segment(k)
+        done.update(map(id, finished))
+        self._early_parts += 1
+        self._reduce_gradients(finished, f"{self.label}[part {self._early_parts}]")
 
     def _on_grad_ready(self, param: ShardedParam) -> None:
         if self.post_backward_done and self.policy.reduce_unused:  # reduced at the end of the module's backward
@@ -472,7 +641,17 @@ class ParamGroup:
                 "the parameter is used outside that module's forward; wrap the module that uses it "
                 "with fully_shard instead, or turn set_reduce_scatter_unused_params off"
             )
-        self._grads_ready.add(id(param))
+        key = id(param)
+        if key in self._grads_ready:  # accumulated twice in one backward: never final before the end
+            self._grad_repeated = True
+            if key in self._reduced_early:
+                raise RuntimeError(
+                    f"fsdp2: a second gradient reached {self._name_of(param)} in one backward after {self.label} "
+                    "had reduced it (the first backward accumulated it only once); run the same forward "
+                    "structure every iteration, or reduce at the end of backward with "
+                    "set_reshard_after_backward(False)"
+                )
+        self._grads_ready.add(key)
         if self.post_backward_done or len(self._grads_ready) < self._num_trainable:
             return
         if not self.has_frozen or self._inputs_done():
@@ -508,11 +687,15 @@ class ParamGroup:
         if self.policy.reshard_after_backward:
             self.reshard()
 
-    def _reduce_gradients(self) -> None:
+    def _reduce_gradients(self, params: list[ShardedParam] | None = None, label: str | None = None) -> None:
+        """Reduce the gradients of ``params`` (all of the group's by default, resharding it first
+        where it reshards after backward; ``release_finished`` passes the final ones)."""
+        whole = params is None
+        params, label = (self.params if whole else params), (label or self.label)
         if self._aliases and self.policy.all_reduce_hook is None:  # one rank: the gradient is the reduced gradient
             _trace.emit("reduce_scatter", self.label)
             factor = self.policy.divide_factor
-            for p in self.params:
+            for p in params:
                 grad = self._gradient_to_reduce(p)
                 if grad is not None:
                     grad = grad if factor in (None, 1) else grad / factor
@@ -522,13 +705,13 @@ class ParamGroup:
                     p.run_sharded_grad_hooks()
             return
         buckets: dict[torch.dtype, tuple[list[ShardedParam], list[torch.Tensor]]] = {}
-        for p in self.params:
+        for p in params:
             grad = self._gradient_to_reduce(p)
             if grad is not None:
-                params, grads = buckets.setdefault(p.reduce_dtype, ([], []))
-                params.append(p)
+                bucket, grads = buckets.setdefault(p.reduce_dtype, ([], []))
+                bucket.append(p)
                 grads.append(grad)
-        grad = grads = None  # the buckets' lists are the only references left (see below)
+        grad = grads = params = None  # the buckets' lists are the only references left (see below)
         if not buckets:
             return
         dp, policy, transport = self.dp, self.policy, self.reduce_transport
@@ -537,15 +720,15 @@ class ParamGroup:
             replicate_group=dp.replicate_group, replicate_world=dp.replicate_size,
             all_reduce=policy.requires_all_reduce, partial=self._partial_reduce,
             divide_factor=float(policy.divide_factor if policy.divide_factor is not None else dp.world),
-            label=self.label, root=self.root, check_finite=policy.check_finite, force_sum=policy.force_sum,
+            label=label, root=self.root, check_finite=policy.check_finite, force_sum=policy.force_sum,
             hook=policy.all_reduce_hook,
         )
-        if policy.reshard_after_backward:  # the parameters' memory first, then the buffers'
+        if whole and policy.reshard_after_backward:  # the parameters' memory first, then the buffers'
             self.reshard()
         limit = policy.max_reduce_buffers or transport.reduce_scatters_in_flight(self.world)
         self.reduce_queue.make_room(limit)
         _trace.emit("reduce_scatter", self.label)
-        with _trace.profiled(f"fsdp2::reduce_scatter {self.label}"), _trace.issuing("reduce_scatter", self.label):
+        with _trace.profiled(f"fsdp2::reduce_scatter {label}"), _trace.issuing("reduce_scatter", label):
             # The flat transport empties each ``grads`` list once copied in: the unsharded
             # gradients are freed before the output is allocated.
             inflight = [
@@ -581,7 +764,16 @@ class ParamGroup:
         self.backward_started = False
         self.post_backward_done = False
         self._grads_ready.clear()
+        self._end_early_release()
         self.unhooked_forward = False
+
+    def _end_early_release(self) -> None:
+        """After a backward: arm ``release_finished`` for the next one, unless a gradient came twice."""
+        self._release_never = self._release_never or self._grad_repeated  # for good: the rule does not fit
+        self._release_armed = self.segmented and not self._release_never
+        self._grad_repeated = False
+        self._reduced_early.clear()
+        self._early_parts = 0
 
     def reset(self) -> None:
         """Return to a clean sharded state after an exception mid-iteration."""
@@ -603,4 +795,8 @@ class ParamGroup:
         self.backward_started = False
         self.post_backward_done = False
         self._grads_ready.clear()
+        self._reduced_early.clear()
+        self._grad_repeated = False
+        self._early_parts = 0
         self.unhooked_forward = False
+

@@ -57,6 +57,9 @@ class RootContext:
         # (None: no cap beyond the schedule's own; see FSDPModule.set_prefetch_limit).
         self.prefetched: set[ParamGroup] = set()
         self.prefetch_limit: int | None = None
+        # Groups whose modules hold other groups, cut into segments that backward frees as their
+        # gradients become final (ParamGroup.release_finished): usually the root alone.
+        self.segmented: list[ParamGroup] = []
         self.iteration = -1  # root forwards started, from 0 (all-gather headers, error messages)
         self.interrupted = False  # an exception left this iteration half-done (see _recover_if_interrupted)
         self.diag: _checks.Diagnostics | None = None
@@ -69,7 +72,7 @@ class RootContext:
                 continue  # already gathered (or on its way)
             if self.prefetch_limit is not None and len(self.prefetched) >= self.prefetch_limit:
                 return  # the rest gathers when reached
-            group.unshard(async_op=True)
+            group.unshard(async_op=True, whole=False)  # (backward reads no segment released early)
             self.prefetched.add(group)
 
 
@@ -137,6 +140,7 @@ class ModuleState:
                 )
         ctx = RootContext(states)
         ctx.prefetch_limit = self.prefetch_limit
+        owned = {module: state for state in states for module in state.modules}
         for state in states:
             state.is_root = state is self
             state.ctx = ctx
@@ -147,6 +151,10 @@ class ModuleState:
                 group.root = ctx
                 if state.auto_reshard_after_forward:
                     group.policy.reshard_after_forward = not state.is_root
+                if any(owned.get(m, state) is not state for module in state.modules for m in module.modules()):
+                    group.use_segments()  # it holds other groups: backward may free it a part at a time
+                    if group.segmented:
+                        ctx.segmented.append(group)
         ctx.diag = _checks.Diagnostics(states, names)
         try:
             _checks.check_rank_agreement(ctx.diag)
@@ -199,6 +207,8 @@ class ModuleState:
                 ctx.prefetch(self._forward_prefetch_targets())  # in flight while this group computes
                 group.wait_for_unshard()
                 group.refresh_requires_grad()  # frozen or unfrozen since the last forward
+                if group.segmented and torch.is_grad_enabled():
+                    group.note_forward_start()
                 if group not in ctx.forward_order:
                     ctx.forward_order.append(group)
 
@@ -250,6 +260,8 @@ class ModuleState:
             backward_follows = torch.is_grad_enabled() and bool(grad_outputs)
             with _compat.outside_functorch():
                 self._reshard_after_forward(group, backward_follows)
+                if backward_follows and group.segmented:
+                    group.release_unsaved()
             if backward_follows:
                 torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward_hook, mode="any")
             elif torch.is_grad_enabled() and _compat.functorch_active():
@@ -300,7 +312,10 @@ class ModuleState:
         self.training_state = TrainingState.BACKWARD
         group = self.group
         ctx.prefetched.discard(group)
-        group.pre_backward()
+        group.pre_backward()  # first: its wait checks that the ranks run the same schedule
+        for other in ctx.segmented:  # backward moved on: what is final there is reduced and freed
+            if other is not group:
+                other.release_finished()
         ctx.prefetch(self._backward_prefetch_targets())
 
     def _forward_prefetch_targets(self) -> list[ParamGroup]:

@@ -238,17 +238,17 @@ llama3_8b: layout: world 8 = dp_replicate 1 x dp_shard 8 x tp 1; 32 blocks; batc
 category          per rank at peak
 ----------------  ----------------
 sharded_params            3.74 GiB
-unsharded_params          1.96 GiB
-gradients                 1.38 GiB
+unsharded_params        416.02 MiB
+gradients               416.01 MiB
 optimizer_state           7.48 GiB
-activations               6.70 GiB
-communication             1.27 GiB
+activations               6.74 GiB
+communication             2.66 GiB
 other                     4.01 MiB
-total                    22.53 GiB
+total                    21.44 GiB
 peak at: backward, layers.1
 saved by autograd per block: 216.13 MiB
 communication per step per rank: 50.64 GiB
-fits in 80.00 GiB (28%)
+fits in 80.00 GiB (27%)
 """)
 
     def test_toy_planner_by_hand(self):
