@@ -7,6 +7,7 @@ public equivalent.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Callable, Iterator
 
 import torch
@@ -81,6 +82,13 @@ def in_backward() -> bool:
     checkpointing), which must not reshard the parameters backward needs.
     """
     return torch._C._current_graph_task_id() != -1
+
+
+def references(t: torch.Tensor) -> tuple[int, int, int]:
+    """What holds ``t`` now: tensors on its storage (``torch._C._storage_Use_Count``), C++ handles
+    to it (``Tensor._use_count``: autograd's saved tensors and accumulators, views' bases) and
+    Python references (``sys.getrefcount``, this call's own included)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata), t._use_count(), sys.getrefcount(t) - 1
 
 
 def set_dtensor_local(dtensor: torch.Tensor, local: torch.Tensor) -> None:

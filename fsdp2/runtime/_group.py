@@ -15,7 +15,6 @@ waiting, as torch's FSDP2 does, for the end of backward.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Any
 
@@ -548,9 +547,9 @@ class ParamGroup:
     def _segment_refs(self, k: int) -> tuple[int, ...]:
         """What holds segment ``k`` now: its storage's tensors, and each of its parameters' Python
         references and C++ handles (autograd's saved tensors and accumulators, views' bases)."""
-        refs = [torch._C._storage_Use_Count(self._buffers[k].untyped_storage()._cdata)]
+        refs = [_compat.references(self._buffers[k])[0]]
         for p in self.params[self._bounds[k]:self._bounds[k + 1]]:
-            refs += [sys.getrefcount(p.unsharded), p.unsharded._use_count()]
+            refs += _compat.references(p.unsharded)[1:]
         return tuple(refs)
 
     def note_forward_start(self) -> None:
