@@ -27,7 +27,7 @@ from ..diagnostics._checks import HEADER
 from .._compat import fake_process_group, in_backward
 from ..comm._transport import BufferNeeds, GroupBytes, Transport, choose_transport
 from ..models import llama
-from ..runtime._group import segment_bounds
+from ..runtime._release import segment_bounds
 from ._layout import OPTIMIZER_STATES, Layout, ModelBuilder, positive_int
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._tracker import CATEGORIES, format_bytes, format_table
