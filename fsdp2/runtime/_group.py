@@ -639,4 +639,3 @@ class ParamGroup(PartialRelease):
         self._grads_ready.clear()
         self._forget_release()
         self.unhooked_forward = False
-
