@@ -89,7 +89,7 @@ class _Timeline(LiveStorages):
         self.check_peak()
 
     def categories(self) -> dict[str, int]:
-        grads = sum(self.sizes.get(k, 0) for k, label in self.labels.items() if label == "gradients")
+        grads = sum(self.sizes.get(k, 0) for k, label in list(self.labels.items()) if label == "gradients")
         acts = self.total + self.offset - sum(self.extra.values()) - grads
         out = dict(self.extra)
         out["gradients"] += grads

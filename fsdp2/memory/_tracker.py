@@ -179,7 +179,9 @@ class MemoryTracker:
         roles = self._roles()
         labels = self._live.labels
         out = {c: 0 for c in CATEGORIES}
-        for key, nbytes in self._live.sizes.items():
+        # A copy: a storage dying while this runs (a garbage collection the loop's own allocations
+        # set off) drops out of ``sizes`` in its finalizer.
+        for key, nbytes in list(self._live.sizes.items()):
             out[roles.get(key) or labels.get(key) or "other"] += nbytes
         return out
 
