@@ -51,7 +51,7 @@ class PartialRelease:
         self._released: set[int] = set()  # segments freed early (release_unsaved, release_finished)
         self._refs: list[tuple[int, ...]] = []  # per segment, before forward: see release_unsaved
         self._accumulators: list[Any] = []  # held through forward: see note_forward_start
-        self._recompute_handles: list[Any] = []  # see _release_segment
+        self._recompute_handles: list[Any] = []  # see _release_segments
         self._reduced_early: set[int] = set()  # parameters reduced by release_finished this backward
         self._early_parts = 0
         # release_finished runs only from the second backward on, and only while no gradient
@@ -115,8 +115,7 @@ class PartialRelease:
         unsaved = [k for k, before in enumerate(refs) if k not in self._released and self._segment_refs(k) == before
                    and all(p.tp is None for p in self.params[self._bounds[k]:self._bounds[k + 1]])]
         self._accumulators = []
-        for k in unsaved:
-            self._release_segment(k)
+        self._release_segments(unsaved)
 
     def _recompute_hook(self, _module: Any, _args: Any) -> None:
         """A module owning parameters of this group runs inside backward (activation
@@ -124,7 +123,10 @@ class PartialRelease:
         if self._released and _compat.in_backward():
             self.wait_for_unshard()
 
-    def _release_segment(self, k: int) -> None:
+    def _release_segments(self, segments: list[int]) -> None:
+        """Free ``segments`` (indices into ``_buffers``): one ``release`` event for them all."""
+        if not segments:
+            return
         if not self._released:
             # While any segment is released, the modules owning the group's parameters gather it
             # whole again if backward re-runs their forward. Registered only until the group is
@@ -134,10 +136,11 @@ class PartialRelease:
             self._recompute_handles = [m.register_forward_pre_hook(hook) for m in owners.values()]
         self._wait_peer_reads()
         _trace.emit("release", self.label)
-        for p in self.params[self._bounds[k]:self._bounds[k + 1]]:
-            p.to_sharded()
-        self._buffers[k].untyped_storage().resize_(0)
-        self._released.add(k)
+        for k in segments:
+            for p in self.params[self._bounds[k]:self._bounds[k + 1]]:
+                p.to_sharded()
+            self._buffers[k].untyped_storage().resize_(0)
+            self._released.add(k)
 
     def release_finished(self) -> None:
         """Backward has reached another group: reduce the gradients this group has that are
@@ -161,10 +164,8 @@ class PartialRelease:
         finished = [p for p in self.params if id(p) in ready and id(p) not in done]
         if not finished:
             return
-        for k in range(len(self._bounds) - 1):
-            params = self.params[self._bounds[k]:self._bounds[k + 1]]
-            if k not in self._released and all(id(p) in ready for p in params):
-                self._release_segment(k)
+        self._release_segments([k for k in range(len(self._bounds) - 1) if k not in self._released
+                                and all(id(p) in ready for p in self.params[self._bounds[k]:self._bounds[k + 1]])])
         done.update(map(id, finished))
         self._early_parts += 1
         self._reduce_gradients(finished, f"{self.label}[part {self._early_parts}]")

@@ -51,7 +51,7 @@ class TestTrace(expecttest.TestCase):
     def test_default_trace(self):
         # The steady state (second step). Forward: the root gathers once and keeps the
         # parameters backward reads (it is needed again first in backward), freeing its
-        # embeddings ("release root", one per segment); each group issues the next group's
+        # embeddings ("release root", one event for both); each group issues the next group's
         # all-gather (in the previous step's order) before it computes, so at most two groups
         # are unsharded at once. Backward runs in reverse: gathering a block also prefetches
         # the one before it, each block reduce-scatters and frees once its gradients are done;
@@ -67,9 +67,7 @@ unshard layers.2
 reshard layers.1
 reshard layers.2
 release root
-release root
 unshard layers.2
-release root
 release root
 reduce_scatter root
 unshard layers.1
@@ -91,7 +89,6 @@ unshard root
 unshard layers.0
 unshard layers.1
 unshard layers.2
-release root
 release root
 reshard layers.2
 reduce_scatter layers.2
@@ -183,7 +180,6 @@ reshard layers.1
 compute layers.2 begins; all-gathers in flight: nothing
 compute layers.2 ends
 reshard layers.2
-release root
 release root""")
 
 

@@ -180,9 +180,11 @@ class Lease:
         return self.pids[peer] if 0 <= peer < len(self.pids) else None
 
     def _close(self) -> None:
-        self.done = True
-        self.keep = []
+        # ``done`` last: the waiter thread may close while another thread polls, and a lease
+        # seen released must already be off the registry (``live``) with its memory let go.
         _live.pop(id(self), None)
+        self.keep = []
+        self.done = True
 
 
 def live() -> list[Lease]:
