@@ -14,6 +14,7 @@ the group's parameters, buffers, policy and state and calls its gathers and redu
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from torch.autograd.graph import get_gradient_edge
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from ._param import ShardedParam
 
 __all__ = ["MAX_SEGMENTS", "PartialRelease", "segment_bounds"]
+
+logger = logging.getLogger(__name__)
 
 
 MAX_SEGMENTS = 16  # storages per unsharded buffer at most (one allocation each per unshard)
@@ -60,6 +63,9 @@ class PartialRelease:
         self._release_armed = False
         self._release_never = False
         self._grad_repeated = False
+        # release_unsaved stops for good once a forward finds segments it freed still freed:
+        # two forwards before one backward, each of which would gather the group again.
+        self._keep_after_forward = False
 
     def use_segments(self) -> None:
         """Cut the unsharded buffer into one storage per run of parameters a module owns
@@ -89,11 +95,24 @@ class PartialRelease:
             refs += _compat.references(p.unsharded)[1:]
         return tuple(refs)
 
+    def note_forward_begins(self) -> None:
+        """A forward (not a recomputation) is about to gather the group. Segments still freed
+        since an earlier forward mean that forward's backward has not run (two forwards summed
+        into one loss): this one gathers the whole group again, and so would every such forward
+        of every step. From now on forwards free nothing (``release_unsaved``): one gather per
+        step, as torch's FSDP2 does; backward still frees parts (``release_finished``)."""
+        if self._released and not self._keep_after_forward:
+            self._keep_after_forward = True
+            logger.info("fsdp2: %s was run forward again before backward; it keeps its parameters "
+                        "after forward from now on (one all-gather per step)", self.label)
+
     def note_forward_start(self) -> None:
         """Before the group's forward: count what holds each segment (``release_unsaved``).
 
         The trainable parameters' gradient accumulators are made (or found) and held first, so
         that forward's own use of them adds nothing to the count."""
+        if self._keep_after_forward:
+            return
         self._accumulators = [get_gradient_edge(p.unsharded).node for p in self.params
                               if p.requires_grad and p.unsharded.requires_grad]
         self._refs = [self._segment_refs(k) for k in range(len(self._bounds) - 1)]

@@ -203,6 +203,8 @@ class ModuleState:
             else:
                 self.training_state = TrainingState.FORWARD
                 ctx.prefetched.discard(group)  # in use from now on
+                if group.segmented:
+                    group.note_forward_begins()
                 group.unshard(async_op=True)
                 ctx.prefetch(self._forward_prefetch_targets())  # in flight while this group computes
                 group.wait_for_unshard()
