@@ -12,6 +12,8 @@ the parameters: reading a freed one fails (or crashes) the backward.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -246,23 +248,20 @@ def test_gradient_arriving_twice_disables_early_release(transport: str) -> None:
     run_on_ranks(_shared_twice, 2, transport)
 
 
-def _retain_graph_and_two_forwards(transport: str) -> None:
-    """Backward twice through one graph; two forwards summed into one backward."""
+def _train_against_reference(transport: str, steps: int, run: Callable[[nn.Module, int, list], None]) -> None:
+    """``steps`` steps of a sharded Transformer and its unsharded reference, each step's forwards
+    and backwards by ``run(model, step, batches)`` (two batches per step); equal parameters after
+    every step."""
     torch.manual_seed(0)
     ref = Transformer()
     model = _shard_blocks_then_root(Transformer())
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
     rank = dist.get_rank()
     with environ(CPU_COLLECTIVES_ENV, transport):
-        for step in range(3):
-            (a, ta), (b, tb) = make_batch(rank, 2 * step), make_batch(rank, 2 * step + 1)
+        for step in range(steps):
+            batches = [make_batch(rank, 2 * step), make_batch(rank, 2 * step + 1)]
             for m, opt in zip((ref, model), opts):
-                if step == 1:  # twice through the same graph
-                    loss = lm_loss(m(a), ta)
-                    loss.backward(retain_graph=True)
-                    loss.backward()
-                else:  # two forwards, then one backward
-                    (lm_loss(m(a), ta) + lm_loss(m(b), tb)).backward()
+                run(m, step, batches)
                 if m is ref:
                     for p in ref.parameters():
                         dist.all_reduce(p.grad)
@@ -271,6 +270,20 @@ def _retain_graph_and_two_forwards(transport: str) -> None:
                 opt.zero_grad()
             for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
                 torch.testing.assert_close(p.full_tensor(), p_ref.detach(), msg=lambda m: f"{step} {name}: {m}")
+
+
+def _retain_graph_and_two_forwards(transport: str) -> None:
+    """Backward twice through one graph; two forwards summed into one backward."""
+    def run(m: nn.Module, step: int, batches: list) -> None:
+        (a, ta), (b, tb) = batches
+        if step == 1:  # twice through the same graph
+            loss = lm_loss(m(a), ta)
+            loss.backward(retain_graph=True)
+            loss.backward()
+        else:  # two forwards, then one backward
+            (lm_loss(m(a), ta) + lm_loss(m(b), tb)).backward()
+
+    _train_against_reference(transport, 3, run)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -281,28 +294,17 @@ def test_retain_graph_and_two_forwards(transport: str) -> None:
 def _two_forwards_per_step(transport: str) -> list[dict[str, int]]:
     """Two forwards summed into one loss every step: the root's all-gathers and releases in
     each step's forwards, trained against the unsharded reference."""
-    torch.manual_seed(0)
-    ref = Transformer()
-    model = _shard_blocks_then_root(Transformer())
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
-    rank, counts = dist.get_rank(), []
-    with environ(CPU_COLLECTIVES_ENV, transport):
-        for step in range(3):
-            (a, ta), (b, tb) = make_batch(rank, 2 * step), make_batch(rank, 2 * step + 1)
-            for m, opt in zip((ref, model), opts):
-                with fsdp2.record_schedule() as events:
-                    loss = lm_loss(m(a), ta) + lm_loss(m(b), tb)
-                if m is model:
-                    counts.append({e: events.count(f"{e} root") for e in ("unshard", "release")})
-                loss.backward()
-                if m is ref:
-                    for p in ref.parameters():
-                        dist.all_reduce(p.grad)
-                        p.grad /= dist.get_world_size()
-                opt.step()
-                opt.zero_grad()
-            for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-                torch.testing.assert_close(p.full_tensor(), p_ref.detach(), msg=lambda m: f"{step} {name}: {m}")
+    counts = []
+
+    def run(m: nn.Module, _step: int, batches: list) -> None:
+        (a, ta), (b, tb) = batches
+        with fsdp2.record_schedule() as events:
+            loss = lm_loss(m(a), ta) + lm_loss(m(b), tb)
+        if isinstance(m, fsdp2.FSDPModule):
+            counts.append({e: events.count(f"{e} root") for e in ("unshard", "release")})
+        loss.backward()
+
+    _train_against_reference(transport, 3, run)
     return counts
 
 
