@@ -122,7 +122,7 @@ class AllGatherInFlight(NamedTuple):
 
     done: Completion
     plan: GatherPlan
-    headers: torch.Tensor  # (world, _checks.HEADER) bytes: every rank's schedule header, once done
+    headers: torch.Tensor | None  # (world, HEADER) bytes: the ranks' schedule headers, once done; None: unchecked
     transport: Transport
     send: torch.Tensor | None = None
     output: torch.Tensor | None = None

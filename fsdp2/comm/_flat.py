@@ -95,7 +95,8 @@ def _start_all_gather(
         output = comm.allocate((plan.world * plan.slice_bytes,), dtype=torch.uint8, device=device)
         work = comm(output, send, group, async_op=True)
         done = streams.issued(work)
-    headers = output.view(plan.world, plan.slice_bytes)[:, :HEADER]
+    # Read only where a header was sent (CPU, debug): the GPU path makes no views for them.
+    headers = output.view(plan.world, plan.slice_bytes)[:, :HEADER] if header is not None else None
     return AllGatherInFlight(done, plan, headers, transport, send, output)
 
 
