@@ -87,15 +87,18 @@ class PartialRelease:
     def segmented(self) -> bool:
         return len(self._bounds) > 2
 
+    def _segment_params(self, k: int) -> list[ShardedParam]:
+        return self.params[self._bounds[k]:self._bounds[k + 1]]
+
     def _segment_refs(self, k: int) -> tuple[int, ...]:
         """What holds segment ``k`` now: its storage's tensors, and each of its parameters' Python
         references and C++ handles (autograd's saved tensors and accumulators, views' bases)."""
         refs = [_compat.references(self._buffers[k])[0]]
-        for p in self.params[self._bounds[k]:self._bounds[k + 1]]:
+        for p in self._segment_params(k):
             refs += _compat.references(p.unsharded)[1:]
         return tuple(refs)
 
-    def note_forward_begins(self) -> None:
+    def note_forward_again(self) -> None:
         """A forward (not a recomputation) is about to gather the group. Segments still freed
         since an earlier forward mean that forward's backward has not run (two forwards summed
         into one loss): this one gathers the whole group again, and so would every such forward
@@ -132,7 +135,7 @@ class PartialRelease:
             self._accumulators = []
             return
         unsaved = [k for k, before in enumerate(refs) if k not in self._released and self._segment_refs(k) == before
-                   and all(p.tp is None for p in self.params[self._bounds[k]:self._bounds[k + 1]])]
+                   and all(p.tp is None for p in self._segment_params(k))]
         self._accumulators = []
         self._release_segments(unsaved)
 
@@ -156,7 +159,7 @@ class PartialRelease:
         self._wait_peer_reads()
         _trace.emit("release", self.label)
         for k in segments:
-            for p in self.params[self._bounds[k]:self._bounds[k + 1]]:
+            for p in self._segment_params(k):
                 p.to_sharded()
             self._buffers[k].untyped_storage().resize_(0)
             self._released.add(k)
@@ -183,8 +186,8 @@ class PartialRelease:
         finished = [p for p in self.params if id(p) in ready and id(p) not in done]
         if not finished:
             return
-        self._release_segments([k for k in range(len(self._bounds) - 1) if k not in self._released
-                                and all(id(p) in ready for p in self.params[self._bounds[k]:self._bounds[k + 1]])])
+        self._release_segments([k for k in range(len(self._bounds) - 1)
+                                if k not in self._released and all(id(p) in ready for p in self._segment_params(k))])
         done.update(map(id, finished))
         self._early_parts += 1
         self._reduce_gradients(finished, f"{self.label}[part {self._early_parts}]")

@@ -204,7 +204,7 @@ class ModuleState:
                 self.training_state = TrainingState.FORWARD
                 ctx.prefetched.discard(group)  # in use from now on
                 if group.segmented:
-                    group.note_forward_begins()
+                    group.note_forward_again()
                 group.unshard(async_op=True)
                 ctx.prefetch(self._forward_prefetch_targets())  # in flight while this group computes
                 group.wait_for_unshard()
