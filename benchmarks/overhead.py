@@ -27,6 +27,12 @@ model's step in the same round; the median over ``--steps`` rounds after ``--war
 reported, as is ``fsdp2/torch_fsdp2``, the ratio of the two overheads. One JSON line per
 configuration goes to stdout (and is appended to ``--out`` if given).
 
+``--device cuda`` runs the same on one GPU (the fake process group still stands in for the
+other ranks): a step is then timed until ``torch.cuda.synchronize()`` returns, ``host_ms`` is the
+time until the step's Python returned (the work the host adds before the GPU can run ahead),
+and ``peak_cuda_bytes`` is ``torch.cuda.max_memory_allocated`` over each implementation's steps
+less what was allocated before them (``peak_cuda_total_bytes``: without the subtraction).
+
 Note the optimizer: the sharded models step 1/world of the parameters, the plain model all
 of them, so part of a sharded model's overhead is hidden by its cheaper optimizer step; it
 is the same for both runtimes, and the ratio compares like with like.
@@ -57,6 +63,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 IMPLS = ("plain", "fsdp2", "torch_fsdp2")
+CPU = torch.device("cpu")
 
 
 class Block(nn.Module):
@@ -82,15 +89,16 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def build(impl: str, dim: int, groups: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(impl: str, dim: int, groups: int, world: int,
+          device: torch.device = CPU) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Model(dim, groups)
+    model = Model(dim, groups).to(device)
     if impl != "plain":
         if impl == "fsdp2":
             from fsdp2 import fully_shard
         else:
             from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -114,21 +122,36 @@ def fake_world(world: int) -> Iterator[None]:
 
 
 def measure(world: int, groups: int, dim: int, batch: int, steps: int, warmup: int,
-            profile: bool) -> dict:
-    x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1))
+            profile: bool, device: torch.device = CPU) -> dict:
+    cuda = device.type == "cuda"
+    x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1)).to(device)
     with fake_world(world):
-        built = {impl: build(impl, dim, groups, world) for impl in IMPLS}
+        built = {impl: build(impl, dim, groups, world, device) for impl in IMPLS}
         times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+        host: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+        peak = dict.fromkeys(IMPLS, 0)
+        peak_total = dict.fromkeys(IMPLS, 0)
         gc.collect()
         gc.disable()  # a collection landing in one implementation's step is noise
         try:
             for r in range(warmup + steps):
                 order = IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]
                 for impl in order:
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                        before = torch.cuda.memory_allocated(device)
+                        torch.cuda.reset_peak_memory_stats(device)
                     start = time.perf_counter()
                     step(*built[impl], x)
+                    returned = time.perf_counter()
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                        total = torch.cuda.max_memory_allocated(device)
+                        peak[impl] = max(peak[impl], total - before)
+                        peak_total[impl] = max(peak_total[impl], total)
                     if r >= warmup:
                         times[impl].append(time.perf_counter() - start)
+                        host[impl].append(returned - start)
         finally:
             gc.enable()
         top = profile_fsdp2(*built["fsdp2"], x, steps) if profile else None
@@ -137,12 +160,19 @@ def measure(world: int, groups: int, dim: int, batch: int, steps: int, warmup: i
     result = {
         "config": {"world": world, "groups": groups, "dim": dim, "batch": batch, "steps": steps,
                    "warmup": warmup, "params": sum(p.numel() for p in Model(dim, groups).parameters()),
-                   "transport": "flat (fake process group)", "torch": torch.__version__},
+                   "transport": "flat (fake process group)", "device": device.type, "torch": torch.__version__},
         "median_step_ms": {impl: round(1e3 * statistics.median(times[impl]), 3) for impl in IMPLS},
         "overhead_ms": {impl: round(1e3 * v, 3) for impl, v in overhead.items()},
         "ratio": {"fsdp2/torch_fsdp2": round(overhead["fsdp2"] / overhead["torch_fsdp2"], 3)
                   if overhead["torch_fsdp2"] > 0 else None},
     }
+    if cuda:
+        result["config"]["gpu"] = torch.cuda.get_device_name(device)
+        result["host_ms"] = {impl: round(1e3 * statistics.median(host[impl]), 3) for impl in IMPLS}
+        result["peak_cuda_bytes"] = peak
+        result["peak_cuda_total_bytes"] = peak_total
+        if peak["torch_fsdp2"] > 0:
+            result["ratio"]["peak fsdp2/torch_fsdp2"] = round(peak["fsdp2"] / peak["torch_fsdp2"], 3)
     if top is not None:
         result["fsdp2_profile_ms_per_step"] = top
     return result
@@ -176,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="worlds 8 and 64 x groups 8, 32 and 64")
     parser.add_argument("--profile", action="store_true", help="add fsdp2's own functions, by time per step")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the models on this process's GPU (the fake process group still moves no data)")
     parser.add_argument("--out", help="append the JSON lines to this file too")
     parser.add_argument("--plot", metavar="PNG", help="draw the lines of the given files instead of measuring")
     parser.add_argument("files", nargs="*", help="with --plot: JSON lines written by --out")
@@ -183,9 +215,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         return plot([json.loads(line) for path in args.files for line in open(path) if line.strip()], args.plot)
     torch.set_num_threads(1)  # the overhead is single-threaded host work; keep compute comparable
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"--device cuda: CUDA is not available here (torch {torch.__version__})")
+        device = torch.device("cuda", torch.cuda.current_device())
     configs = [(w, g) for w in (8, 64) for g in (8, 32, 64)] if args.sweep else [(args.world, args.groups)]
     for world, groups in configs:
-        result = measure(world, groups, args.dim, args.batch, args.steps, args.warmup, args.profile)
+        result = measure(world, groups, args.dim, args.batch, args.steps, args.warmup, args.profile, device)
         line = json.dumps(result)
         print(line, flush=True)
         if args.out:

@@ -265,18 +265,24 @@ def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
 
     times = {impl: [] for impl in impls}
     faults = {impl: [] for impl in impls}
+    step_peak = dict.fromkeys(impls, 0)  # CUDA: the most a step allocated beyond what it started with
     losses: dict[str, torch.Tensor] = {}
     for rnd in range(warmup + steps):
         inputs, targets = make_batch(rank, rnd, cfg, device)
         for k in range(len(impls)):
             impl = impls[(rnd + k) % len(impls)]  # rotate who goes first
             dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                held = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             faulted = minor_faults()
             start = time.perf_counter()
             with _pipes_off(impl == "fsdp2_gloo"):  # its group connects at its first all-gather
                 losses[impl] = train_step(models[impl], opts[impl], inputs, targets)
             if device.type == "cuda":
                 torch.cuda.synchronize()
+                step_peak[impl] = max(step_peak[impl], torch.cuda.max_memory_allocated() - held)
             elapsed = time.perf_counter() - start
             if rnd >= warmup:
                 times[impl].append(elapsed)
@@ -304,6 +310,12 @@ def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
                    for impl, m in mem.items()},
         "last_loss_rank0": {impl: round(losses[impl].item(), 5) for impl in impls},
     }
+    if device.type == "cuda":
+        # torch.cuda.max_memory_allocated during a step, less what was allocated when it began (the
+        # other implementations' models included): activations, gathered parameters, gradients.
+        peaks = gather_rows([step_peak[impl] for impl in impls], torch.int64)
+        result["config"]["gpu"] = torch.cuda.get_device_name()
+        result["step_peak_cuda_bytes"] = {impl: peaks[:, i].tolist() for i, impl in enumerate(impls)}
     del models, opts, losses
     gc.collect()
     return result
