@@ -113,12 +113,12 @@ else
     step_args=(--device cuda --sweep 17M,100M --steps 20 --warmup 5 --foreach)
     overhead_args=(--device cuda --world 8 --groups 32 --steps 30 --warmup 5)
 fi
-section "step time against torch FSDP2, DDP, no communication ($gpus rank(s), $device)" 150 \
+section "step time against torch FSDP2, DDP, no communication ($gpus rank(s), $device)" 120 \
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$gpus" benchmarks/step_time.py \
     --impls fsdp2,torch_fsdp2,ddp,nocomm --out "$work/step_time.jsonl" "${step_args[@]}"
-section "overhead at world 8, fake process group ($device)" 120 \
+section "overhead at world 8, fake process group ($device)" 90 \
     "$PYTHON" benchmarks/overhead.py --out "$work/overhead.jsonl" "${overhead_args[@]}"
-section "pytest -m cuda under TORCH_CUDA_SANITIZER=1" 200 env TORCH_CUDA_SANITIZER=1 "${pytest_cuda[@]}"
+section "pytest -m cuda under TORCH_CUDA_SANITIZER=1" 170 env TORCH_CUDA_SANITIZER=1 "${pytest_cuda[@]}"
 
 {
     echo "# fsdp2 GPU check ($( ((dry)) && echo "dry run, CPU" || echo "$gpus GPU(s)"), $(date -u +%Y-%m-%dT%H:%MZ))"
