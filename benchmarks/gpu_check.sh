@@ -55,7 +55,7 @@ status=0
 summary=()
 
 # section TITLE LIMIT_S COMMAND...: run COMMAND under `timeout`, append its command, exit status,
-# duration and output (the last 200 lines) to the report.
+# duration and output (the last 400 lines) to the report.
 section() {
     local title=$1 limit=$2
     shift 2
@@ -77,7 +77,7 @@ section() {
         echo "\`$*\` — $verdict in ${took}s"
         echo
         echo '```'
-        tail -n 200 "$log"
+        tail -n 400 "$log"
         echo '```'
         echo
     } >>"$report"  # section by section: a run cut short still leaves what it did
@@ -103,7 +103,7 @@ print("fsdp2", fsdp2.__file__)
 EOF
 section "environment" 60 "$PYTHON" "$work/environment.py"
 
-pytest_cuda=("$PYTHON" -m pytest -m cuda -v -rA -p no:cacheprovider "${cuda_files[@]}")
+pytest_cuda=("$PYTHON" -m pytest -m cuda -v -rA --tb=short -p no:cacheprovider "${cuda_files[@]}")
 section "pytest -m cuda" 150 "${pytest_cuda[@]}"
 
 if ((dry)); then

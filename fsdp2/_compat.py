@@ -117,6 +117,22 @@ def dtensor_like(dtensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return DTensor.__new__(DTensor, local, dtensor._spec, requires_grad=False)
 
 
+def dtensor_on(local: torch.Tensor, mesh, placements: tuple, shape: torch.Size,
+               stride: tuple[int, ...]) -> torch.Tensor:
+    """A DTensor of global ``shape``/``stride`` on ``mesh`` around ``local``, where ``local`` is.
+
+    ``DTensor.from_local`` moves a local tensor to the mesh's device type: with CPU offload
+    under a CUDA mesh, the sharded parameter would then be a CUDA copy of the host shard
+    (the optimizer stepping on the copy, ``.grad`` refused on the host). Built from a
+    ``DTensorSpec`` (private, torch 2.11 to 2.14) and the same constructor as
+    :func:`dtensor_like` instead, the local tensor stays the host shard itself.
+    """
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+
+
 def keep_spec(made: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """Give ``made`` (an alias of the DTensor ``source``) ``source``'s sharding spec back.
 

@@ -179,6 +179,8 @@ class ShardedParam:
 
     def as_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         shape = self.global_shape
+        if local.device.type not in (self.spmd_mesh.device_type, "meta"):  # offloaded: stays on the host
+            return _compat.dtensor_on(local, self.spmd_mesh, self.placements, shape, contiguous_stride(shape))
         return DTensor.from_local(
             local, self.spmd_mesh, self.placements, run_check=False,
             shape=shape, stride=contiguous_stride(shape),

@@ -41,6 +41,9 @@ pytestmark = pytest.mark.cuda  # every test here needs CUDA devices (each also s
 # one (a world of one rank, still through NCCL and fsdp2's side streams) where one is all there is.
 WORLD = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 0
 needs_a_gpu = pytest.mark.skipif(WORLD < 1, reason="needs a CUDA device")
+# At world size 1 fsdp2 gathers nothing (the shard is the whole parameter: no collective, no
+# all-gather stream): what these tests watch needs a second rank, hence a second GPU.
+needs_two_gpus = pytest.mark.skipif(WORLD < 2, reason="needs 2 CUDA devices (a world of one rank gathers nothing)")
 
 
 def _free_port() -> int:
@@ -157,7 +160,7 @@ def _cuda_all_gather_overlaps_compute() -> dict:
     return seen
 
 
-@needs_a_gpu
+@needs_two_gpus
 def test_cuda_prefetched_all_gather_overlaps_compute_on_its_own_stream():
     for seen in _launch("_cuda_all_gather_overlaps_compute"):
         assert seen == {"in_flight_or_done": True, "done_during_compute": True, "side_streams": True}
@@ -243,7 +246,7 @@ def _explicit_async_unshard_on_cuda() -> list[bool]:
     return [private, torch.equal(gathered, expected)]
 
 
-@needs_a_gpu
+@needs_two_gpus
 def test_cuda_explicit_async_unshard_gathers_the_values_at_issue_time():
     for flags in _launch("_explicit_async_unshard_on_cuda"):
         assert flags == [True, True], flags
