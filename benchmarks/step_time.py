@@ -19,7 +19,7 @@ rounds after ``--warmup`` are reported. Rank 0 prints one JSON line per configur
 ``--device cpu`` runs on gloo; ``--device cuda`` on NCCL, one GPU per rank (``LOCAL_RANK``),
 synchronising the device before each step's clock stops, and stops with an error where
 CUDA or enough GPUs are missing; ``--device auto`` (the default) takes CUDA when present.
-The CUDA path has not run on a GPU yet (the development machine has none)::
+The CUDA path has run on one H100 (``benchmarks/gpu_check.sh``), not yet on several GPUs::
 
     torchrun --nproc-per-node 2 benchmarks/step_time.py --device cuda --impls fsdp2,torch_fsdp2
 """

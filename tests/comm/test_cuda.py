@@ -1,9 +1,10 @@
 """CUDA + NCCL: the same schedule code as on CPU, checked on real GPUs.
 
-**Not yet run on a GPU**: the development machine has none. Every test here skips
-cleanly without CUDA (most need 2 devices, since NCCL needs one device per rank; some
-1; the subgroup test 4). They launch their own NCCL world instead of using the session's
-gloo pool.
+Run on one H100 (``benchmarks/gpu_check.sh``, 2026-11-25): the tests that fit one GPU pass.
+Every test here skips cleanly without CUDA. NCCL needs one device per rank, so the
+multi-rank tests take two GPUs where there are two and one where one is all there is; the
+two that need an all-gather need two (at world size 1 fsdp2 gathers nothing), the subgroup
+test four. They launch their own NCCL world instead of using the session's gloo pool.
 
 Run them on a GPU machine under PyTorch's CUDA stream sanitizer, which reports a kernel
 that touches memory another stream uses without an event between them (the class of bug
