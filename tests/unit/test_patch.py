@@ -61,8 +61,10 @@ def client():
 
 def test_patch_replaces_every_name_and_undo_restores_the_same_objects(client):
     before = _snapshot()
-    assert all(len(s["attrs"]) >= 4 for s in before.values())  # each namespace holds some of the names
-    assert before["torch.distributed.fsdp"]["attrs"].keys() == set(NAMES)
+    assert all(len(s["attrs"]) >= 3 for s in before.values())  # each namespace holds some of the names
+    torch_fsdp = importlib.import_module("torch.distributed.fsdp")
+    assert before["torch.distributed.fsdp"]["attrs"].keys() == {n for n in NAMES if hasattr(torch_fsdp, n)}
+    assert {n for n in NAMES if hasattr(torch_fsdp, n)} >= set(NAMES) - {"DataParallelMeshDims"}  # new in 2.13
     handle = fsdp2.patch_torch()
     try:
         for ns, snap in before.items():
