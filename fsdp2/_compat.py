@@ -7,6 +7,7 @@ differ, the difference is handled here.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 from typing import Callable, Iterator
@@ -132,6 +133,33 @@ def dtensor_on(local: torch.Tensor, mesh, placements: tuple, shape: torch.Size,
 
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+
+
+def _contract():
+    """The module ``torch.distributed._composable.contract`` (its package exports a function of that name)."""
+    import importlib
+    return importlib.import_module("torch.distributed._composable.contract")
+
+
+def composable_apis(module: nn.Module) -> dict:
+    """The names of torch's composable distributed APIs applied to ``module`` (``replicate``,
+    ``fully_shard``...): the registry their ``contract`` keeps on each module, under an attribute
+    named by ``torch.distributed._composable.contract.REGISTRY_KEY`` (private, torch 2.11 to 2.14).
+    Empty where none was applied."""
+    return module.__dict__.get(_contract().REGISTRY_KEY) or {}
+
+
+def register_composable(module: nn.Module, name: str) -> Callable[[], None]:
+    """Enter ``name`` in ``module``'s registry of composable APIs (see :func:`composable_apis`), as
+    torch's APIs do for themselves, so that they see it: torch's ``replicate`` leaves the
+    parameters of a module registered as ``"fully_shard"`` to it, and refuses to wrap such a
+    module. Returns what undoes it (nothing when ``name`` was there already)."""
+    contract = _contract()
+    registry = module.__dict__.setdefault(contract.REGISTRY_KEY, collections.OrderedDict())
+    if name in registry:
+        return lambda: None
+    registry[name] = contract.RegistryItem()
+    return lambda: registry.pop(name, None)
 
 
 def keep_spec(made: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

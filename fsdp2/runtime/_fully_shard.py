@@ -101,6 +101,7 @@ def fully_shard(
     params: list[ShardedParam] = []
     state: ModuleState | None = None
     marked: list[nn.Module] = []
+    registered: list[Callable[[], None]] = []
     try:
         for (param, locations, fqn), dim in zip(found, dims):
             params.append(ShardedParam(
@@ -117,11 +118,15 @@ def fully_shard(
             _move_buffers(modules, device)
         state = ModuleState(tuple(modules), group, mp_policy)
         marked = _mark_managed(_managed_modules(modules, ignored_params))
+        # Seen by torch's composable APIs: replicate() then leaves these modules' parameters alone.
+        registered = [_compat.register_composable(m, "fully_shard") for m in modules]
         for m in modules:
             _swap_class(m)
     except BaseException:
         # Restore the original parameters, hooks and markers; never leave a half-sharded module.
         _unmark_managed(marked)
+        for undo in registered:
+            undo()
         for (param, locations, _), _dim in zip(found, dims):
             for owner, name in locations:
                 owner._parameters[name] = param
@@ -158,7 +163,7 @@ def _managed_modules(modules: list[nn.Module], ignored: set[nn.Parameter] | None
     found: dict[nn.Module, None] = {}  # insertion-ordered set
 
     def visit(module: nn.Module) -> None:
-        if module in found or (module not in tops and get_state(module) is not None):
+        if module in found or (module not in tops and get_state(module) is not None) or _replicated(module):
             return
         found[module] = None
         for child in module.children():
@@ -195,6 +200,11 @@ def _unmark_managed(modules: list[nn.Module]) -> None:
     for m in modules:
         for name in _MANAGED_MARKERS:
             m.__dict__.pop(name, None)
+
+
+def _replicated(module: nn.Module) -> bool:
+    """Whether torch's composable ``replicate()`` (DDP) was applied to ``module``."""
+    return "replicate" in _compat.composable_apis(module)
 
 
 # ---- validation -------------------------------------------------------------------------
@@ -372,6 +382,8 @@ def _collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> lis
     found: dict[int, Found] = {}
 
     def visit(module: nn.Module, prefix: str, top: bool) -> None:
+        if _replicated(module):
+            return  # torch's replicate() (DDP) owns these parameters, as torch's fully_shard leaves them
         state = get_state(module)
         if state is not None and not top:
             if state.group is not None:
