@@ -34,7 +34,7 @@ from fsdp2._common import get_state
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.comm.cpu._transport import probe_reads
 from fsdp2.comm.cpu import _cma, _exchange, _lease, _pipes, _yama
-from tests._dist import REPO_ROOT, environ, run_on_ranks
+from tests._dist import REPO_ROOT, environ, info_records, run_on_ranks
 from tests._models import MLP
 
 
@@ -264,6 +264,41 @@ def test_reads_refuse_places_and_sources_that_are_not_contiguous():
     got = torch.empty(2, 3)
     _cma.read(_cma.describe([source[6:]]), [got], "all_gather g")  # contiguous: read from this process
     assert torch.equal(got.flatten(), source[6:])
+
+
+# ---- the probe reads only where the ranks share a host ----------------------------------------------
+
+def _probe_with_a_peer_elsewhere() -> list[object]:
+    """Rank 1's host key is made to differ (as on another host or in another PID namespace):
+    no rank reads anything, every rank says no, and the log says why."""
+    pg = dist.new_group()
+    reads: list[int] = []
+    real_read, real_host = _cma.read, _cma._host
+
+    def counted(descriptor: torch.Tensor, *args: object, **kwargs: object) -> None:
+        reads.append(int(descriptor[0]))
+        real_read(descriptor, *args, **kwargs)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch, info_records(_cma.logger) as records:
+            patch.setattr(_cma, "read", counted)
+            if pg.rank() == 1:
+                patch.setattr(_cma, "_host", lambda: real_host() ^ 1)
+            verdict = _cma.probe(pg)
+        return [verdict, reads, [r.getMessage() for r in records]]
+    finally:
+        dist.destroy_process_group(pg)
+
+
+def test_the_probe_reads_nothing_when_the_host_keys_differ():
+    # Without the check, each rank read the pid in its peer's row: on another host, that pid
+    # names some unrelated process of this one, or none.
+    results = run_on_ranks(_probe_with_a_peer_elsewhere, 2)
+    for me, (verdict, reads, said) in enumerate(results):
+        assert verdict is False and reads == [], results
+        assert said == [f"fsdp2: the ranks [0, 1] cannot read each other's memory with process_vm_readv (this "
+                        f"rank is not on the host (or in the PID namespace) of rank {1 - me}: their host keys "
+                        "differ); CPU exchanges over this process group send messages instead"], said
 
 
 # ---- Yama ----------------------------------------------------------------------------------------

@@ -13,11 +13,13 @@ descriptor (``describe``) over the process group once the data is in place, and
 the reader answers with an acknowledgement once it has read, after which the
 peer may free or overwrite that memory.
 
-Whether it works is probed once per process group (``probe``): every rank reads a
-random token from every peer and checks it, then the ranks agree (the same answer
-on every rank, or the transports would not match). Ranks on different hosts, in
-different PID namespaces, or where ptrace rules or a seccomp filter forbid the
-call, read nothing or the wrong bytes, and fall back to messages.
+Whether it works is probed once per process group (``probe``): the ranks exchange their
+pids and host keys (boot id, host name, PID namespace); where every key is the same, every
+rank reads a random token from every peer and checks it, then the ranks agree (the same
+answer on every rank, or the transports would not match). Ranks whose host keys differ read
+nothing at all (a peer's pid would name another process here); where ptrace rules or a
+seccomp filter forbid the call, the token reads fail or come back wrong. Either way the
+ranks fall back to messages.
 """
 
 from __future__ import annotations
@@ -154,11 +156,25 @@ def _host() -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def _cannot_read(pg: dist.ProcessGroup, rows: Sequence[torch.Tensor]) -> str:
+    """Why this rank must not read its peers, found before any read; "" when it may try.
+
+    A peer whose host key differs is on another host or in another PID namespace: the pid in
+    its row names some other process here (or none), so nothing is read from it at all.
+    """
+    if _readv_fn() is None:
+        return "has no process_vm_readv"
+    mine = int(rows[pg.rank()][_ROW_HOST])
+    elsewhere = [q for q, row in enumerate(rows) if int(row[_ROW_HOST]) != mine]
+    if elsewhere:
+        rank = dist.get_global_rank(pg, elsewhere[0])
+        return f"is not on the host (or in the PID namespace) of rank {rank}: their host keys differ"
+    return _let_peers_read(pg, rows)
+
+
 def _let_peers_read(pg: dist.ProcessGroup, rows: Sequence[torch.Tensor]) -> str:
     """Yama: let this rank's same-host peers read it (``_yama.py``); "" or why they may not."""
     me = pg.rank()
-    if any(int(row[_ROW_HOST]) != int(rows[me][_ROW_HOST]) for row in rows):
-        return ""  # not all on this host: the reads cannot work, and say why below
     peers = [_yama.Rank(int(row[0]), int(row[_ROW_PPID])) for q, row in enumerate(rows) if q != me]
     why = _yama.allow(pg, peers)
     return f"cannot let its peers read it ({why})" if why else ""
@@ -196,7 +212,7 @@ def _probe(pg: dist.ProcessGroup) -> tuple[bool, tuple[int, ...]]:
     mine = torch.cat([describe([token]), token, torch.tensor([os.getppid(), _host()], dtype=torch.int64)])
     rows = [torch.empty_like(mine) for _ in range(pg.size())]
     dist.all_gather(rows, mine, group=pg)
-    why = "has no process_vm_readv" if _readv_fn() is None else _let_peers_read(pg, rows)
+    why = _cannot_read(pg, rows)  # every rank sees every host key: all of them stop here alike
     # Also the barrier that keeps every read after every rank's Yama declaration.
     reasons = _wire.all_gather_json(why, pg)
     why = f"this rank {why}" if why else ""
