@@ -257,13 +257,61 @@ def test_reads_refuse_places_and_sources_that_are_not_contiguous():
     source = torch.arange(12, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"fsdp2: all_gather g: place 0 is not contiguous \(shape \(3, 2\), "
                                          r"stride \(1, 3\), cpu\): a same-host read moves one dense run"):
-        _cma.read(_cma.describe([source[:6]]), [torch.empty(2, 3).t()], "all_gather g")
+        _cma.read(_cma.describe([source[:6]]), [torch.empty(2, 3).t()], "all_gather g", pid=os.getpid())
     with pytest.raises(ValueError, match=r"fsdp2: describe: offered tensor 1 is not contiguous \(shape \(6,\), "
                                          r"stride \(2,\), cpu\).*pass a contiguous CPU tensor"):
         _cma.describe([source[:2], source[::2]])
     got = torch.empty(2, 3)
-    _cma.read(_cma.describe([source[6:]]), [got], "all_gather g")  # contiguous: read from this process
+    _cma.read(_cma.describe([source[6:]]), [got], "all_gather g", pid=os.getpid())  # contiguous: read from this process
     assert torch.equal(got.flatten(), source[6:])
+    with pytest.raises(RuntimeError, match=rf"fsdp2: all_gather g: the peer's descriptor names pid {os.getpid()}, "
+                                           r"but the probe recorded no pid for it: refusing to read"):
+        _cma.read(_cma.describe([source[6:]]), [got], "all_gather g", pid=None)
+
+
+# ---- a descriptor names the pid the probe recorded ---------------------------------------------------
+
+def _forged_descriptor(pipes: bool) -> list[object]:
+    """Rank 1 offers rank 0 a descriptor naming rank 0's own pid and a tensor of rank 0's that
+    was never offered (a confused deputy: the bytes would come from the wrong process). Rank 0
+    must refuse it instead of copying its secret; rank 1 reads rank 0's honest offer as usual,
+    and each side's memory is let go once the other has said it is done."""
+    with _reading_group(pipes) as pg:
+        me, peer = pg.rank(), 1 - pg.rank()
+        secret, honest, got = torch.full((4,), 7.0), torch.full((4,), float(me)), torch.zeros(4)
+        where = torch.tensor([os.getpid(), secret.data_ptr()], dtype=torch.int64)
+        rows = [torch.empty_like(where) for _ in range(2)]
+        dist.all_gather(rows, where, group=pg)
+        descriptor = _cma.describe([honest])
+        if me == 1:
+            descriptor = torch.tensor([*rows[0].tolist(), secret.numel() * 4], dtype=torch.int64)
+        tag = _exchange._tag_of_size("forged", "where", descriptor.numel() * 8)
+        reads = _exchange.ReadExchange(_pipes.link(pg), "all_gather forged",
+                                       _exchange._tag_of_size("forged", "ack", 24), pids=_cma.pids(pg))
+        reads.expect(peer, descriptor.numel(), tag, [got])
+        reads.offer(peer, descriptor, tag, [honest])
+        if me == 1:
+            reads.wait()  # reads rank 0's honest offer; then waits for rank 0 to say it is done
+            return [got.tolist(), _released_soon()]
+        try:
+            reads.wait()
+            said = "read"
+        except RuntimeError as e:
+            said = str(e)
+        del reads  # dropped unread: rank 1 is told this rank never will read it
+        gc.collect()
+        return [said, got.tolist(), _released_soon()]
+
+
+@pytest.mark.parametrize("pipes", [True, False], ids=["pipes", "gloo"])
+def test_a_descriptor_naming_another_pid_is_refused(pipes):
+    # Without the check, rank 0 copied its own secret (7.0) where rank 1's values belong.
+    (said, got, released), rank1 = run_on_ranks(_forged_descriptor, 2, pipes)
+    assert re.fullmatch(r"fsdp2: all_gather forged: the peer's descriptor names pid (\d+), but the probe "
+                        r"recorded pid (\d+) for that peer: refusing to read another process's memory \(.*\)",
+                        said), said
+    assert got == [0.0] * 4 and released, (said, got, released)
+    assert rank1 == [[0.0] * 4, True]
 
 
 # ---- the probe reads only where the ranks share a host ----------------------------------------------

@@ -19,7 +19,8 @@ rank reads a random token from every peer and checks it, then the ranks agree (t
 answer on every rank, or the transports would not match). Ranks whose host keys differ read
 nothing at all (a peer's pid would name another process here); where ptrace rules or a
 seccomp filter forbid the call, the token reads fail or come back wrong. Either way the
-ranks fall back to messages.
+ranks fall back to messages. Every later read checks that the descriptor names the pid the
+probe recorded for that peer (``read``): a descriptor is only a message.
 """
 
 from __future__ import annotations
@@ -92,17 +93,29 @@ def _check_dense(t: torch.Tensor, which: str, what: str) -> None:
         )
 
 
-def read(descriptor: torch.Tensor, places: Sequence[torch.Tensor], what: str) -> None:
+def read(descriptor: torch.Tensor, places: Sequence[torch.Tensor], what: str, pid: int | None) -> None:
     """Copy the peer memory ``descriptor`` lists into ``places`` (contiguous, in the same order).
 
+    ``pid`` is the peer's process as the probe recorded it (``pids``): a descriptor is a
+    message, and one naming any other process (a third process of the same user, this one)
+    is refused, never read.
+
     Raises ``ValueError`` for a place that is not a contiguous CPU tensor (the bytes would
-    land in the wrong elements), ``RuntimeError`` if the sizes do not match ``places`` (the
-    ranks disagree on what moves) or the kernel copies less than asked.
+    land in the wrong elements), ``RuntimeError`` if the descriptor names another pid than
+    ``pid`` (or ``pid`` is None: nothing was recorded), if the sizes do not match ``places``
+    (the ranks disagree on what moves) or the kernel copies less than asked.
     """
     for i, t in enumerate(places):
         _check_dense(t, f"place {i}", what)
     values = descriptor.tolist()
-    pid, regions = values[0], values[1:]
+    named, regions = values[0], values[1:]
+    if pid is None or named != pid:
+        raise RuntimeError(
+            f"fsdp2: {what}: the peer's descriptor names pid {named}, but "
+            + (f"the probe recorded pid {pid} for that peer" if pid is not None else "the probe recorded no pid for it")
+            + ": refusing to read another process's memory (the ranks' messages are out of step, or not "
+            "fsdp2's)"
+        )
     if len(regions) != 2 * len(places) or any(
             regions[2 * i + 1] != t.numel() * t.element_size() for i, t in enumerate(places)):
         raise RuntimeError(
@@ -226,7 +239,7 @@ def _probe(pg: dist.ProcessGroup) -> tuple[bool, tuple[int, ...]]:
             break
         got = torch.zeros(4, dtype=torch.int64)
         try:
-            read(row[:3], [got], "probe")
+            read(row[:3], [got], "probe", pid=int(row[0]))  # the pid recorded: the one in its row
         except RuntimeError as e:
             why = str(e).split(";")[0]  # names the pid and the errno
             break
