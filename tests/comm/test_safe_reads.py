@@ -406,6 +406,39 @@ def test_the_probe_lets_the_peers_in_only_where_yama_asks():
         assert all(r[2] for r in results), results
 
 
+def _declarations_as_groups_are_destroyed(tmp: str) -> list[object]:
+    """Under Yama's ``ptrace_scope=1`` (a file saying 1 stands in for the kernel's, and the
+    prctl is recorded, as this machine has no Yama): two groups read over, both needing the
+    one peer. Destroying the first leaves the declaration; destroying the last withdraws it
+    at once, with no probe or read exchange after it."""
+    calls: list[int] = []
+    scope = Path(tmp) / f"ptrace_scope.{dist.get_rank()}"
+    scope.write_text("1\n")
+    seen = []
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_yama, "SCOPE_PATH", str(scope))
+            patch.setattr(_yama, "_set_ptracer", lambda tracer: calls.append(tracer) or "")
+            first, second = dist.new_group(), dist.new_group()
+            assert _cma.probe(first) and _cma.probe(second)
+            peer = _cma.pids(first)[1 - first.rank()]
+            seen.append(_yama._declared)
+            dist.destroy_process_group(first)
+            seen.append(_yama._declared)
+            dist.destroy_process_group(second)
+            seen.append(_yama._declared)
+        return [[pid == peer for pid in seen], calls == [peer, 0], calls.count(0)]
+    finally:  # whatever happened: this process declares nothing (the real prctl is back)
+        _yama._needs.clear()
+        _yama._declared = 0
+
+
+def test_the_declaration_is_withdrawn_when_the_last_group_reading_is_destroyed(tmp_path):
+    # Before: withdrawn only at the next probe of some other group, if any ever came.
+    for flags in run_on_ranks(_declarations_as_groups_are_destroyed, 2, str(tmp_path)):
+        assert flags == [[True, True, False], True, 1], flags
+
+
 # ---- no fcntl, no reads --------------------------------------------------------------------------
 
 _WITHOUT_FCNTL = textwrap.dedent("""
