@@ -20,6 +20,7 @@ or CPU exchanges (``cpu/``).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
@@ -247,10 +248,16 @@ def reduce_op(dtype: torch.dtype, world: int, factor: float,
         if factor == world and not force_sum:
             return dist.ReduceOp.AVG, None, None
         return dist.ReduceOp.SUM, None, factor
-    pre = 1
-    while factor % pre == 0 and factor / pre > pre:
-        pre *= 2
-    return dist.ReduceOp.SUM, float(pre), factor / pre
+    pre = _divide_before(factor)
+    return dist.ReduceOp.SUM, pre, factor / pre
+
+
+def _divide_before(factor: float) -> float:
+    """The part of ``factor`` to divide by before summing (the rest divides after): the first
+    power of two that no longer divides ``factor`` exactly or whose square reaches it, so each
+    part is about ``sqrt(factor)`` and the sum of pre-divided values stays in fp16's range."""
+    powers = (1 << k for k in itertools.count())
+    return float(next(p for p in powers if factor % p or p * p >= factor))
 
 
 def _run_all_reduce_hook(fn: Callable[[torch.Tensor], None], stream: Any, reduced: torch.Tensor) -> None:
