@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import sys
 from typing import Callable, Iterator
 
@@ -316,6 +317,43 @@ def is_live_process_group(pg) -> bool:
     world = getattr(c10d, "_world", None)
     pg_map = getattr(world, "pg_map", None)
     return pg_map is None or pg in pg_map
+
+
+def call_after_process_group_shutdown(listener: Callable[[object], None]) -> None:
+    """Have every ``pg.shutdown()`` call ``listener(pg)`` once it has returned.
+
+    ``destroy_process_group`` shuts down each group it destroys (the one given, or every
+    group) before unregistering it, and c10d tells nobody else: ``ProcessGroup.shutdown``
+    is the one method both of its paths call (torch 2.11 and 2.13 read). So that method is
+    wrapped on the class, once per process: the wrapper calls torch's, then each listener
+    (an exception of a listener is logged, never raised into ``destroy_process_group``).
+    A listener is added once however often it is passed. The listeners live on the wrapper
+    itself, not in a module global.
+    """
+    import torch.distributed as dist
+
+    cls = dist.ProcessGroup
+    listeners = getattr(cls.__dict__.get("shutdown"), "_fsdp2_listeners", None)
+    if listeners is None:
+        listeners = []
+        cls.shutdown = _shutdown_then_tell(cls.shutdown, listeners)
+    if listener not in listeners:
+        listeners.append(listener)
+
+
+def _shutdown_then_tell(shutdown: Callable, listeners: list[Callable[[object], None]]) -> Callable:
+    def shutdown_then_tell(self, *args, **kwargs):
+        result = shutdown(self, *args, **kwargs)
+        for listener in tuple(listeners):
+            try:
+                listener(self)
+            except Exception:  # noqa: BLE001 - the group is gone either way; say so and go on
+                logging.getLogger(__name__).exception("fsdp2: a process group shutdown listener failed")
+        return result
+
+    shutdown_then_tell._fsdp2_listeners = listeners
+    shutdown_then_tell.__doc__ = shutdown.__doc__
+    return shutdown_then_tell
 
 
 def process_group_timeout(pg) -> float:

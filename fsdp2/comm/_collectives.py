@@ -20,6 +20,7 @@ or CPU exchanges (``cpu/``).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
@@ -247,10 +248,16 @@ def reduce_op(dtype: torch.dtype, world: int, factor: float,
         if factor == world and not force_sum:
             return dist.ReduceOp.AVG, None, None
         return dist.ReduceOp.SUM, None, factor
-    pre = 1
-    while factor % pre == 0 and factor / pre > pre:
-        pre *= 2
-    return dist.ReduceOp.SUM, float(pre), factor / pre
+    pre = _divide_before(factor)
+    return dist.ReduceOp.SUM, pre, factor / pre
+
+
+def _divide_before(factor: float) -> float:
+    """The part of ``factor`` to divide by before summing (the rest divides after): the first
+    power of two that no longer divides ``factor`` exactly or whose square reaches it, so each
+    part is about ``sqrt(factor)`` and the sum of pre-divided values stays in fp16's range."""
+    powers = (1 << k for k in itertools.count())
+    return float(next(p for p in powers if factor % p or p * p >= factor))
 
 
 def _run_all_reduce_hook(fn: Callable[[torch.Tensor], None], stream: Any, reduced: torch.Tensor) -> None:
@@ -266,18 +273,28 @@ def _run_all_reduce_hook(fn: Callable[[torch.Tensor], None], stream: Any, reduce
 
 
 class ReducedGrads(NamedTuple):
-    """A finished reduce-scatter's work left on the all-reduce stream (CUDA), landed by :meth:`land`.
+    """What a finished reduce-scatter left on the all-reduce stage, on either back-end.
 
-    ``done``: the all-reduce stream's completion (all-reduce, post-divide, accumulation
-    into ``.grad``, offload copies). ``keep``: the buffers that stream reads, alive until
-    the compute stream has waited on ``done``. ``deferred``: CPU-offloaded gradient shards
-    copied to pinned host memory without blocking, added into ``.grad`` (and their hooks
-    run) once the host has seen the copies land.
+    ``done``: the stage's completion (all-reduce, post-divide, accumulation into ``.grad``,
+    offload copies). ``keep``: every buffer the stage reads or writes: the reduce-scatter's
+    output and the partial sums of steps without all-reduce that it added in; on CUDA the
+    caller holds them until the compute stream has waited on ``done`` (:meth:`land`), or the
+    caching allocator could hand their blocks to the next reduce-scatter while the all-reduce
+    stream still reads them. ``deferred``: CPU-offloaded gradient shards copied to pinned
+    host memory without blocking, added into ``.grad`` (and their hooks run) once the host
+    has seen the copies land. On CPU the stage ran on the calling thread: nothing is
+    ``outstanding``.
     """
 
     done: Completion
     keep: tuple[torch.Tensor, ...]
     deferred: tuple[tuple[ShardedParam, torch.Tensor], ...]
+
+    @property
+    def outstanding(self) -> bool:
+        """Whether the caller must keep this until :meth:`land`: the stage may still be running
+        (no stream waited on it yet) or offloaded gradients wait to be added."""
+        return self.done.pending or bool(self.deferred)
 
     def land(self) -> None:
         """Order the compute stream (and, for offloaded gradients, the host) after the work."""
@@ -289,6 +306,13 @@ class ReducedGrads(NamedTuple):
                 p.run_sharded_grad_hooks()
 
 
+class _AcrossReplicas(NamedTuple):
+    """What HSDP's step of the stage did with a reduce-scatter's output."""
+
+    all_reduced: bool  # False: the output waits in ``target.partial`` for a later all-reduce
+    read: tuple[torch.Tensor, ...]  # the earlier partial sums added into it (now the stage's to keep)
+
+
 def _stage_to_host(p: ShardedParam, shard: torch.Tensor) -> torch.Tensor:
     """CUDA, CPU offload: ``shard`` copied (cast to the parameter's dtype) into host memory,
     pinned and without blocking where the parameter is pinned; the copy lands with the stream."""
@@ -297,17 +321,18 @@ def _stage_to_host(p: ShardedParam, shard: torch.Tensor) -> torch.Tensor:
     return staged
 
 
-def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> ReducedGrads | None:
+def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> ReducedGrads:
     """Wait, all-reduce across replicas (HSDP), add each rank's chunk into the sharded ``.grad``,
     then run the sharded parameter's post-accumulate-grad hooks (none while HSDP defers its all-reduce).
 
     One path, two back-ends. CPU: in order on the calling thread, as the collectives'
-    waits block it; returns None. CUDA: the compute stream waits for the reduce-scatter
-    only (its input, the unsharded gradients, may then be freed); everything after it runs
-    on the all-reduce stream, which the compute stream waits on only when it reads the
-    results: before user hooks on the sharded parameters run, and at the end of backward
-    (``ReducedGrads.land``, returned for the caller to keep). CPU-offloaded gradient
-    shards go to host memory with non-blocking copies there, added once landed.
+    waits block it. CUDA: the compute stream waits for the reduce-scatter only (its input,
+    the unsharded gradients, may then be freed); everything after it runs on the all-reduce
+    stream, which the compute stream waits on only when it reads the results: before user
+    hooks on the sharded parameters run, and at the end of backward (``ReducedGrads.land``).
+    Either way the returned record names what the stage uses; the caller keeps it while it
+    is ``outstanding`` (CUDA only). CPU-offloaded gradient shards go to host memory with
+    non-blocking copies there, added once landed.
     """
     target = inflight.target
     sizes = f"{target.world} x {sum(p.layout.local_numel for p in inflight.params)} elements"
@@ -317,55 +342,68 @@ def finish_reduce_scatter(inflight: ReduceScatterInFlight) -> ReducedGrads | Non
     _debug.wait(inflight.done, "reduce_scatter", target.label, sizes, target.root)  # CUDA: the compute stream
     out = inflight.exchange.reduced() if inflight.exchange is not None else inflight.output
     streams = streams_for(out.device)
-    deferred: list[tuple[ShardedParam, torch.Tensor]] = []
     with streams.side("all_reduce"):
         inflight.done.wait()  # CUDA: the all-reduce stream too (a second waiter)
-        if not _reduce_across_replicas(inflight, out):
-            return None  # HSDP with its all-reduce off: the sums wait in target.partial
-        if inflight.post_divide is not None and inflight.post_divide != 1:
-            out.div_(inflight.post_divide)
-        if target.hook is not None:
-            _run_all_reduce_hook(*target.hook, out)
-        base = out.storage_offset()
-        shards = [out.as_strided(p.layout.local_shape, p.layout.local_stride, base + off)
-                  for p, off in zip(inflight.params, inflight.offsets)]
-        if target.check_finite:
-            _checks.record_nonfinite(target.root, inflight.params, shards)
-        landed = []
-        for p, shard in zip(inflight.params, shards):
-            if streams.cuda and p.padded_local.device.type == "cpu":
-                deferred.append((p, _stage_to_host(p, shard)))
-            else:
-                p.add_sharded_grad(shard)
-                landed.append(p)
+        replicas = _reduce_across_replicas(inflight, out)
+        landed, deferred = _divide_and_accumulate(inflight, out, streams.cuda) if replicas.all_reduced else ([], [])
         done = streams.issued(None)
+    reduced = ReducedGrads(done, (out, *replicas.read), tuple(deferred))
+    if not replicas.all_reduced:
+        return reduced  # HSDP with its all-reduce off: the sums wait in target.partial
     if streams.cuda and any(_compat.has_post_accumulate_grad_hooks(p.sharded) for p in landed):
         done.wait()  # user hooks (e.g. an optimizer step per parameter) read .grad on the compute stream
     for p in landed:
         p.run_sharded_grad_hooks()  # the user's, e.g. an optimizer step per parameter
     _trace.emit("reduce_scatter_done", target.label, scheduled=False)
-    if not streams.cuda:
-        return None
-    return ReducedGrads(done, (out,), tuple(deferred))
+    return reduced
 
 
-def _reduce_across_replicas(inflight: ReduceScatterInFlight, out: torch.Tensor) -> bool:
-    """HSDP: all-reduce ``out`` over the replicas (with sums kept while the all-reduce was off).
+def _divide_and_accumulate(inflight: ReduceScatterInFlight, out: torch.Tensor, cuda: bool
+                           ) -> tuple[list[ShardedParam], list[tuple[ShardedParam, torch.Tensor]]]:
+    """On the all-reduce stage: post-divide ``out``, run the all-reduce hook, then add each
+    parameter's chunk into its ``.grad``, or, CUDA with CPU offload, stage it to host memory.
+    Returns the parameters whose ``.grad`` is final, and the (parameter, staged chunk) pairs."""
+    target = inflight.target
+    landed: list[ShardedParam] = []
+    deferred: list[tuple[ShardedParam, torch.Tensor]] = []
+    if inflight.post_divide is not None and inflight.post_divide != 1:
+        out.div_(inflight.post_divide)
+    if target.hook is not None:
+        _run_all_reduce_hook(*target.hook, out)
+    base = out.storage_offset()
+    shards = [out.as_strided(p.layout.local_shape, p.layout.local_stride, base + off)
+              for p, off in zip(inflight.params, inflight.offsets)]
+    if target.check_finite:
+        _checks.record_nonfinite(target.root, inflight.params, shards)
+    for p, shard in zip(inflight.params, shards):
+        if cuda and p.padded_local.device.type == "cpu":
+            deferred.append((p, _stage_to_host(p, shard)))
+        else:
+            p.add_sharded_grad(shard)
+            landed.append(p)
+    return landed, deferred
 
-    Returns False when the all-reduce is off this time: ``out`` then waits in ``target.partial``.
+
+def _reduce_across_replicas(inflight: ReduceScatterInFlight, out: torch.Tensor) -> _AcrossReplicas:
+    """HSDP: all-reduce ``out`` over the replicas, with the sums kept while the all-reduce was off
+    added in first (they are returned: the stage reads them, so they live as long as it does).
+
+    With the all-reduce off this time, ``out`` waits in ``target.partial`` instead.
     """
     target = inflight.target
     if target.replicate_group is None:
-        return True
+        return _AcrossReplicas(True, ())
     earlier = target.partial.pop(out.dtype, None)
+    read: tuple[torch.Tensor, ...] = ()
     if earlier is not None:  # reduce-scattered while all-reduce was off
         out += earlier
+        read = (earlier,)
     if not target.all_reduce:
         target.partial[out.dtype] = out
-        return False
+        return _AcrossReplicas(False, read)
     _trace.emit("all_reduce", target.label)
     sizes = f"{out.numel()} elements over {target.replicate_world} replicas"
     _debug.log_collective("all_reduce", target.label, target.replicate_group, sizes, out.dtype, target.root)
     work = dist.all_reduce(out, op=inflight.op, group=target.replicate_group, async_op=True)
     _debug.wait(work, "all_reduce", target.label, sizes, target.root)  # CUDA: the all-reduce stream waits
-    return True
+    return _AcrossReplicas(True, read)

@@ -63,19 +63,29 @@ class _EmptyAlloc:
 
 
 class _ProcessGroupAlloc:
-    """Buffers from the process group's backend allocator where it has one, else ``torch.empty``."""
+    """Buffers from the process group's backend allocator where it has one, else ``torch.empty``.
+
+    Whether a device's backend has one is asked once per device: the answer is the
+    backend's, fixed when the group was made, and allocation runs at every collective.
+    """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+        self._sources: dict[torch.device, Any] = {}  # device -> its backend, or None: torch.empty
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        backend = self.group._get_backend(device)
-        if backend.supports_tensor_alloc(device):
-            numel = 1
-            for s in size:
-                numel *= int(s)
-            return backend.allocate_tensor(numel, dtype=dtype, device=device).view(*size)
-        return torch.empty(*size, dtype=dtype, device=device)
+        shape = torch.Size(int(n) for n in size)
+        source = self._source(torch.device(device))
+        if source is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        # The backend hands out flat memory (NCCL: registered for zero-copy); shape it as asked.
+        return source.allocate_tensor(shape.numel(), dtype=dtype, device=device).view(shape)
+
+    def _source(self, device: torch.device) -> Any:
+        if device not in self._sources:
+            backend = self.group._get_backend(device)
+            self._sources[device] = backend if backend.supports_tensor_alloc(device) else None
+        return self._sources[device]
 
 
 class _Gather:

@@ -45,12 +45,14 @@ class UnshardHandle:
 
 class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any):
-        # Containers (nn.Sequential slicing, ModuleList copies) build new
-        # instances with ``type(self)(...)``: give them the original class.
-        orig_cls = cls.__mro__[2]
-        self = orig_cls.__new__(orig_cls, *args, **kwargs)
-        self.__init__(*args, **kwargs)
-        return self
+        # ``fully_shard`` only ever enters an FSDP<Class> by swapping ``__class__``. Calling one
+        # is code building a sibling of a sharded module with ``type(module)(...)``
+        # (``nn.Sequential`` slicing, ``ModuleList`` copies): that gets a plain, unsharded
+        # instance of the class the user wrote, the first one up the MRO that is no FSDPModule.
+        written = next(base for base in cls.__mro__ if not issubclass(base, FSDPModule))
+        if written is object:
+            raise TypeError("FSDPModule is not made directly: fully_shard(module) makes a module one")
+        return written(*args, **kwargs)
 
     def _fsdp_state(self) -> ModuleState:
         state = get_state(self)

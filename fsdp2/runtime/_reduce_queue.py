@@ -20,8 +20,9 @@ class ReduceQueue:
 
     Bounded: each submit leaves at most its group's limit in flight (their buffers and
     gradients alive); the root's end-of-backward callback drains it. On CUDA, a finished
-    reduce-scatter leaves work on the all-reduce stream (``ReducedGrads``): kept here until
-    the drain orders the compute stream after it.
+    reduce-scatter leaves work on the all-reduce stream (``ReducedGrads``, with the buffers
+    it uses, partial sums of steps without all-reduce included): kept here until the drain
+    orders the compute stream after it.
     """
 
     def __init__(self) -> None:
@@ -43,7 +44,7 @@ class ReduceQueue:
 
     def _finish(self, inflight: ReduceScatterInFlight) -> None:
         reduced = finish_reduce_scatter(inflight)
-        if reduced is not None:
+        if reduced.outstanding:  # CUDA: the all-reduce stream may still use what it keeps
             self._reduced.append(reduced)
 
     def in_flight(self, group: Any) -> list[ReduceScatterInFlight]:

@@ -230,3 +230,32 @@ def _custom_comms_on_4_ranks(layout: str) -> list[object]:
 @pytest.mark.parametrize("layout", ["hsdp", "reshard_to_pairs"])
 def test_custom_comms_with_hsdp_and_int_reshard_after_forward(layout):
     assert run_on_ranks(_custom_comms_on_4_ranks, 4, layout) == [["ok"]] * 4
+
+
+# ---- the division around a sum, and the process-group allocator ------------------------------------
+
+@pytest.mark.parametrize("factor, pre, post", [
+    (2, 2.0, 1.0), (3, 2.0, 1.5), (4, 2.0, 2.0), (6, 4.0, 1.5), (8, 4.0, 2.0), (12, 4.0, 3.0), (16, 4.0, 4.0),
+    (32, 8.0, 4.0), (64, 8.0, 8.0), (128, 16.0, 8.0), (1000, 16.0, 62.5), (2.5, 1.0, 2.5),
+])
+def test_fp16_sums_divide_by_about_the_square_root_before_and_the_rest_after(factor, pre, post):
+    from fsdp2.comm._collectives import reduce_op
+
+    op, before, after = reduce_op(torch.float16, 2, factor)
+    assert (op, before, after) == (dist.ReduceOp.SUM, pre, post)
+    assert before * after == factor
+
+
+def _process_group_buffers() -> list[object]:
+    from fsdp2.comm._comm import process_group_comms
+
+    gather, scatter = process_group_comms(dist.group.WORLD, dist.group.WORLD)
+    made = [gather.allocate((3, 4), dtype=torch.float16, device=torch.device("cpu")),
+            scatter.allocate([torch.tensor(5)], dtype=torch.float32, device="cpu")]
+    return [[tuple(t.shape), str(t.dtype)] for t in made] + [list(gather._sources.values())]
+
+
+def test_process_group_buffers_have_the_shape_asked_for():
+    # gloo has no allocator of its own (asked once per device): torch.empty, shaped as asked.
+    assert run_on_ranks(_process_group_buffers, 2) == [[[(3, 4), "torch.float16"], [(5,), "torch.float32"],
+                                                        [None]]] * 2

@@ -23,6 +23,8 @@ parts of their logic that also run on CPU: ``tests/comm/test_gpu_path.py``):
   all-reduce stream, not the compute stream;
 * CPU offload copies gradients to pinned host memory without blocking, landed (host
   synchronised) before backward returns;
+* HSDP with gradient accumulation: the partial sums of a step without all-reduce stay
+  alive until the all-reduce stream has added them in (runs on one GPU too);
 * one subgroup per (mesh, k) for an int ``reshard_after_forward``.
 """
 
@@ -285,6 +287,52 @@ def _hsdp_all_reduce_on_its_own_stream() -> list[bool]:
 def test_cuda_hsdp_all_reduce_runs_on_the_all_reduce_stream():
     for flags in _launch("_hsdp_all_reduce_on_its_own_stream"):
         assert flags == [True, True], flags
+
+
+def _hsdp_accumulation_keeps_partial_sums() -> list[str]:
+    """HSDP over every rank's GPU (replicas of one shard), one step of two microbatches: the
+    first with the all-reduce off (each group's reduce-scattered sum is kept), the second
+    adding the kept sums in on the all-reduce stream. A hook sleeping on that stream holds it
+    back, so the next groups' reduce-scatters run before it has read the kept sums: a sum
+    freed when the host moved on would have its memory handed to the next reduce-scatter of
+    the same size (the blocks are alike) and overwritten. The parameters whose gradients
+    differ from an unsharded reference's (none)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+    from tests._models import Transformer, lm_loss, make_batch
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    reference = Transformer(n_layers=6).to(device)
+    model = copy.deepcopy(reference)
+    for block in model.layers:
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+
+    def hold_back(reduced: torch.Tensor) -> None:  # on the all-reduce stream, ahead of the next group's add
+        torch.cuda._sleep(100_000_000)
+
+    for module in (*model.layers, model):
+        module.set_all_reduce_hook(hold_back)
+    for micro, sync in ((0, False), (1, True)):
+        inputs, targets = make_batch(0, micro, device=device)  # one batch for every replica: the mean is its gradient
+        model.set_requires_all_reduce(sync)
+        lm_loss(model(inputs), targets).backward()
+        lm_loss(reference(inputs), targets).backward()
+    torch.cuda.synchronize()
+    expected = dict(reference.named_parameters())
+    return [name for name, p in model.named_parameters()
+            if not torch.allclose(p.grad.full_tensor(), expected[name].grad, atol=1e-5, rtol=1e-4)]
+
+
+@needs_a_gpu
+def test_cuda_hsdp_accumulation_keeps_partial_sums_until_the_all_reduce_stream_has_read_them():
+    for wrong in _launch("_hsdp_accumulation_keeps_partial_sums", world=min(2, torch.cuda.device_count())):
+        assert wrong == [], wrong
 
 
 def _offload_pinned_non_blocking() -> list[bool]:

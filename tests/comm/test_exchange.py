@@ -14,6 +14,7 @@ must train to the unsharded reference either way.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -269,9 +270,9 @@ def test_ranks_agree_when_one_cannot_read():
 def _read_mismatched_sizes() -> str:
     peer = torch.arange(6, dtype=torch.float32)
     with pytest.raises(RuntimeError) as info:
-        _cma.read(_cma.describe([peer]), [torch.empty(4)], "all_gather layers.0")
+        _cma.read(_cma.describe([peer]), [torch.empty(4)], "all_gather layers.0", pid=os.getpid())
     got = torch.empty(6)
-    _cma.read(_cma.describe([peer]), [got], "all_gather layers.0")  # from this process: a copy
+    _cma.read(_cma.describe([peer]), [got], "all_gather layers.0", pid=os.getpid())  # from this process: a copy
     assert torch.equal(got, peer)
     return str(info.value)
 

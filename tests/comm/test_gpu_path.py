@@ -6,7 +6,10 @@ The CUDA side of each is in ``tests/comm/test_cuda.py`` (skipped without a GPU).
   so an in-place change before the wait (``optimizer.step()``) cannot reach the collective;
   on an accelerator the flat all-gather never sends the shards themselves;
 * a :class:`Completion` can be waited on by any number of waiters;
-* one subgroup (one process group) per (mesh, k) for an int ``reshard_after_forward``.
+* one subgroup (one process group) per (mesh, k) for an int ``reshard_after_forward``;
+* HSDP with the all-reduce off (gradient accumulation): the partial sums a later reduction
+  adds in are among what its all-reduce stage keeps (``ReducedGrads.keep``), which CUDA holds
+  until the compute stream has waited on that stage; on CPU nothing is left outstanding.
 """
 
 from __future__ import annotations
@@ -141,6 +144,45 @@ def test_one_subgroup_per_mesh_and_k():
     # every block's), once for the first fully_shard call with k=2, never again.
     for flags in run_on_ranks(_subgroups_per_mesh_and_k, 4):
         assert flags == [True] * 5, flags
+
+
+def _partial_sums_kept_by_the_stage_that_reads_them() -> list[object]:
+    """Two reductions of one HSDP group (2 replicas of 1 shard) on gloo: the first with the
+    all-reduce off, the second with it on, as a step of gradient accumulation runs them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2._common import get_state
+    from fsdp2.comm._collectives import ReduceTarget, finish_reduce_scatter
+    from fsdp2.comm._transport import flat_transport
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("partial_rep", "partial_shard"))
+    model = fsdp2.fully_shard(torch.nn.Linear(8, 4), mesh=mesh)
+    params = list(get_state(model).group.params)
+    target = ReduceTarget(group=mesh.get_group(1), world=1, replicate_group=mesh.get_group(0), replicate_world=2,
+                          all_reduce=False, partial={}, divide_factor=2.0, label="partial")
+
+    def reduce(value: float):
+        grads = [torch.full(p.layout.padded_shape, value) for p in params]
+        return finish_reduce_scatter(
+            flat_transport().start_reduce_scatter(params, grads, torch.float32, target, torch.device("cpu"), None))
+
+    first = reduce(1.0)  # all-reduce off: the sum waits in target.partial
+    kept = target.partial[torch.float32]
+    target.all_reduce = True
+    second = reduce(2.0 + dist.get_rank())  # adds the kept sum in, then averages over the replicas
+    return [first.keep == (kept,), len(second.keep) == 2 and second.keep[1] is kept,
+            first.outstanding or second.outstanding, target.partial == {},
+            [p.grad.to_local().unique().tolist() for p in model.parameters()]]
+
+
+def test_partial_sums_of_accumulation_are_kept_by_the_stage_that_adds_them():
+    # On CUDA the stage's stream adds the partial sum in after the host moved on: had the sum
+    # been dropped there (it was), the next reduce-scatter could reuse its memory first.
+    for kept_first, kept_second, outstanding, emptied, grads in run_on_ranks(
+            _partial_sums_kept_by_the_stage_that_reads_them, 2):
+        assert kept_first and kept_second and emptied
+        assert not outstanding, "on CPU the stage ran on the calling thread: nothing to keep"
+        assert grads == [[3.5], [3.5]], grads  # (1 + 2 on rank 0, 1 + 3 on rank 1) averaged
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")

@@ -132,6 +132,53 @@ def test_a_closed_pipe_fails_the_wait_at_once():
                     "(it exited)", ""]
 
 
+def _a_frame_that_cannot_be_fsdp2s(size: int) -> list[object]:
+    """Rank 1 sends one good message, then writes a frame saying ``size`` bytes straight into
+    its pipe to rank 0 (a stream out of step, or a writer that is not fsdp2). Rank 0 gets the
+    good message; its wait for the next fails at once, saying what arrived (it spun forever on
+    a size of -16, and waited out the 10-minute timeout on a huge one), and so does every
+    later wait on rank 1."""
+    with _connected(timeout_s=600.0) as pg:
+        pipes = _pipes.link(pg)
+        said: list[object] = []
+        if pg.rank() == 1:
+            pipes.send([_ints(42)], 0, 3)
+            os.write(pipes.peers[0].out, _pipes._FRAME.pack(3, size) + bytes(64))
+        else:
+            first = torch.zeros(1, dtype=torch.int64)
+            works = [pipes.recv([first], 1, 3), pipes.recv([torch.zeros(1, dtype=torch.int64)], 1, 3),
+                     pipes.recv([torch.zeros(1, dtype=torch.int64)], 1, 4)]
+            works[0].wait()
+            said.append(first.item())
+            for work in works[1:]:
+                with pytest.raises(RuntimeError) as info:
+                    work.wait()
+                said.append(str(info.value))
+        dist.barrier()  # (the default group) rank 1 keeps its end open until rank 0 is done
+        return said
+
+
+@pytest.mark.parametrize("size", [-16, -1, _pipes.MAX_FRAME + 1, 1 << 62])
+def test_a_frame_with_a_negative_or_oversized_length_is_an_error(size):
+    said = run_on_ranks(_a_frame_that_cannot_be_fsdp2s, 2, size, timeout=60)
+    why = (f"rank 1 sent a pipe frame of {size} bytes (tag 3), where a frame holds 0 to {_pipes.MAX_FRAME}: its "
+           "stream is corrupt (out of step, or not written by fsdp2)")
+    assert said == [[42, *[f"fsdp2: no message can come from rank 1 any more: {why}"] * 2], []]
+
+
+def _oversized_send() -> str:
+    with _connected() as pg:
+        with pytest.raises(ValueError) as info:
+            _pipes.link(pg).send([torch.empty(_pipes.MAX_FRAME + 1, dtype=torch.uint8)], 1 - pg.rank(), 5)
+        return str(info.value)
+
+
+def test_a_message_too_big_for_a_frame_is_refused_before_it_is_sent():
+    said = run_on_ranks(_oversized_send, 2)
+    assert said == [f"fsdp2: a pipe message holds at most {_pipes.MAX_FRAME} bytes, not {_pipes.MAX_FRAME + 1} "
+                    "(tag 5): send it over the process group"] * 2
+
+
 def _connect_with_one_rank_unable(env: str) -> list[object]:
     """Rank 1 cannot make its pipes (its temporary directory does not exist), or pipes are off:
     every rank keeps gloo, and says why in fsdp2's log (INFO) when it wanted pipes."""

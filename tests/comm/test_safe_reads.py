@@ -34,7 +34,7 @@ from fsdp2._common import get_state
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.comm.cpu._transport import probe_reads
 from fsdp2.comm.cpu import _cma, _exchange, _lease, _pipes, _yama
-from tests._dist import REPO_ROOT, environ, run_on_ranks
+from tests._dist import REPO_ROOT, environ, info_records, run_on_ranks
 from tests._models import MLP
 
 
@@ -257,13 +257,96 @@ def test_reads_refuse_places_and_sources_that_are_not_contiguous():
     source = torch.arange(12, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"fsdp2: all_gather g: place 0 is not contiguous \(shape \(3, 2\), "
                                          r"stride \(1, 3\), cpu\): a same-host read moves one dense run"):
-        _cma.read(_cma.describe([source[:6]]), [torch.empty(2, 3).t()], "all_gather g")
+        _cma.read(_cma.describe([source[:6]]), [torch.empty(2, 3).t()], "all_gather g", pid=os.getpid())
     with pytest.raises(ValueError, match=r"fsdp2: describe: offered tensor 1 is not contiguous \(shape \(6,\), "
                                          r"stride \(2,\), cpu\).*pass a contiguous CPU tensor"):
         _cma.describe([source[:2], source[::2]])
     got = torch.empty(2, 3)
-    _cma.read(_cma.describe([source[6:]]), [got], "all_gather g")  # contiguous: read from this process
+    _cma.read(_cma.describe([source[6:]]), [got], "all_gather g", pid=os.getpid())  # contiguous: read from this process
     assert torch.equal(got.flatten(), source[6:])
+    with pytest.raises(RuntimeError, match=rf"fsdp2: all_gather g: the peer's descriptor names pid {os.getpid()}, "
+                                           r"but the probe recorded no pid for it: refusing to read"):
+        _cma.read(_cma.describe([source[6:]]), [got], "all_gather g", pid=None)
+
+
+# ---- a descriptor names the pid the probe recorded ---------------------------------------------------
+
+def _forged_descriptor(pipes: bool) -> list[object]:
+    """Rank 1 offers rank 0 a descriptor naming rank 0's own pid and a tensor of rank 0's that
+    was never offered (a confused deputy: the bytes would come from the wrong process). Rank 0
+    must refuse it instead of copying its secret; rank 1 reads rank 0's honest offer as usual,
+    and each side's memory is let go once the other has said it is done."""
+    with _reading_group(pipes) as pg:
+        me, peer = pg.rank(), 1 - pg.rank()
+        secret, honest, got = torch.full((4,), 7.0), torch.full((4,), float(me)), torch.zeros(4)
+        where = torch.tensor([os.getpid(), secret.data_ptr()], dtype=torch.int64)
+        rows = [torch.empty_like(where) for _ in range(2)]
+        dist.all_gather(rows, where, group=pg)
+        descriptor = _cma.describe([honest])
+        if me == 1:
+            descriptor = torch.tensor([*rows[0].tolist(), secret.numel() * 4], dtype=torch.int64)
+        tag = _exchange._tag_of_size("forged", "where", descriptor.numel() * 8)
+        reads = _exchange.ReadExchange(_pipes.link(pg), "all_gather forged",
+                                       _exchange._tag_of_size("forged", "ack", 24), pids=_cma.pids(pg))
+        reads.expect(peer, descriptor.numel(), tag, [got])
+        reads.offer(peer, descriptor, tag, [honest])
+        if me == 1:
+            reads.wait()  # reads rank 0's honest offer; then waits for rank 0 to say it is done
+            return [got.tolist(), _released_soon()]
+        try:
+            reads.wait()
+            said = "read"
+        except RuntimeError as e:
+            said = str(e)
+        del reads  # dropped unread: rank 1 is told this rank never will read it
+        gc.collect()
+        return [said, got.tolist(), _released_soon()]
+
+
+@pytest.mark.parametrize("pipes", [True, False], ids=["pipes", "gloo"])
+def test_a_descriptor_naming_another_pid_is_refused(pipes):
+    # Without the check, rank 0 copied its own secret (7.0) where rank 1's values belong.
+    (said, got, released), rank1 = run_on_ranks(_forged_descriptor, 2, pipes)
+    assert re.fullmatch(r"fsdp2: all_gather forged: the peer's descriptor names pid (\d+), but the probe "
+                        r"recorded pid (\d+) for that peer: refusing to read another process's memory \(.*\)",
+                        said), said
+    assert got == [0.0] * 4 and released, (said, got, released)
+    assert rank1 == [[0.0] * 4, True]
+
+
+# ---- the probe reads only where the ranks share a host ----------------------------------------------
+
+def _probe_with_a_peer_elsewhere() -> list[object]:
+    """Rank 1's host key is made to differ (as on another host or in another PID namespace):
+    no rank reads anything, every rank says no, and the log says why."""
+    pg = dist.new_group()
+    reads: list[int] = []
+    real_read, real_host = _cma.read, _cma._host
+
+    def counted(descriptor: torch.Tensor, *args: object, **kwargs: object) -> None:
+        reads.append(int(descriptor[0]))
+        real_read(descriptor, *args, **kwargs)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch, info_records(_cma.logger) as records:
+            patch.setattr(_cma, "read", counted)
+            if pg.rank() == 1:
+                patch.setattr(_cma, "_host", lambda: real_host() ^ 1)
+            verdict = _cma.probe(pg)
+        return [verdict, reads, [r.getMessage() for r in records]]
+    finally:
+        dist.destroy_process_group(pg)
+
+
+def test_the_probe_reads_nothing_when_the_host_keys_differ():
+    # Without the check, each rank read the pid in its peer's row: on another host, that pid
+    # names some unrelated process of this one, or none.
+    results = run_on_ranks(_probe_with_a_peer_elsewhere, 2)
+    for me, (verdict, reads, said) in enumerate(results):
+        assert verdict is False and reads == [], results
+        assert said == [f"fsdp2: the ranks [0, 1] cannot read each other's memory with process_vm_readv (this "
+                        f"rank is not on the host (or in the PID namespace) of rank {1 - me}: their host keys "
+                        "differ); CPU exchanges over this process group send messages instead"], said
 
 
 # ---- Yama ----------------------------------------------------------------------------------------
@@ -321,6 +404,39 @@ def test_the_probe_lets_the_peers_in_only_where_yama_asks():
         assert results == [[True, 0, True]] * 2  # nothing declared: Linux's own rule lets them read
     else:  # ptrace_scope=1: each rank named its one peer
         assert all(r[2] for r in results), results
+
+
+def _declarations_as_groups_are_destroyed(tmp: str) -> list[object]:
+    """Under Yama's ``ptrace_scope=1`` (a file saying 1 stands in for the kernel's, and the
+    prctl is recorded, as this machine has no Yama): two groups read over, both needing the
+    one peer. Destroying the first leaves the declaration; destroying the last withdraws it
+    at once, with no probe or read exchange after it."""
+    calls: list[int] = []
+    scope = Path(tmp) / f"ptrace_scope.{dist.get_rank()}"
+    scope.write_text("1\n")
+    seen = []
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_yama, "SCOPE_PATH", str(scope))
+            patch.setattr(_yama, "_set_ptracer", lambda tracer: calls.append(tracer) or "")
+            first, second = dist.new_group(), dist.new_group()
+            assert _cma.probe(first) and _cma.probe(second)
+            peer = _cma.pids(first)[1 - first.rank()]
+            seen.append(_yama._declared)
+            dist.destroy_process_group(first)
+            seen.append(_yama._declared)
+            dist.destroy_process_group(second)
+            seen.append(_yama._declared)
+        return [[pid == peer for pid in seen], calls == [peer, 0], calls.count(0)]
+    finally:  # whatever happened: this process declares nothing (the real prctl is back)
+        _yama._needs.clear()
+        _yama._declared = 0
+
+
+def test_the_declaration_is_withdrawn_when_the_last_group_reading_is_destroyed(tmp_path):
+    # Before: withdrawn only at the next probe of some other group, if any ever came.
+    for flags in run_on_ranks(_declarations_as_groups_are_destroyed, 2, str(tmp_path)):
+        assert flags == [[True, True, False], True, 1], flags
 
 
 # ---- no fcntl, no reads --------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import fsdp2
 from tests._dist import run_on_ranks
@@ -176,6 +177,34 @@ def test_fully_shard_returns_the_module_as_fsdp_subclass():
         "sliced_is_fsdp": False,
         "sliced_shares_children": True,
     }
+
+
+class _Sized(nn.Module):
+    def __init__(self, n: int, *, bias: bool = True) -> None:
+        super().__init__()
+        self.n = n
+        self.lin = nn.Linear(n, n, bias=bias)
+
+
+def _building_from_a_sharded_class(impl_name):
+    """``type(sharded)(...)`` builds a plain, unsharded module of the user's class, with the
+    arguments given (what containers do); FSDPModule itself is not built directly (fsdp2)."""
+    impl = importlib.import_module(impl_name)
+    model = impl.fully_shard(_Sized(4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    built = type(model)(6, bias=False)
+    said = ""
+    if impl_name == "fsdp2":
+        with pytest.raises(TypeError) as info:
+            impl.FSDPModule()
+        said = str(info.value)
+    return [type(built).__name__, built.n, built.lin.bias is None, isinstance(built.lin.weight, DTensor), said]
+
+
+def test_calling_a_sharded_class_builds_the_users_class():
+    ours = run_on_ranks(_building_from_a_sharded_class, 2, "fsdp2")
+    theirs = run_on_ranks(_building_from_a_sharded_class, 2, "torch.distributed.fsdp")
+    assert [r[:4] for r in ours] == [r[:4] for r in theirs] == [["_Sized", 6, True, False]] * 2
+    assert ours[0][4] == "FSDPModule is not made directly: fully_shard(module) makes a module one"
 
 
 def _train_three_steps(fully_shard, model: nn.Module) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -13,11 +13,14 @@ descriptor (``describe``) over the process group once the data is in place, and
 the reader answers with an acknowledgement once it has read, after which the
 peer may free or overwrite that memory.
 
-Whether it works is probed once per process group (``probe``): every rank reads a
-random token from every peer and checks it, then the ranks agree (the same answer
-on every rank, or the transports would not match). Ranks on different hosts, in
-different PID namespaces, or where ptrace rules or a seccomp filter forbid the
-call, read nothing or the wrong bytes, and fall back to messages.
+Whether it works is probed once per process group (``probe``): the ranks exchange their
+pids and host keys (boot id, host name, PID namespace); where every key is the same, every
+rank reads a random token from every peer and checks it, then the ranks agree (the same
+answer on every rank, or the transports would not match). Ranks whose host keys differ read
+nothing at all (a peer's pid would name another process here); where ptrace rules or a
+seccomp filter forbid the call, the token reads fail or come back wrong. Either way the
+ranks fall back to messages. Every later read checks that the descriptor names the pid the
+probe recorded for that peer (``read``): a descriptor is only a message.
 """
 
 from __future__ import annotations
@@ -90,17 +93,29 @@ def _check_dense(t: torch.Tensor, which: str, what: str) -> None:
         )
 
 
-def read(descriptor: torch.Tensor, places: Sequence[torch.Tensor], what: str) -> None:
+def read(descriptor: torch.Tensor, places: Sequence[torch.Tensor], what: str, pid: int | None) -> None:
     """Copy the peer memory ``descriptor`` lists into ``places`` (contiguous, in the same order).
 
+    ``pid`` is the peer's process as the probe recorded it (``pids``): a descriptor is a
+    message, and one naming any other process (a third process of the same user, this one)
+    is refused, never read.
+
     Raises ``ValueError`` for a place that is not a contiguous CPU tensor (the bytes would
-    land in the wrong elements), ``RuntimeError`` if the sizes do not match ``places`` (the
-    ranks disagree on what moves) or the kernel copies less than asked.
+    land in the wrong elements), ``RuntimeError`` if the descriptor names another pid than
+    ``pid`` (or ``pid`` is None: nothing was recorded), if the sizes do not match ``places``
+    (the ranks disagree on what moves) or the kernel copies less than asked.
     """
     for i, t in enumerate(places):
         _check_dense(t, f"place {i}", what)
     values = descriptor.tolist()
-    pid, regions = values[0], values[1:]
+    named, regions = values[0], values[1:]
+    if pid is None or named != pid:
+        raise RuntimeError(
+            f"fsdp2: {what}: the peer's descriptor names pid {named}, but "
+            + (f"the probe recorded pid {pid} for that peer" if pid is not None else "the probe recorded no pid for it")
+            + ": refusing to read another process's memory (the ranks' messages are out of step, or not "
+            "fsdp2's)"
+        )
     if len(regions) != 2 * len(places) or any(
             regions[2 * i + 1] != t.numel() * t.element_size() for i, t in enumerate(places)):
         raise RuntimeError(
@@ -154,11 +169,25 @@ def _host() -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def _cannot_read(pg: dist.ProcessGroup, rows: Sequence[torch.Tensor]) -> str:
+    """Why this rank must not read its peers, found before any read; "" when it may try.
+
+    A peer whose host key differs is on another host or in another PID namespace: the pid in
+    its row names some other process here (or none), so nothing is read from it at all.
+    """
+    if _readv_fn() is None:
+        return "has no process_vm_readv"
+    mine = int(rows[pg.rank()][_ROW_HOST])
+    elsewhere = [q for q, row in enumerate(rows) if int(row[_ROW_HOST]) != mine]
+    if elsewhere:
+        rank = dist.get_global_rank(pg, elsewhere[0])
+        return f"is not on the host (or in the PID namespace) of rank {rank}: their host keys differ"
+    return _let_peers_read(pg, rows)
+
+
 def _let_peers_read(pg: dist.ProcessGroup, rows: Sequence[torch.Tensor]) -> str:
     """Yama: let this rank's same-host peers read it (``_yama.py``); "" or why they may not."""
     me = pg.rank()
-    if any(int(row[_ROW_HOST]) != int(rows[me][_ROW_HOST]) for row in rows):
-        return ""  # not all on this host: the reads cannot work, and say why below
     peers = [_yama.Rank(int(row[0]), int(row[_ROW_PPID])) for q, row in enumerate(rows) if q != me]
     why = _yama.allow(pg, peers)
     return f"cannot let its peers read it ({why})" if why else ""
@@ -196,7 +225,7 @@ def _probe(pg: dist.ProcessGroup) -> tuple[bool, tuple[int, ...]]:
     mine = torch.cat([describe([token]), token, torch.tensor([os.getppid(), _host()], dtype=torch.int64)])
     rows = [torch.empty_like(mine) for _ in range(pg.size())]
     dist.all_gather(rows, mine, group=pg)
-    why = "has no process_vm_readv" if _readv_fn() is None else _let_peers_read(pg, rows)
+    why = _cannot_read(pg, rows)  # every rank sees every host key: all of them stop here alike
     # Also the barrier that keeps every read after every rank's Yama declaration.
     reasons = _wire.all_gather_json(why, pg)
     why = f"this rank {why}" if why else ""
@@ -210,7 +239,7 @@ def _probe(pg: dist.ProcessGroup) -> tuple[bool, tuple[int, ...]]:
             break
         got = torch.zeros(4, dtype=torch.int64)
         try:
-            read(row[:3], [got], "probe")
+            read(row[:3], [got], "probe", pid=int(row[0]))  # the pid recorded: the one in its row
         except RuntimeError as e:
             why = str(e).split(";")[0]  # names the pid and the errno
             break

@@ -130,7 +130,8 @@ class ReadExchange:
             if work is not None:
                 work.wait()
                 self.pending[0] = (peer, None, descriptor, places)  # a gloo work must not be waited twice
-            _cma.read(descriptor, places, self.what)
+            pids = self.release.pids  # recorded by the probe, in group rank order
+            _cma.read(descriptor, places, self.what, pid=pids[peer] if peer < len(pids) else None)
             self.pending.pop(0)  # only once read: a failed wait leaves it to be waited on again
             self.release.acknowledge(peer)
         return True if self.defer else self.release.wait()

@@ -21,8 +21,9 @@ data-loader worker) closes its copies at once.
 messages of its peer and tag in the order they were sent. A send writes at once and
 never waits for the peer to receive (while a pipe is full, the sender drains its own
 incoming pipes into memory, so ranks writing to each other cannot deadlock). A
-receive waits in ``wait()``, at most the process group's timeout; after a timeout or a
-closed pipe, every later wait on that peer fails at once, as gloo closes the pair.
+receive waits in ``wait()``, at most the process group's timeout; after a timeout, a
+closed pipe or a frame that cannot be one of fsdp2's (a size below 0 or over
+``MAX_FRAME``), every later wait on that peer fails at once, as gloo closes the pair.
 
 ``FSDP2_CPU_PIPES=0`` keeps these messages on gloo (groups connected afterwards).
 """
@@ -48,6 +49,9 @@ __all__ = ["PIPES_ENV", "Pipes", "connect", "link"]
 
 PIPES_ENV = "FSDP2_CPU_PIPES"
 _FRAME = struct.Struct("<qq")  # each message: its tag and its size in bytes, then the bytes
+# The most one message may hold: a descriptor of 4M tensors, far beyond any group's. A frame
+# saying more (or less than 0) comes from a stream out of step or not written by fsdp2.
+MAX_FRAME = 64 << 20
 _F_SETPIPE_SZ = 1031  # Linux fcntl: a pipe's capacity
 _CAPACITY = 1 << 20  # the default most an unprivileged process may ask for
 logger = logging.getLogger(__name__)
@@ -56,7 +60,7 @@ logger = logging.getLogger(__name__)
 class _Peer:
     """This rank's two pipes with one peer, and the messages read from it but not yet received."""
 
-    __slots__ = ("rank", "inbox", "out", "unparsed", "arrived", "posted", "stash", "broken")
+    __slots__ = ("rank", "inbox", "out", "unparsed", "arrived", "posted", "stash", "broken", "corrupt")
 
     def __init__(self, rank: int, inbox: int, out: int) -> None:
         self.rank = rank  # the peer's global rank, for errors
@@ -65,13 +69,22 @@ class _Peer:
         self.arrived: dict[int, int] = {}  # tag -> messages read so far
         self.posted: dict[int, int] = {}  # tag -> receives posted so far
         self.stash: dict[tuple[int, int], bytes] = {}  # (tag, n) -> the n-th message with that tag
-        self.broken = ""  # why no message will come any more (timeout, closed pipe)
+        self.broken = ""  # why no message will come any more (timeout, closed pipe, corrupt stream)
+        self.corrupt = False  # a frame could not be one of fsdp2's: no byte after it is parsed
 
     def parse(self) -> None:
+        """Move every whole frame read so far into ``stash``. A frame whose size is negative or
+        over ``MAX_FRAME`` breaks the peer (nothing after it can be framed): the messages
+        before it are delivered, every wait for a later one fails at once, saying why."""
         data = self.unparsed
         start = 0
-        while len(data) - start >= _FRAME.size:
+        while len(data) - start >= _FRAME.size and not self.corrupt:
             tag, size = _FRAME.unpack_from(data, start)
+            if not 0 <= size <= MAX_FRAME:
+                self.corrupt = True
+                self.broken = (f"rank {self.rank} sent a pipe frame of {size} bytes (tag {tag}), where a frame "
+                               f"holds 0 to {MAX_FRAME}: its stream is corrupt (out of step, or not written by fsdp2)")
+                break
             end = start + _FRAME.size + size
             if len(data) < end:
                 break
@@ -79,7 +92,10 @@ class _Peer:
             self.arrived[tag] = n + 1
             self.stash[tag, n] = bytes(data[start + _FRAME.size:end])
             start = end
-        del data[:start]
+        if self.corrupt:
+            data.clear()
+        else:
+            del data[:start]
 
 
 class _Sent:
@@ -156,6 +172,9 @@ class Pipes:
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> _Sent:
         (t,) = tensors
         nbytes = t.numel() * t.element_size()
+        if nbytes > MAX_FRAME:
+            raise ValueError(f"fsdp2: a pipe message holds at most {MAX_FRAME} bytes, not {nbytes} (tag {tag}): "
+                             "send it over the process group")
         self._write(self.peers[peer], _FRAME.pack(tag, nbytes) + ctypes.string_at(t.data_ptr(), nbytes))
         return _SENT
 

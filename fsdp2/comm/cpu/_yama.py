@@ -16,7 +16,9 @@ narrowest one that covers every same-host peer of every process group it reads o
 Anything else (ranks started apart, or a parent that is pid 1, whose descendants are
 everything) is not narrowed to the job: those ranks send messages instead, which the
 probe logs at INFO. The declaration is withdrawn (``PR_SET_PTRACER`` 0) or narrowed
-again when the groups that needed it are destroyed. ``ptrace_scope`` 2 and 3 allow no
+again as soon as a group that needed it is destroyed (``destroy_process_group`` shuts it
+down, which fsdp2 hears of: ``_compat.call_after_process_group_shutdown``), the last one
+withdrawing it. ``ptrace_scope`` 2 and 3 allow no
 such exception; 0 needs none. Nothing here runs without Yama.
 """
 
@@ -32,7 +34,7 @@ import torch.distributed as dist
 
 from ... import _compat
 
-__all__ = ["Rank", "allow", "forget_destroyed", "scope", "tracer_for"]
+__all__ = ["Rank", "allow", "forget", "forget_destroyed", "scope", "tracer_for"]
 
 PR_SET_PTRACER = 0x59616D61  # "Yama"
 SCOPE_PATH = "/proc/sys/kernel/yama/ptrace_scope"
@@ -99,12 +101,17 @@ def allow(pg: dist.ProcessGroup, peers: Sequence[Rank]) -> str:
     why = _declare(tracer)
     if not why:
         _needs[id(pg)] = (pg, frozenset(peers))
+        # Withdrawn (or narrowed) the moment the group is destroyed, not at some later probe.
+        _compat.call_after_process_group_shutdown(forget)
     return why
 
 
 def forget(pg: dist.ProcessGroup) -> None:
-    """``pg``'s peers need not read this process any more (its reads are off)."""
-    if _needs.pop(id(pg), None) is not None:
+    """``pg``'s peers need not read this process any more (its reads are off, or it was
+    destroyed): narrow the declaration to the groups left, or withdraw it."""
+    entry = _needs.get(id(pg))
+    if entry is not None and entry[0] is pg:
+        del _needs[id(pg)]
         _narrow()
 
 
@@ -125,10 +132,20 @@ def _narrow() -> None:
 
 
 def _declare(tracer: int) -> str:
-    """``prctl(PR_SET_PTRACER, tracer)`` (0: withdraw); "" or why it failed."""
+    """Name ``tracer`` as this process's ptracer (0: withdraw) unless it already is; "" or why not."""
     global _declared
     if tracer == _declared:
         return ""
+    why = _set_ptracer(tracer)
+    if why:
+        return why
+    _declared = tracer
+    logger.debug("fsdp2: pid %s may now read this process (prctl PR_SET_PTRACER)", tracer or "none")
+    return ""
+
+
+def _set_ptracer(tracer: int) -> str:
+    """The system call itself, ``prctl(PR_SET_PTRACER, tracer)``; "" or why it failed."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
@@ -137,8 +154,6 @@ def _declare(tracer: int) -> str:
              ctypes.c_ulong(0)) != 0:
         err = ctypes.get_errno()
         return f"prctl(PR_SET_PTRACER, {tracer}) failed: {os.strerror(err)}"
-    _declared = tracer
-    logger.debug("fsdp2: pid %s may now read this process (prctl PR_SET_PTRACER)", tracer or "none")
     return ""
 
 
