@@ -50,7 +50,7 @@ LAYOUTS = {"fsdp": (1, 1), "hsdp": (2, 1), "tp": (1, 2)}  # (dp_replicate, tp); 
 
 
 def build(margs: ModelArgs, param_dtype: torch.dtype, reshard: bool, ac: bool,
-          layout: str = "fsdp") -> tuple[Transformer, ParallelDims]:
+          layout: str = "fsdp", early_release: bool = False) -> tuple[Transformer, ParallelDims]:
     """As the recipe: TP, AC wrappers, then fully_shard per block and the root, on meta, then init."""
     replicate, tp = LAYOUTS[layout]
     dims = ParallelDims(dp_replicate=replicate, dp_shard=-1, tp=tp, world_size=dist.get_world_size())
@@ -65,6 +65,7 @@ def build(margs: ModelArgs, param_dtype: torch.dtype, reshard: bool, ac: bool,
     for block in model.layers:
         fully_shard(block, mesh=dims.dp_mesh(), mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dims.dp_mesh(), mp_policy=mp)  # the root keeps its parameters (recipe default)
+    model.set_early_release(early_release)
     model.to_empty(device="cpu")
     model.init_weights()
     return model, dims
@@ -82,7 +83,7 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, gen: torch.Genera
 def track(margs: ModelArgs, case: dict, batch: int, seq: int):
     """This rank's MemoryReport of the second step of ``case``."""
     model, dims = build(margs, DTYPES[case["param_dtype"]], case["reshard_after_forward"],
-                        case["activation_checkpointing"], case.get("layout", "fsdp"))
+                        case["activation_checkpointing"], case.get("layout", "fsdp"), case.get("early_release", False))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(dims.dp_rank(dist.get_rank()))  # a TP group shares its batch
     train_step(model, opt, gen, batch, seq)
@@ -97,7 +98,7 @@ def plan(margs: ModelArgs, case: dict, world: int, batch: int, seq: int):
                     param_dtype=DTYPES[case["param_dtype"]], reduce_dtype=torch.float32,
                     reshard_after_forward=case["reshard_after_forward"],
                     activation_checkpointing=case["activation_checkpointing"], backend="gloo",
-                    cpu_reads=case.get("cpu_reads", True))
+                    cpu_reads=case.get("cpu_reads", True), root_early_release=case.get("early_release", False))
     # Every block built (no extrapolation); with tp, the Llama's own tp_plan, as build() above applies.
     return estimate_memory(layout, ModelBuilder(build=lambda: Transformer(margs), make_inputs=_inputs))
 

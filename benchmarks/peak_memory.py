@@ -3,12 +3,14 @@
     torchrun --nproc-per-node 2 benchmarks/peak_memory.py [--launches 3] [--json FILE]
 
 The model is ``step_time.py``'s 17M GPT (its ``--dim .. --batch`` options too), sharded
-per block and then the root, trained with AdamW on 2 gloo ranks. Four implementations,
+per block and then the root, trained with AdamW on 2 gloo ranks. Six implementations,
 each in a fresh model and optimizer:
 
 - ``fsdp2_flat``:    ``fsdp2.fully_shard`` with ``FSDP2_CPU_COLLECTIVES=flat`` (the flat
                      collectives NCCL uses, run on gloo);
 - ``fsdp2``:         ``fsdp2.fully_shard`` with the default CPU transport;
+- ``fsdp2_flat_early``, ``fsdp2_early``: the same with ``set_early_release(True)`` on the
+                     root (its parameters freed a part at a time: opt-in, see its limits);
 - ``torch_fsdp2``:   ``torch.distributed.fsdp.fully_shard``;
 - ``ddp``:           ``DistributedDataParallel``.
 
@@ -40,18 +42,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from step_time import GPT, PRESETS, make_batch, shard_model, train_step  # noqa: E402
 
-IMPLS = ("fsdp2_flat", "fsdp2", "torch_fsdp2", "ddp")
+IMPLS = ("fsdp2_flat", "fsdp2", "fsdp2_flat_early", "fsdp2_early", "torch_fsdp2", "ddp")
 TARGETS = {"fsdp2_flat": 1.00, "fsdp2": 0.95}  # x torch_fsdp2's peak (issue 18)
 MB = 1e6
 
 
 def wrap(impl: str, model: GPT, mesh) -> torch.nn.Module:
-    if impl in ("fsdp2_flat", "fsdp2"):
+    if impl in ("fsdp2_flat", "fsdp2", "fsdp2_flat_early", "fsdp2_early"):
         import fsdp2
         before = os.environ.get("FSDP2_CPU_COLLECTIVES")
-        os.environ["FSDP2_CPU_COLLECTIVES"] = "flat" if impl == "fsdp2_flat" else "auto"
+        os.environ["FSDP2_CPU_COLLECTIVES"] = "flat" if impl.startswith("fsdp2_flat") else "auto"
         try:  # read when each group is built
-            return shard_model(model, mesh, fsdp2.fully_shard)
+            sharded = shard_model(model, mesh, fsdp2.fully_shard)
+            sharded.set_early_release(impl.endswith("_early"))
+            return sharded
         finally:
             if before is None:
                 del os.environ["FSDP2_CPU_COLLECTIVES"]

@@ -48,6 +48,9 @@ class Layout:
             ``reduce_dtype`` None: ``param_dtype``).
         reshard_after_forward: for the blocks; ``root_reshard_after_forward`` for the root
             (fsdp2's default keeps the root's parameters, backward needs them first).
+        root_early_release: the root frees its parameters a part at a time and reduces its final
+            gradients early (``FSDPModule.set_early_release(True)``); by default it keeps them all
+            from forward to the end of backward and reduces there, as torch's FSDP2.
         activation_checkpointing: each block recomputes its forward in backward.
         optimizer: "adamw"/"adam" (2 states), "sgd_momentum" (1), "sgd" (0).
         grad_accum: micro-batches per step; above 1 the sharded gradients of the earlier
@@ -70,6 +73,7 @@ class Layout:
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
     root_reshard_after_forward: bool = False
+    root_early_release: bool = False
     activation_checkpointing: bool = False
     optimizer: str = "adamw"
     grad_accum: int = 1
@@ -90,7 +94,8 @@ class Layout:
                 raise TypeError(f"Layout.{name} must be a torch.dtype or None, got {value!r}; e.g. torch.bfloat16")
             if value is not None and not value.is_floating_point:
                 raise ValueError(f"Layout.{name} must be a floating-point dtype, got {value}")
-        for name in ("reshard_after_forward", "root_reshard_after_forward", "activation_checkpointing", "cpu_reads"):
+        for name in ("reshard_after_forward", "root_reshard_after_forward", "root_early_release",
+                     "activation_checkpointing", "cpu_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Layout.{name} must be True or False, got {getattr(self, name)!r}")
         if self.optimizer not in OPTIMIZER_STATES:

@@ -208,7 +208,8 @@ def _simulate(model: nn.Module, sched: _Schedule, line: _Timeline, layout: Layou
               extra_blocks: int, block: _Group) -> _Run:
     """One forward, loss and backward of the fake model under the schedule."""
     # The root's parameters forward saves (views included; tensor-parallel ones are never freed
-    # after forward): the rest of the root is freed after forward (ParamGroup.release_unsaved).
+    # after forward): with early release, the rest of the root is freed after forward
+    # (EarlyRelease.forward_done).
     saved_root = {n for n, p in model.named_parameters() if not n.startswith("layers.") and isinstance(p, DTensor)}
     marks, _ = _install_hooks(model, sched, line, layout.activation_checkpointing, extra_blocks, block,
                               layout.reshard_after_forward, saved_root)
@@ -292,7 +293,7 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
                           alias=alias, reshard=layout.reshard_after_forward,
                           root_reshard=layout.root_reshard_after_forward, grad_accum=layout.grad_accum,
                           gloo=layout.backend == "gloo", reads=layout.cpu_reads, root_params=root_params,
-                          root_segments=root_segments)
+                          root_segments=root_segments, early_release=layout.root_early_release)
         for category, nbytes in constants.items():
             line.extra[category] += nbytes
         run = _simulate(module, sched, line, layout, builder, n_blocks - n_built, block)
@@ -366,7 +367,7 @@ def _group_sizes(model: nn.Module, shard: int, pdtype: torch.dtype, rdtype: torc
 def _root_parts(model: nn.Module, shard: int, pdtype: torch.dtype,
                 rdtype: torch.dtype) -> tuple[dict[str, _Group], list[list[str]]]:
     """The root's parameters' bytes one by one (by name), and its segments (names each), cut as
-    ``ParamGroup.use_segments`` cuts them: one per module owning a run of its parameters."""
+    ``ParamGroup`` cuts them for early release: one per module owning a run of its parameters."""
     parts: dict[str, _Group] = {}
     owners = []
     for name, p in model.named_parameters():

@@ -75,9 +75,11 @@ class _Schedule:
 
     Mirrors the steady state of ``_state.py`` / ``_group.py`` / ``_release.py`` (second and
     later steps): forward gathers a group, prefetches the next one in forward order and
-    reshards after forward per policy (the root keeps its parameters unless ``root_reshard``,
-    and frees the segments forward saved nothing of: ``release_unsaved``); backward
-    gathers a group again if needed, prefetches the one before it, and once all of its
+    reshards after forward per policy (the root keeps its parameters unless ``root_reshard``;
+    with ``early_release`` it frees the segments forward saved nothing of); backward
+    gathers a group again if needed, prefetches the one before it (with ``early_release``,
+    reduces the root's final gradients at each block's pre-backward and frees the root's
+    segments whose gradients are all final), and once all of its
     gradients landed reshards, finishes the oldest reduce-scatters in flight until there is
     room for one more (the transport's ``reduce_scatters_in_flight``: one, two for gloo exchanges)
     and reduce-scatters; the output of a finished one becomes the sharded gradients. Change this class
@@ -99,7 +101,8 @@ class _Schedule:
 
     def __init__(self, line: _Timeline, sizes: dict[str, _Group], order: list[str], *, shard: int,
                  alias: bool, reshard: bool, root_reshard: bool, grad_accum: int, gloo: bool,
-                 reads: bool, root_params: dict[str, _Group], root_segments: list[list[str]]) -> None:
+                 reads: bool, root_params: dict[str, _Group], root_segments: list[list[str]],
+                 early_release: bool = False) -> None:
         self.line, self.sizes, self.order = line, sizes, order
         self.shard, self.alias, self.grad_accum = shard, alias, grad_accum
         # What each group's transport holds for its collectives (reads: gloo exchanges read the
@@ -111,12 +114,13 @@ class _Schedule:
         self.needs: dict[str, BufferNeeds] = {
             name: t.buffer_needs(sizes[name], shard, backend, reads) for name, t in transports.items()}
         self._root_transport, self._needs_args = transports["root"], (shard, backend, reads)
-        # The root's parameters (by name) and its segments (ParamGroup.use_segments): after forward
-        # the segments forward saved nothing of are freed (release_unsaved); in backward, at each
-        # block's pre-backward, the root's final gradients are reduced and the segments all of
-        # whose gradients are final freed (release_finished). Not at world size 1 without a cast.
-        self.root_params = root_params
-        self.segments = root_segments if len(root_segments) > 1 and not alias else []
+        # The root's parameters (by name) and, with early_release, its segments (EarlyRelease):
+        # after forward the segments forward saved nothing of are freed (release_unsaved); in
+        # backward, at each block's pre-backward, the root's final gradients are reduced and
+        # the segments all of whose gradients are final freed (release_finished). No segments
+        # at world size 1 without a cast. By default neither: the root as torch's FSDP2.
+        self.root_params, self.early_release = root_params, early_release
+        self.segments = root_segments if early_release and len(root_segments) > 1 and not alias else []
         self.released: set[int] = set()
         self.reduced_params: set[str] = set()
         self.unsharded_now = {name: 0 for name in order}
@@ -196,8 +200,8 @@ class _Schedule:
 
     def release_finished(self, ready: list[str], drop_grads: Callable[[list[str]], None]) -> None:
         """A block's pre-backward: reduce the root's final gradients (``ready``, by name), freeing
-        the segments whose gradients are all final first."""
-        if not self.segments or self.state["root"] != "unsharded" or "root" in self.reduced:
+        the segments whose gradients are all final first (with ``early_release``)."""
+        if not self.early_release or self.state["root"] != "unsharded" or "root" in self.reduced:
             return
         finished = [n for n in ready if n not in self.reduced_params]
         if not finished:

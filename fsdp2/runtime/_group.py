@@ -5,8 +5,10 @@ One ``fully_shard`` call makes one group. The group owns a persistent
 it) whose storage is allocated on unshard and released on reshard, so the
 parameter objects autograd refers to never change.
 
-A group whose modules hold other groups (the root) keeps that buffer in
-segments and frees it a part at a time (``_release.py``).
+A group whose modules hold other groups (the root) keeps that buffer from
+forward to the end of backward, as torch's FSDP2; with ``set_early_release`` it
+reduces its final gradients early and frees the buffer a part at a time
+(``EarlyRelease``, ``_release.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, process_gro
 from ._mesh import DataParallelMesh, SubGroup
 from ._param import ShardedParam
 from ._policy import GroupPolicy
-from ._release import PartialRelease
+from ._release import EarlyRelease, segment_bounds
 from ._reduce_queue import ReduceQueue
 from ..comm._streams import Completion, streams_for
 
@@ -57,7 +59,7 @@ def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
     return device.type == "cpu" and not explicit
 
 
-class ParamGroup(PartialRelease):
+class ParamGroup:
     def __init__(
         self,
         params: list[ShardedParam],
@@ -80,10 +82,12 @@ class ParamGroup(PartialRelease):
         self._gather: AllGatherInFlight | None = None
         self._unreleased: AllGatherInFlight | None = None  # a read all-gather the peers may still read from
         self._partial_send: torch.Tensor | None = None
-        # The unsharded buffer: one storage per segment (_release.py), parameters
-        # ``bounds[k]:bounds[k + 1]`` in segment ``k``.
+        # The unsharded buffer: one storage per segment, parameters ``bounds[k]:bounds[k + 1]``
+        # in segment ``k``; several only for early frees (_segment_bounds_for).
         self._buffers: list[torch.Tensor] = []
-        self._init_release(len(params))
+        self._bounds = [0, len(params)]
+        # A group whose modules hold other groups (the root): set at lazy init.
+        self.early: EarlyRelease | None = None
         self._regions: list[torch.Tensor] = []
         self._chunk_views: dict[int, GatherTargets] = {}  # world -> the regions as (world, *local_shape)
         self._plans: dict[int, GatherPlan] = {}
@@ -241,8 +245,17 @@ class ParamGroup(PartialRelease):
         with torch.inference_mode(False):
             self._alloc_unsharded_buffer()
 
+    def _segment_bounds_for(self, early_release: bool) -> list[int]:
+        """Where the unsharded buffer is cut when it is allocated: one storage per run of
+        parameters a module owns where the group frees parts early (``EarlyRelease``), else one."""
+        n = len(self.params)
+        if self.early is None or not early_release or self._ext is not None or n < 2:
+            return [0, n]
+        return segment_bounds([p.locations[0][0] for p in self.params], self._region_sizes())
+
     def _alloc_unsharded_buffer(self) -> None:
         if not self._buffers:
+            self._bounds = self._segment_bounds_for(self.policy.early_release)
             starts, sizes, totals = self._unsharded_layout()
             self._buffers = [torch.empty(total, dtype=torch.uint8, device=self.device) for total in totals]
             # Parameters are views of ``.data`` (its own version counter): refilling the
@@ -283,8 +296,8 @@ class ParamGroup(PartialRelease):
         self._wait_peer_reads()
         for buffer in self._buffers:
             buffer.untyped_storage().resize_(0)
-        self._released.clear()
-        self._drop_recompute_hooks()
+        if self.early is not None:
+            self.early.on_reshard()
         if self._ext is not None:
             self._ext.free()
 
@@ -372,9 +385,9 @@ class ParamGroup(PartialRelease):
         ``explicit``: the user's ``unshard(async_op=True)``, after which any code may run
         before the wait (``send_aliases_shards``). ``whole``: segments freed early this
         backward are gathered again (forward, recomputation, the user's call); backward's own
-        calls pass False, since it reads none of them again (``release_finished``).
+        calls pass False, since it reads none of them again (``EarlyRelease.backward_reached``).
         """
-        if self._released and whole:
+        if whole and self.early is not None and self.early.freed:
             self.reshard()  # then gathered whole, into the same storages autograd saved views of
         if self.state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return  # a prefetch already issued it: gathering twice would waste a collective
@@ -405,7 +418,7 @@ class ParamGroup(PartialRelease):
 
     def wait_for_unshard(self, whole: bool = True) -> None:
         """Finish the all-gather and point the modules at the unsharded parameters."""
-        if self._released and whole:
+        if whole and self.early is not None and self.early.freed:
             self.reshard()
         if self.state in (ShardState.SHARDED, ShardState.PARTIAL):
             self.unshard(async_op=True)
@@ -487,6 +500,49 @@ class ParamGroup(PartialRelease):
         """
         return self.policy.reduce_unused or self.has_frozen
 
+    def set_early_release(self, enabled: bool) -> None:
+        """``FSDPModule.set_early_release``: the buffer is cut into segments when first allocated."""
+        if enabled and self.early is not None and self._buffers and self._bounds != self._segment_bounds_for(True):
+            raise RuntimeError(
+                f"set_early_release(True) on {self.label} after its unsharded buffer was allocated in one "
+                "piece (by a forward or unshard()); call it before the module's first forward"
+            )
+        self.policy.early_release = enabled
+
+    # ---- what EarlyRelease asks of its group (_release.ReleaseHost) --------------------------
+    def grads_final(self) -> set[int]:
+        """Ids of the parameters whose gradient autograd accumulated this backward."""
+        return self._grads_ready
+
+    def reduces_as_final(self) -> bool:
+        """Whether the gradients are reduced as soon as they are final: sync on, not at the
+        module's inputs, and (HSDP) all-reduced now rather than kept as partial sums."""
+        policy = self.policy
+        return policy.requires_gradient_sync and not self.waits_for_inputs and not (
+            self.dp.replicate_group is not None and (not policy.requires_all_reduce or self._partial_reduce))
+
+    def reduce_gradients(self, params: list[ShardedParam], label: str) -> None:
+        """Reduce ``params``' gradients now (part of the group's), as the group's reduction does."""
+        self._reduce_gradients(params, label)
+
+    def segments(self) -> list[list[ShardedParam]]:
+        """The parameters of each segment of the unsharded buffer, in order."""
+        bounds = self._bounds
+        return [self.params[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+    def segment_buffer(self, k: int) -> torch.Tensor:
+        return self._buffers[k]
+
+    def free_segments(self, segments: list[int]) -> None:
+        """Free some segments of the unsharded buffer (the rest stays): their parameters are
+        the shards again on the modules. One ``release`` event for them all."""
+        self._wait_peer_reads()
+        _trace.emit("release", self.label)
+        for k in segments:
+            for p in self.params[self._bounds[k]:self._bounds[k + 1]]:
+                p.to_sharded()
+            self._buffers[k].untyped_storage().resize_(0)
+
     # ---- backward -----------------------------------------------------------------------
     def pre_backward(self) -> None:
         self.backward_started = True
@@ -501,7 +557,10 @@ class ParamGroup(PartialRelease):
                 "the parameter is used outside that module's forward; wrap the module that uses it "
                 "with fully_shard instead, or turn set_reduce_scatter_unused_params off"
             )
-        self._note_grad(param)
+        key = id(param)
+        if key in self._grads_ready and self.early is not None:  # accumulated twice in one backward
+            self.early.gradient_repeated()
+        self._grads_ready.add(key)
         if self.post_backward_done or len(self._grads_ready) < self._num_trainable:
             return
         if not self.has_frozen or self._inputs_done():
@@ -539,7 +598,7 @@ class ParamGroup(PartialRelease):
 
     def _reduce_gradients(self, params: list[ShardedParam] | None = None, label: str | None = None) -> None:
         """Reduce the gradients of ``params`` (all of the group's by default, resharding it first
-        where it reshards after backward; ``release_finished`` passes the final ones)."""
+        where it reshards after backward; ``EarlyRelease`` passes the final ones)."""
         whole = params is None
         params, label = (self.params if whole else params), (label or self.label)
         if self._aliases and self.policy.all_reduce_hook is None:  # one rank: the gradient is the reduced gradient
@@ -614,7 +673,8 @@ class ParamGroup(PartialRelease):
         self.backward_started = False
         self.post_backward_done = False
         self._grads_ready.clear()
-        self._end_early_release()
+        if self.early is not None:
+            self.early.end_backward()
         self.unhooked_forward = False
 
     def reset(self) -> None:
@@ -637,5 +697,6 @@ class ParamGroup(PartialRelease):
         self.backward_started = False
         self.post_backward_done = False
         self._grads_ready.clear()
-        self._forget_release()
+        if self.early is not None:
+            self.early.reset()
         self.unhooked_forward = False

@@ -140,6 +140,36 @@ class FSDPModule:
             if state.group is not None:
                 state.group.policy.reshard_after_backward = reshard_after_backward
 
+    def set_early_release(self, enabled: bool) -> None:
+        """Free this module's parameters a part at a time before the end of backward (opt-in).
+
+        For a module that holds other sharded modules (the root: embeddings, final norm and
+        output head around the sharded blocks). By default, as in torch's FSDP2, it keeps all its
+        parameters unsharded from forward to the end of backward (backward reduces each of its
+        gradients once it is final either way). With this on, its unsharded buffer is one
+        storage per module owning its parameters, and a part is freed (its modules hold the
+        sharded DTensors again):
+
+        * after forward, when forward took no reference to it (an embedding table: its backward
+          reads the indices only);
+        * in backward, from the second step on, once its gradients are final and no tensor
+          autograd saved holds it any more (the output head, once backward reaches the blocks).
+
+        A forward re-run in backward (activation checkpointing) and ``unshard()`` gather it whole
+        again; two forwards per backward stop the frees after forward (one all-gather per step).
+
+        Limits: code that reads a freed parameter through its module finds the sharded DTensor
+        there: a penalty on a root weight added to the loss after forward, or a custom
+        ``autograd.Function`` reading ``ctx.module.weight`` in backward, fails with "mixed
+        torch.Tensor and DTensor"; a kernel keeping a raw pointer would read freed memory. Call
+        it before the module's first forward (the buffer is cut when first allocated); it has no
+        effect on a module that holds no other sharded module.
+        """
+        _check_bool("enabled", enabled)
+        group = self._fsdp_state().group
+        if group is not None:
+            group.set_early_release(enabled)
+
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
         """Reduce a zero gradient for every trainable parameter that got none on this rank.

@@ -23,6 +23,10 @@ class GroupPolicy:
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
     """HSDP: all-reduce across replicas after the reduce-scatter (False: sums wait)."""
+    early_release: bool = False
+    """``set_early_release``: a group holding other groups (the root) frees its parameters a
+    part at a time after forward and in backward (``EarlyRelease``); False: as torch, kept from
+    forward to the end of backward."""
     reduce_unused: bool = False
     """``set_reduce_scatter_unused_params``: zeros for gradients the rank did not produce."""
     unshard_in_backward: bool = True

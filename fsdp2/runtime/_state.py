@@ -31,6 +31,7 @@ from .. import _compat
 from .._api import MixedPrecisionPolicy
 from .._common import STATE_ATTR, ShardState, TrainingState, get_state
 from ._group import ParamGroup, ReduceQueue
+from ._release import EarlyRelease
 from ._state_dict import register_state_dict_hooks
 from ._tree import cast_floating, iter_tensors, map_tensors
 
@@ -57,9 +58,10 @@ class RootContext:
         # (None: no cap beyond the schedule's own; see FSDPModule.set_prefetch_limit).
         self.prefetched: set[ParamGroup] = set()
         self.prefetch_limit: int | None = None
-        # Groups whose modules hold other groups, cut into segments that backward frees as their
-        # gradients become final (ParamGroup.release_finished): usually the root alone.
-        self.segmented: list[ParamGroup] = []
+        # Groups whose modules hold other groups (usually the root alone): with early release,
+        # backward reduces their gradients as they become final and frees parts of them
+        # (EarlyRelease.backward_reached).
+        self.early: list[EarlyRelease] = []
         self.iteration = -1  # root forwards started, from 0 (all-gather headers, error messages)
         self.interrupted = False  # an exception left this iteration half-done (see _recover_if_interrupted)
         self.diag: _checks.Diagnostics | None = None
@@ -152,9 +154,9 @@ class ModuleState:
                 if state.auto_reshard_after_forward:
                     group.policy.reshard_after_forward = not state.is_root
                 if any(owned.get(m, state) is not state for module in state.modules for m in module.modules()):
-                    group.use_segments()  # it holds other groups: backward may free it a part at a time
-                    if group.segmented:
-                        ctx.segmented.append(group)
+                    if group.early is None:  # it holds other groups: backward's first group and its last
+                        group.early = EarlyRelease(group)
+                    ctx.early.append(group.early)
         ctx.diag = _checks.Diagnostics(states, names)
         try:
             _checks.check_rank_agreement(ctx.diag)
@@ -203,14 +205,14 @@ class ModuleState:
             else:
                 self.training_state = TrainingState.FORWARD
                 ctx.prefetched.discard(group)  # in use from now on
-                if group.segmented:
-                    group.note_forward_again()
+                if group.early is not None:
+                    group.early.before_forward()
                 group.unshard(async_op=True)
                 ctx.prefetch(self._forward_prefetch_targets())  # in flight while this group computes
                 group.wait_for_unshard()
                 group.refresh_requires_grad()  # frozen or unfrozen since the last forward
-                if group.segmented and torch.is_grad_enabled():
-                    group.note_forward_start()
+                if group.early is not None and torch.is_grad_enabled():
+                    group.early.forward_started()
                 if group not in ctx.forward_order:
                     ctx.forward_order.append(group)
 
@@ -262,8 +264,8 @@ class ModuleState:
             backward_follows = torch.is_grad_enabled() and bool(grad_outputs)
             with _compat.outside_functorch():
                 self._reshard_after_forward(group, backward_follows)
-                if backward_follows and group.segmented:
-                    group.release_unsaved()
+                if backward_follows and group.early is not None:
+                    group.early.forward_done()
             if backward_follows:
                 torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward_hook, mode="any")
             elif torch.is_grad_enabled() and _compat.functorch_active():
@@ -315,9 +317,9 @@ class ModuleState:
         group = self.group
         ctx.prefetched.discard(group)
         group.pre_backward()  # first: its wait checks that the ranks run the same schedule
-        for other in ctx.segmented:  # backward moved on: what is final there is reduced and freed
-            if other is not group:
-                other.release_finished()
+        for early in ctx.early:  # backward moved on: what is final there is reduced (and freed)
+            if early.group is not group:
+                early.backward_reached()
         ctx.prefetch(self._backward_prefetch_targets())
 
     def _forward_prefetch_targets(self) -> list[ParamGroup]:

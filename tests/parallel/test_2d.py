@@ -365,9 +365,8 @@ def test_tp_clip_grad_norm_mixed_1d_2d_matches_reference():
 
 def test_tp_gradient_accumulation_matches_reference():
     schedules = _all_agree(run_on_ranks(_tp_parity, 4, False, micro=2, accumulate=True))
-    # No reduce-scatter while gradient sync is off; every group's on the synced micro-batch, the
-    # root's in two parts (its head and norm once backward reaches the blocks, then the rest).
-    assert [_count(events, "reduce_scatter") for events in schedules] == [0, 4] * 3, schedules
+    # No reduce-scatter while gradient sync is off; every group's on the synced micro-batch.
+    assert [_count(events, "reduce_scatter") for events in schedules] == [0, 3] * 3, schedules
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])

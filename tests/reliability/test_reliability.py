@@ -147,29 +147,11 @@ def test_disagreement_on_one_rank_of_a_2d_mesh_reaches_every_rank():
 
 
 # ---- 2. all-gathers that pair up across different groups ----------------------------------
-class _TiedTransformer(Transformer):
-    """Embedding and head share one weight and there are no learned positions: backward reads
-    every root parameter, so the root stays whole after forward and a second forward before
-    backward gathers nothing (the root frees an untied embedding after forward, and gathers
-    it again for a second forward: then the ranks' collectives would differ in size)."""
-
-    def __init__(self, n_layers: int) -> None:
-        super().__init__(n_layers=n_layers)
-        del self.pos_emb
-        self.output.weight = self.tok_emb.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.output(self.norm(x))
-
-
 def _skipped_forward() -> str:
     """Gradient accumulation over two micro-batches; rank 1 skips one micro-batch's forward."""
     rank = dist.get_rank()
     with _fresh_mesh(20) as mesh:
-        model = _shard(_TiedTransformer(n_layers=3), mesh=mesh)
+        model = _shard(Transformer(n_layers=3), mesh=mesh)
         with pytest.raises(RuntimeError, match="all-gathers of different groups matched up") as info:
             for step in range(3):
                 losses = []

@@ -49,14 +49,13 @@ def _counts(events: list[str]) -> str:
 
 class TestTrace(expecttest.TestCase):
     def test_default_trace(self):
-        # The steady state (second step). Forward: the root gathers once and keeps the
-        # parameters backward reads (it is needed again first in backward), freeing its
-        # embeddings ("release root", one event for both); each group issues the next group's
+        # The steady state (second step). Forward: the root gathers once and keeps its
+        # parameters to the end of backward (it is needed again first in backward, and user
+        # code may read them meanwhile, as with torch); each group issues the next group's
         # all-gather (in the previous step's order) before it computes, so at most two groups
         # are unsharded at once. Backward runs in reverse: gathering a block also prefetches
         # the one before it, each block reduce-scatters and frees once its gradients are done;
-        # the root reduces and frees its head and norm when backward reaches the last block,
-        # the rest last.
+        # the root reduces and frees last, at the end of backward.
         _first, events = _run(None, 2)
         self.assertExpectedInline("\n".join(events), """\
 unshard root
@@ -66,10 +65,7 @@ reshard layers.0
 unshard layers.2
 reshard layers.1
 reshard layers.2
-release root
 unshard layers.2
-release root
-reduce_scatter root
 unshard layers.1
 reshard layers.2
 reduce_scatter layers.2
@@ -89,7 +85,6 @@ unshard root
 unshard layers.0
 unshard layers.1
 unshard layers.2
-release root
 reshard layers.2
 reduce_scatter layers.2
 reshard layers.1
@@ -104,12 +99,11 @@ reduce_scatter root""")
         for name, policy in (("default", None), ("keep", False)):
             first, second, third = _run(policy, 3)
             self.assertEqual(third, second)  # steady state from the second step on
-            # The first step differs in order, and the root reduces its gradients at once (the
-            # first backward finds out whether any gradient arrives twice; see test_release.py).
-            lines.append(f"{name}: first {_counts(first)}, then {_counts(second)}")
+            self.assertEqual(_counts(first), _counts(second))  # only the order differs at first
+            lines.append(f"{name}: {_counts(first)}")
         self.assertExpectedInline("\n".join(lines), """\
-default: first all_gather=7 reduce_scatter=4, then all_gather=7 reduce_scatter=5
-keep: first all_gather=4 reduce_scatter=4, then all_gather=4 reduce_scatter=5""")
+default: all_gather=7 reduce_scatter=4
+keep: all_gather=4 reduce_scatter=4""")
 
     def test_at_most_two_blocks_unsharded_at_once(self):
         # The prefetch schedule's memory bound: besides the root (which keeps its parameters
@@ -179,8 +173,7 @@ compute layers.1 ends
 reshard layers.1
 compute layers.2 begins; all-gathers in flight: nothing
 compute layers.2 ends
-reshard layers.2
-release root""")
+reshard layers.2""")
 
 
 def _profiled_step() -> list[str]:
