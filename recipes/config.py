@@ -88,7 +88,8 @@ class DataConfig:
 class CheckpointConfig:
     dir: str | None = None  # None: no checkpoints; resumes from the newest complete one found here
     every: int = 0  # save every N steps (and at the end); 0: only at the end
-    keep: int = 2  # newest checkpoints to keep; 0 keeps all
+    keep: int = 2  # newest sound checkpoints to keep; 0 keeps all
+    start_fresh_if_unusable: bool = False  # dir holds only unusable checkpoints: start from step 0, not stop
     export: str | None = None  # write the final full model here: .safetensors (streamed), else torch.save
 
     def __post_init__(self) -> None:

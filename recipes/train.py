@@ -20,8 +20,10 @@ The [faults] keys inject bad batches to test that guard.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -31,12 +33,18 @@ from typing import NamedTuple
 if __package__ in (None, ""):  # run as a script (torchrun recipes/train.py): make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
+with warnings.catch_warnings():
+    # torch warns at import when numpy is missing; training does not need numpy (checkpoints
+    # do, and check_checkpoint_dir says so before the first step).
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp2
-from recipes.checkpoint import Checkpointer, check_export, export_model
+from recipes.checkpoint import (
+    Checkpointer, UnusableCheckpointError, check_checkpoint_dir, check_export, export_model,
+)
 from recipes.config import ConfigError, JobConfig, TrainingConfig, describe, parse_args
 from recipes.data import ByteTokenizer, corpus_files, get_batch, load_corpus
 from recipes.llama.model import Transformer
@@ -56,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         p = config.parallelism
         dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, int(os.environ.get("WORLD_SIZE", "1")))
         check_layout(dims, config)
+        if config.checkpoint.dir:
+            check_checkpoint_dir(config.checkpoint.dir)
         if config.checkpoint.export:
             check_export(config.checkpoint.export)
     except (ConfigError, ValueError) as e:  # before any process starts a collective
@@ -64,19 +74,65 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if rank0 and (problem := restart_store_problem()):
         print(f"warning: {problem}", file=sys.stderr)
+    show_recipe_logs(rank0)
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    code = 0
     try:
-        if dist.get_world_size() != dims.world_size:
-            raise RuntimeError(f"WORLD_SIZE={dims.world_size} but the process group has {dist.get_world_size()} ranks")
-        train(config, dims, device)
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        try:
+            if dist.get_world_size() != dims.world_size:
+                raise RuntimeError(f"WORLD_SIZE={dims.world_size} but the process group has "
+                                   f"{dist.get_world_size()} ranks")
+            train(config, dims, device)
+        finally:
+            dist.destroy_process_group()
+    except UnusableCheckpointError as e:  # every rank raises it, after rank 0's decision
+        code = 2
+        if rank0:
+            print(f"error: {e}", file=sys.stderr)
+    except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: one line instead of every rank's traceback
+        code = 128 + signal.SIGINT
+        if rank0:
+            print(e if isinstance(e, Interrupted) else "interrupted before training started", file=sys.stderr)
+    if code:
+        sys.exit(code)
+
+
+def show_recipe_logs(rank0: bool) -> None:
+    """Print the recipe's own log records (checkpoint saves, prunes, resumes...) on rank 0, one line each."""
+    if not rank0:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_RecipeFormatter())
+    recipe_logger = logging.getLogger("recipes")
+    recipe_logger.addHandler(handler)
+    recipe_logger.setLevel(logging.INFO)
+
+
+class _RecipeFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = "warning: " if record.levelno >= logging.WARNING else ""
+        return prefix + record.getMessage()
+
+
+class Interrupted(Exception):
+    """Ctrl-C during training; the message says at which step, the last checkpoint and how to resume."""
+
+    def __init__(self, step: int, checkpointer: Checkpointer | None, every: int) -> None:
+        if checkpointer is None:
+            hint = "no checkpoints (no --checkpoint-dir): a rerun starts from step 0"
+        elif checkpointer.last_step is None:
+            when = f"the first is due at step {every}" if every else "the only one is due at the last step"
+            hint = f"no checkpoint in {checkpointer.root} yet ({when}): a rerun starts from step 0"
+        else:
+            hint = (f"the last checkpoint is step {checkpointer.last_step} in {checkpointer.root}: "
+                    "run the same command to resume from it")
+        super().__init__(f"interrupted during step {step}; {hint}")
 
 
 def restart_store_problem() -> str | None:
@@ -287,26 +343,30 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     corpus = load_corpus(config.data.path)
     tokens_per_step = log_setup(config, dims, model, corpus)
 
-    checkpointer = Checkpointer(ckpt.dir, keep=ckpt.keep) if ckpt.dir else None
+    checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable)
+                    if ckpt.dir else None)
     guard = SkipGuard(t.max_skipped_steps)
     start = resume(checkpointer, model, optimizer, scheduler, guard)
-
     progress = Progress(config, tokens_per_step, start, device)
     dp_rank = dims.dp_rank(dist.get_rank())
     faults = config.faults
-    for step in range(start + 1, t.steps + 1):
-        poison = step in faults.nan_loss_at_steps and faults.nan_loss_rank in (-1, dist.get_rank())
-        result = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device, poison=poison)
-        guard.update(step, result.skipped)
-        progress.step_done()
-        # Recorded: the steps an uninterrupted run records (so a resumed run's file reads as one
-        # run), and every skipped step. Printed also: the first step after a resume.
-        recorded = step % config.metrics.log_every == 0 or step in (1, t.steps) or result.skipped
-        if recorded or step == start + 1:
-            progress.log(step, result, guard.total, record=recorded)
-        guard.check(step)
-        if checkpointer is not None and (step == t.steps or (ckpt.every and step % ckpt.every == 0)):
-            checkpointer.save(step, model, optimizer, scheduler, extra={"skips": guard.state_dict()})
+    step = start
+    try:
+        for step in range(start + 1, t.steps + 1):
+            poison = step in faults.nan_loss_at_steps and faults.nan_loss_rank in (-1, dist.get_rank())
+            result = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device, poison=poison)
+            guard.update(step, result.skipped)
+            progress.step_done()
+            # Recorded: the steps an uninterrupted run records (so a resumed run's file reads as one
+            # run), and every skipped step. Printed also: the first step after a resume.
+            recorded = step % config.metrics.log_every == 0 or step in (1, t.steps) or result.skipped
+            if recorded or step == start + 1:
+                progress.log(step, result, guard.total, record=recorded)
+            guard.check(step)
+            if checkpointer is not None and (step == t.steps or (ckpt.every and step % ckpt.every == 0)):
+                checkpointer.save(step, model, optimizer, scheduler, extra={"skips": guard.state_dict()})
+    except KeyboardInterrupt:
+        raise Interrupted(step, checkpointer, ckpt.every) from None
     log(progress.summary())
 
     if ckpt.export:
@@ -328,11 +388,10 @@ def resume(checkpointer: Checkpointer | None, model: Transformer, optimizer: tor
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restarts:
         log(f"torchrun restart {restarts}: resuming from the newest checkpoint")
-    if checkpointer is None or (found := checkpointer.latest()) is None:
+    # Logs one line: "resumed from ... at step N", or why the run starts from step 0.
+    if checkpointer is None or (extra := checkpointer.resume(model, optimizer, scheduler)) is None:
         return 0
-    extra = checkpointer.load(found[1], model, optimizer, scheduler)
     guard.load_state_dict(extra.get("skips", {"total": 0, "in_a_row": 0}))  # older checkpoints have none
-    log(f"resumed from {found[1]} at step {extra['step']}")
     return extra["step"]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -460,3 +461,23 @@ def test_recipe_config_error_exits_cleanly(capsys):
         "weight_decay, beta1, beta2, max_grad_norm, mixed_precision, activation_checkpoint, compile, seed, "
         "max_skipped_steps\n"
     )
+
+
+# ---- quiet output ------------------------------------------------------------------------------
+def _without_numpy(tmp_path: Path) -> dict[str, str]:
+    """An environment whose Python processes cannot import numpy, as a virtualenv without it
+    (a sitecustomize hides it: ``import numpy`` raises ImportError)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['numpy'] = None\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+
+
+@pytest.mark.parametrize("command", [[str(TRAIN), "--help"], ["-m", "fsdp2.plan", "--help"],
+                                     ["-m", "fsdp2.checkpoint", "--help"]])
+def test_no_numpy_warning_without_numpy(tmp_path, command):
+    # torch warns "Failed to initialize NumPy" at import without numpy; neither needs numpy.
+    proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=REPO,
+                          env=_without_numpy(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
