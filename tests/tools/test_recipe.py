@@ -21,6 +21,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -461,6 +462,35 @@ def test_recipe_config_error_exits_cleanly(capsys):
         "weight_decay, beta1, beta2, max_grad_norm, mixed_precision, activation_checkpoint, compile, seed, "
         "max_skipped_steps\n"
     )
+
+
+# ---- the documented numbers ----------------------------------------------------------------------
+GETTING_STARTED = REPO / "docs" / "getting-started.md"
+DOC_CORPUS = "168 files, 4,698,555 bytes"  # Python 3.11.7's sources, as the sample output says
+
+
+def test_first_steps_of_the_demo_print_the_documented_losses(tmp_path):
+    # Steps 1-20 are the same on every machine (later ones depend on the CPU's kernels); the
+    # learning rate warms up over 20 steps whatever training.steps is, so 20 steps suffice.
+    text = GETTING_STARTED.read_text()
+    assert f"data: {DOC_CORPUS} from the Python standard library" in text
+    corpus = load_corpus(None)
+    if f"{corpus.numel():,} bytes" != DOC_CORPUS.split(", ")[1]:
+        pytest.skip(f"the documented losses are for Python 3.11.7's sources, not these {corpus.numel():,} bytes")
+    documented = {int(m[1]): float(m[2]) for m in re.finditer(r"^step +(\d+)/300  loss (\d\.\d{4})", text, re.M)
+                  if int(m[1]) <= 20}
+    assert sorted(documented) == [1, 10, 20]
+    run_on_ranks(_train_on_ranks, 2, ["--training.steps=20", "--metrics.sample_tokens=0", "--metrics.plot=false",
+                                      "--metrics-file", str(tmp_path / "m.jsonl")], timeout=240.0)
+    records = _records(tmp_path / "m.jsonl")
+    assert {s: round(records[s]["loss"], 4) for s in documented} == documented
+
+
+def test_ci_checks_the_documented_final_loss_range():
+    # README and getting-started state the range .ci/run checks the Quickstart's step 300 against.
+    low, high = re.search(r'^DEMO_LOSS_RANGE="(\S+) (\S+)"$', (REPO / ".ci" / "run").read_text(), re.M).groups()
+    assert f"lands in {low}-{high}" in GETTING_STARTED.read_text()
+    assert f"CI checks {low}-{high}" in (REPO / "README.md").read_text()
 
 
 # ---- quiet output ------------------------------------------------------------------------------
