@@ -20,6 +20,7 @@ The [faults] keys inject bad batches to test that guard.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -28,7 +29,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 if __package__ in (None, ""):  # run as a script (torchrun recipes/train.py): make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -69,9 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         if config.checkpoint.export:
             check_export(config.checkpoint.export)
     except (ConfigError, ValueError) as e:  # before any process starts a collective
-        if rank0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"error: {e}", rank0)
     if rank0 and (problem := restart_store_problem()):
         print(f"warning: {problem}", file=sys.stderr)
     show_recipe_logs(rank0)
@@ -81,7 +80,6 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    code = 0
     try:
         dist.init_process_group("nccl" if use_cuda else "gloo")
         try:
@@ -92,15 +90,27 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             dist.destroy_process_group()
     except UnusableCheckpointError as e:  # every rank raises it, after rank 0's decision
-        code = 2
-        if rank0:
-            print(f"error: {e}", file=sys.stderr)
+        fail(f"error: {e}", rank0)
     except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: one line instead of every rank's traceback
-        code = 128 + signal.SIGINT
         if rank0:
             print(e if isinstance(e, Interrupted) else "interrupted before training started", file=sys.stderr)
-    if code:
-        sys.exit(code)
+        sys.exit(128 + signal.SIGINT)
+
+
+def fail(message: str, rank0: bool) -> NoReturn:
+    """Stop this rank with exit code 2 after a clean error: one line on rank 0's stderr.
+
+    Under torchrun, every rank also writes the line to its error file (``TORCHELASTIC_ERROR_FILE``,
+    see torch.distributed.elastic's errors docs), so the failure report torchrun prints after
+    it names the error instead of "To enable traceback see ...". That report itself (about 30
+    lines) comes from torchrun's own process, which a worker cannot silence.
+    """
+    if rank0:
+        print(message, file=sys.stderr)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(error_file, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    sys.exit(2)
 
 
 def show_recipe_logs(rank0: bool) -> None:

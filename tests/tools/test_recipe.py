@@ -452,6 +452,20 @@ def test_recipe_export_loads_into_unsharded_model(full_run, layout_run, layout):
     assert not torch.equal(model.tok_embeddings.weight, init.tok_embeddings.weight), "export holds trained weights"
 
 
+@pytest.mark.slow  # torchrun's start: tens of seconds on 2 cores
+def test_config_error_under_torchrun_names_the_error_in_torchrun_report():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(TRAIN),
+           "--training.lrr=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode != 0
+    error = "error: unknown key 'training.lrr' (from --training.lrr=1); did you mean 'training.lr'?"
+    assert proc.stdout == ""
+    assert proc.stderr.count(f"\n{error}") == 1, proc.stderr  # rank 0's line, once
+    # torchrun's own failure report (its process, not ours) names it instead of a link to the docs.
+    assert f"traceback : {error}" in proc.stderr
+    assert "To enable traceback see" not in proc.stderr
+
+
 def test_recipe_config_error_exits_cleanly(capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_main(["--training.lrr=1"])  # fails before any process group starts
