@@ -50,7 +50,7 @@ from recipes.config import ConfigError, JobConfig, TrainingConfig, describe, par
 from recipes.data import ByteTokenizer, corpus_files, get_batch, load_corpus
 from recipes.llama.model import Transformer
 from recipes.llama.parallelize import ParallelDims, check_layout, parallelize
-from recipes.metrics import MetricsWriter, format_duration, gather_memory_mb, plot_loss
+from recipes.metrics import MetricsWriter, flops_per_token, format_duration, gather_memory_mb, plot_loss
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -282,9 +282,11 @@ class SkipGuard:
 class Progress:
     """Turns logged steps into a printed line and a metrics record (tokens/s over the last window)."""
 
-    def __init__(self, config: JobConfig, tokens_per_step: int, start: int, device: torch.device) -> None:
+    def __init__(self, config: JobConfig, tokens_per_step: int, start: int, device: torch.device,
+                 flops_per_token: int) -> None:
         self.total, self.start, self.device = config.training.steps, start, device
         self.tokens_per_step = tokens_per_step
+        self.flops_per_token, self.peak_tflops = flops_per_token, config.metrics.peak_tflops
         self.writer = None
         if config.metrics.file and dist.get_rank() == 0:
             self.writer = MetricsWriter(config.metrics.file, resume_step=start)
@@ -307,7 +309,7 @@ class Progress:
         record = {"step": step, "loss": self.losses[-1], "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_s, "tokens": self.tokens_per_step * step,
                   "elapsed_s": now - self.loop_start, "eta_s": eta, "memory_mb": memory,
-                  "skipped": result.skipped, "skipped_steps": skipped_total}
+                  "skipped": result.skipped, "skipped_steps": skipped_total, **self.throughput(tokens_per_s)}
         if self.writer is not None and record:
             self.writer.write(record)
         log(f"step {step:>{len(str(self.total))}}/{self.total}  loss {self.losses[-1]:.4f}  lr {lr:.2e}  "
@@ -316,13 +318,21 @@ class Progress:
             + ("  (skipped)" if result.skipped else ""))
         self.window_start, self.window_steps = now, 0
 
+    def throughput(self, tokens_per_s: float) -> dict[str, float]:
+        """Model TFLOPS per rank at ``tokens_per_s`` (all ranks), and the MFU when the peak is known."""
+        tflops = tokens_per_s * self.flops_per_token / dist.get_world_size() / 1e12
+        return {"tflops_per_rank": tflops, **({"mfu": tflops / self.peak_tflops} if self.peak_tflops else {})}
+
     def summary(self) -> str:
         if not self.losses:
             return f"nothing to train: the checkpoint is at step {self.start} of {self.total}"
         elapsed = time.perf_counter() - self.loop_start
         rate = self.tokens_per_step * (self.total - self.start) / elapsed
+        speed = self.throughput(rate)
+        mfu = f", MFU {100 * speed['mfu']:.1f}%" if "mfu" in speed else ""
         return (f"done: steps {self.start + 1}-{self.total} in {format_duration(elapsed)}, loss "
-                f"{self.losses[0]:.4f} -> {self.losses[-1]:.4f}, {rate:,.0f} tok/s")
+                f"{self.losses[0]:.4f} -> {self.losses[-1]:.4f}, {rate:,.0f} tok/s, "
+                f"{speed['tflops_per_rank']:.3g} TFLOPS per rank{mfu}")
 
 
 def log_setup(config: JobConfig, dims: ParallelDims, model: Transformer, corpus: torch.Tensor) -> int:
@@ -342,6 +352,15 @@ def log_setup(config: JobConfig, dims: ParallelDims, model: Transformer, corpus:
     return tokens_per_step
 
 
+def model_flops_per_token(model: Transformer, config: JobConfig) -> int:
+    """Training FLOPs per token of the unsharded model (``recipes.metrics.flops_per_token``)."""
+    args = config.model
+    n_params = sum(p.numel() for p in model.parameters())  # DTensors: the global count
+    # A tied table is also the output projection, whose matmul costs what its weights say.
+    embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
+    return flops_per_token(n_params, embedding, args.n_layers, args.dim, config.training.seq_len)
+
+
 def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     """Collective: build, (resume,) train, export, sample; returns the step it resumed from (0: a fresh run)."""
     t, ckpt = config.training, config.checkpoint
@@ -357,7 +376,7 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
                     if ckpt.dir else None)
     guard = SkipGuard(t.max_skipped_steps)
     start = resume(checkpointer, model, optimizer, scheduler, guard)
-    progress = Progress(config, tokens_per_step, start, device)
+    progress = Progress(config, tokens_per_step, start, device, model_flops_per_token(model, config))
     dp_rank = dims.dp_rank(dist.get_rank())
     faults = config.faults
     step = start

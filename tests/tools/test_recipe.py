@@ -38,7 +38,7 @@ from recipes.config import ConfigError, load_config, parse_args
 from recipes.data import ByteTokenizer, get_batch, load_corpus
 from recipes.llama.model import ModelArgs, Transformer
 from recipes.llama.parallelize import ParallelDims, check_layout, tp_plan
-from recipes.train import build_model, build_optimizer, lr_schedule, train
+from recipes.train import build_model, build_optimizer, lr_schedule, model_flops_per_token, train
 from recipes.train import main as train_main
 from tests._dist import run_on_ranks
 from tests._models import lm_loss, make_batch
@@ -399,6 +399,8 @@ def test_recipe_loss_is_finite_and_falls(full_run):
     # 4 batch x 32 seq x 2 accum x 2 ranks
     assert "tokens/step = 4 batch x 32 seq x 2 accum x 2 dp ranks = 512" in stdout
     assert "step 8/8  loss" in stdout
+    assert re.search(r"^done: steps 1-8 in .* tok/s, \S+ TFLOPS per rank$", stdout, re.M), stdout
+    assert records[8]["tflops_per_rank"] > 0 and "mfu" not in records[8]  # no peak given
     pytest.importorskip("matplotlib")
     assert (root / "a.png").stat().st_size > 0
 
@@ -495,9 +497,26 @@ def test_first_steps_of_the_demo_print_the_documented_losses(tmp_path):
                   if int(m[1]) <= 20}
     assert sorted(documented) == [1, 10, 20]
     run_on_ranks(_train_on_ranks, 2, ["--training.steps=20", "--metrics.sample_tokens=0", "--metrics.plot=false",
-                                      "--metrics-file", str(tmp_path / "m.jsonl")], timeout=240.0)
+                                      "--metrics.peak_tflops=0.5", "--metrics-file", str(tmp_path / "m.jsonl")],
+                 timeout=240.0)
     records = _records(tmp_path / "m.jsonl")
     assert {s: round(records[s]["loss"], 4) for s in documented} == documented
+    # Throughput in model FLOPs: tokens/s x FLOPs per token / ranks, and its share of the given peak.
+    flops = model_flops_per_token(Transformer(parse_args([]).model), parse_args([]))
+    r = records[20]
+    assert r["tflops_per_rank"] == pytest.approx(r["tokens_per_s"] * flops / 2 / 1e12)
+    assert r["mfu"] == pytest.approx(r["tflops_per_rank"] / 0.5)
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    config = parse_args([])  # the tiny config: dim 128, 4 layers, vocab 256, seq 128
+    model = Transformer(config.model)
+    n = sum(p.numel() for p in model.parameters())
+    assert model_flops_per_token(model, config) == 6 * (n - 256 * 128) + 12 * 4 * 128 * 128
+    tied = parse_args(["--model.tie_embeddings=true"])
+    tied_model = Transformer(tied.model)
+    assert model_flops_per_token(tied_model, tied) == 6 * sum(p.numel() for p in tied_model.parameters()) + \
+        12 * 4 * 128 * 128
 
 
 def test_ci_checks_the_documented_final_loss_range():
