@@ -1,5 +1,15 @@
 """fsdp2: fully sharded data parallelism on DTensor, a drop-in for ``torch.distributed.fsdp.fully_shard``."""
 
+import warnings
+
+with warnings.catch_warnings():
+    # When fsdp2 is the first to import torch (python -m fsdp2.plan, ...): torch warns at import
+    # that numpy is missing. fsdp2 does not need numpy (torch.distributed.checkpoint does: the
+    # `checkpoint` extra brings it), so the warning would only be noise. Scoped to torch's
+    # import: the filters are restored right after.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch  # noqa: F401
+
 from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._clip import clip_grad_norm_
 from .comm._comm import AllGather, ReduceScatter

@@ -1,38 +1,72 @@
-"""``python -m fsdp2.plan``: will a Llama-3-style model fit on a layout, before launch.
+"""``python -m fsdp2.plan``: will a Llama-style model fit on a layout, before launch.
 
-    python -m fsdp2.plan --config llama3_70b --world 64 --tp 8 --param-dtype bf16 --gpu-memory 80GiB
+    python -m fsdp2.plan --config llama3_70b --world 64 --tp 8 --gpu-memory 80GiB
     python -m fsdp2.plan --config llama3_8b --world 8 --compare
+    python -m fsdp2.plan --dim 2048 --n-layers 16 --n-heads 16 --n-kv-heads 4 --world 8
+    python -m fsdp2.plan --hf-config path/to/config.json --world 8 --activation-checkpointing full
 
 Builds two blocks of the recipe's Llama (``fsdp2.models.llama``) on fake tensors (no memory;
 with ``--tp``, on a fake process group), simulates a training step with fsdp2's buffer
-schedule and extrapolates to the config's blocks; see docs/memory.md.
+schedule and extrapolates to the model's blocks, then adds what a GPU process holds besides
+(CUDA context, NCCL buffers, allocator fragmentation: ``fsdp2.memory.Reserve``). When the
+layout does not fit, it tries the nearest changes (activation checkpointing, resharding,
+FSDP instead of HSDP, a smaller micro-batch, tensor parallelism, more GPUs) and prints those
+that fit. See docs/memory.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import re
 import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from .memory import Layout, MemoryEstimate, ModelBuilder, estimate_memory
-from .models.llama import LLAMA3
+from .memory import Layout, MemoryEstimate, ModelBuilder, Reserve, estimate_memory
 from .memory._tracker import format_bytes, format_table
+from .models.llama import LLAMA3, ModelArgs
 
 __all__ = ["main", "parse_bytes"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
-          "gb": 10**9, "tb": 10**12}
+# GPU makers' "GB" are binary: an "80 GB" GPU holds 80 GiB (an "A100 40GB" reports 42,405,855,232
+# bytes = 39.49 GiB to CUDA). So GB reads as GiB here, and the output says so.
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 2**10, "mb": 2**20, "gb": 2**30,
+          "tb": 2**40}
+SIZES = ("sizes take a unit: GiB/MiB/TiB, or GB/MB/TB read the same (binary, as GPU makers count: "
+         "an '80 GB' GPU holds 80 GiB, of which CUDA reports a little less), or B for bytes")
+AC_CHOICES = {"full": True, "none": False, "true": True, "false": False, "on": True, "off": False}
 
 
 def parse_bytes(text: str) -> int:
-    """'80GiB', '80 GB', '1024' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    """'80GiB', '80 GB' (the same: binary), '512MiB', '85899345920B' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; write e.g. 80GiB or 80GB")
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; {SIZES}")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class _Size(int):
+    """A size in bytes that remembers how it was written (to say how a "GB" was read)."""
+
+    text: str
+
+    def note(self, flag: str) -> str | None:
+        unit = re.sub(r"[0-9.e\s]", "", self.text).lower()
+        if unit in ("kb", "mb", "gb", "tb"):
+            return (f"{flag} {self.text} read as {format_bytes(self)} ({unit.upper()} as GPU makers count, binary: "
+                    f"write {unit[0].upper()}iB to say so, or B for bytes)")
+        return None
+
+
+def _size(text: str) -> _Size:
+    size = _Size(parse_bytes(text))
+    size.text = text
+    return size
 
 
 def _bool(text: str) -> bool:
@@ -41,6 +75,14 @@ def _bool(text: str) -> bool:
     if text.lower() in ("false", "0", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _ac(text: str) -> bool:
+    if text.lower() == "selective":
+        raise argparse.ArgumentTypeError("selective (per-op) activation checkpointing is not modeled; use full or none")
+    if text.lower() not in AC_CHOICES:
+        raise argparse.ArgumentTypeError(f"expected full or none, got {text!r}")
+    return AC_CHOICES[text.lower()]
 
 
 def _positive(text: str) -> int:
@@ -53,83 +95,250 @@ def _positive(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, except where there is none (None) or for on/off switches."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+RESERVE_DEFAULTS = {"context": "1GiB", "nccl_per_group": "512MiB"}  # Reserve()'s, as --help shows them
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fsdp2.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, choices=sorted(LLAMA3))
-    p.add_argument("--world", required=True, type=_positive, help="total ranks")
-    p.add_argument("--dp-replicate", type=_positive, default=1)
-    p.add_argument("--tp", type=_positive, default=1)
-    p.add_argument("--batch", type=_positive, default=1, help="sequences per data-parallel rank")
-    p.add_argument("--seq", type=_positive, default=8192)
-    p.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--reshard-after-forward", type=_bool, default=True)
-    p.add_argument("--activation-checkpointing", type=_bool, default=False)
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd_momentum"])
-    p.add_argument("--gpu-memory", type=parse_bytes, default=None, help="e.g. 80GiB")
-    p.add_argument("--compare", action="store_true", help="one row per candidate layout, by peak")
+    p = argparse.ArgumentParser(prog="python -m fsdp2.plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=_Help, epilog=SIZES)
+    model = p.add_argument_group("the model (a preset, a Hugging Face config.json, or dimensions; flags override)")
+    model.add_argument("--config", choices=sorted(LLAMA3), default=None,
+                       help="Meta's published Llama 3 dimensions on the recipe's model")
+    model.add_argument("--hf-config", type=Path, default=None, metavar="CONFIG_JSON",
+                       help="a Hugging Face Llama-style config.json (hidden_size, num_hidden_layers, ...)")
+    for flag, what in (("--dim", "model width"), ("--n-layers", "blocks"), ("--n-heads", "attention heads"),
+                       ("--n-kv-heads", "key/value heads (grouped-query attention)"), ("--vocab-size", "vocabulary"),
+                       ("--ffn-hidden", "SwiGLU hidden size"),
+                       ("--max-seq-len", "rotary table length (preset's, config's max_position_embeddings, or --seq)")):
+        model.add_argument(flag, type=_positive, default=None, help=what)
+    model.add_argument("--tie-embeddings", type=_bool, default=None, help="output layer shares the embedding")
+    run = p.add_argument_group("the layout")
+    run.add_argument("--world", required=True, type=_positive, help="total ranks (GPUs)")
+    run.add_argument("--dp-replicate", type=_positive, default=1, help="replicas (HSDP); 1 is FSDP")
+    run.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
+    run.add_argument("--batch", type=_positive, default=1, help="sequences per data-parallel rank per micro-batch")
+    run.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per optimizer step")
+    run.add_argument("--seq", type=_positive, default=8192, help="tokens per sequence")
+    run.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16", help="compute and all-gather dtype")
+    run.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32", help="reduce-scatter dtype")
+    run.add_argument("--reshard-after-forward", type=_bool, default=True,
+                     help="free each block's gathered parameters after its forward")
+    run.add_argument("--activation-checkpointing", type=_ac, default="none", metavar="{none,full}",
+                     help="full: every block recomputes its forward in backward (true/false also accepted)")
+    run.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd_momentum"],
+                     help="its state per parameter: adamw/adam 2 values, sgd_momentum 1, sgd none")
+    fit = p.add_argument_group("the verdict")
+    fit.add_argument("--gpu-memory", type=_size, default=None, help="memory per GPU, e.g. 80GiB")
+    fit.add_argument("--reserve-context", type=parse_bytes, default=RESERVE_DEFAULTS["context"],
+                     help="reserved for the CUDA context, kernels, cuBLAS/cuDNN (outside torch's allocator)")
+    fit.add_argument("--reserve-nccl", type=parse_bytes, default=RESERVE_DEFAULTS["nccl_per_group"],
+                     help="reserved for NCCL's buffers, per communicator (mesh axis of 2+ ranks)")
+    fit.add_argument("--fragmentation", type=_fraction, default=Reserve.fragmentation,
+                     help="reserved for the caching allocator's fragmentation, as a fraction of the simulated peak")
+    fit.add_argument("--no-reserve", action="store_true", help="reserve nothing: compare the simulated peak alone")
+    fit.add_argument("--compare", action="store_true", help="one row per candidate layout, by peak")
     return p
 
 
+# ---- the model --------------------------------------------------------------------------------
+_HF_KEYS = {"max_position_embeddings": "max_seq_len", "hidden_size": "dim", "num_hidden_layers": "n_layers",
+            "num_attention_heads": "n_heads",
+            "num_key_value_heads": "n_kv_heads", "vocab_size": "vocab_size", "intermediate_size": "ffn_hidden",
+            "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps"}
+
+
+def _hf_dims(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """The recipe Llama's dimensions from a Hugging Face config.json, and notes on what is not modeled."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--hf-config {path}: cannot read it as JSON ({e})") from None
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                           "intermediate_size") if k not in config]
+    if missing:
+        raise ValueError(f"--hf-config {path}: not a Llama-style config, it has no {', '.join(missing)}")
+    if any(k in config for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        raise ValueError(f"--hf-config {path}: a mixture-of-experts model; the planner models dense Llama blocks")
+    dims = {ours: config[theirs] for theirs, ours in _HF_KEYS.items() if config.get(theirs) is not None}
+    notes = [f"{path.name}: a {config.get('model_type', 'Llama-style')} config simulated as the recipe's Llama "
+             "(RMSNorm, rotary attention, SwiGLU) with its dimensions"]
+    return dims, notes
+
+
+def _model_args(args: argparse.Namespace) -> tuple[str, ModelArgs, list[str]]:
+    """(name, dimensions, notes) from --config / --hf-config and the dimension flags."""
+    if args.config and args.hf_config:
+        raise ValueError("give --config or --hf-config, not both")
+    base: dict[str, Any] = dataclasses.asdict(LLAMA3[args.config]) if args.config else {}
+    notes: list[str] = []
+    if args.hf_config:
+        dims, notes = _hf_dims(args.hf_config)
+        base.update(dims)
+    flags = {name: getattr(args, name) for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                                                    "ffn_hidden", "max_seq_len", "tie_embeddings")
+             if getattr(args, name) is not None}
+    base.update(flags)
+    missing = [f"--{k.replace('_', '-')}" for k in ("dim", "n_layers", "n_heads", "vocab_size") if k not in base]
+    if missing:
+        raise ValueError(f"no model: give --config, --hf-config or the dimensions (missing {', '.join(missing)})")
+    name = args.config or (args.hf_config.name if args.hf_config else "custom")
+    if flags and (args.config or args.hf_config):
+        name += " (" + ", ".join(f"{k}={v}" for k, v in flags.items()) + ")"
+    base["max_seq_len"] = max(base.get("max_seq_len", 0), args.seq)
+    ffn_hidden = base.pop("ffn_hidden", None)
+    if ffn_hidden is not None:  # an exact SwiGLU width: one multiple of itself
+        base.update(multiple_of=ffn_hidden, ffn_dim_multiplier=(ffn_hidden - 0.5) / int(8 * base["dim"] / 3))
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    model = ModelArgs(**{k: v for k, v in base.items() if k in known})
+    if ffn_hidden is not None and model.ffn_hidden != ffn_hidden:
+        raise ValueError(f"cannot express a SwiGLU hidden size of {ffn_hidden} for dim {model.dim}")
+    return name, model, notes
+
+
+# ---- estimating -------------------------------------------------------------------------------
 def _layout(args: argparse.Namespace, **fields: object) -> Layout:
-    """The flags' layout; ``fields`` override some (``--compare`` ignores the flags' mesh and policies)."""
+    """The flags' layout; ``fields`` override some (``--compare`` and suggestions change the mesh and policies)."""
     flags = dict(world=args.world, batch=args.batch, seq=args.seq, dp_replicate=args.dp_replicate, tp=args.tp,
                  param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype],
-                 reshard_after_forward=args.reshard_after_forward,
+                 reshard_after_forward=args.reshard_after_forward, grad_accum=args.grad_accum,
                  activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer)
     return Layout(**{**flags, **fields})
 
 
-def _estimate(args: argparse.Namespace, layout: Layout) -> MemoryEstimate:
-    """The recipe's Llama of ``--config`` (two blocks built, the rest extrapolated) on ``layout``."""
-    return estimate_memory(layout, ModelBuilder.llama(args.config), gpu_memory=args.gpu_memory)
+def _reserve(args: argparse.Namespace) -> Reserve:
+    if args.no_reserve:
+        return Reserve.none()
+    return Reserve(context=args.reserve_context, nccl_per_group=args.reserve_nccl, fragmentation=args.fragmentation)
 
 
-def _candidates(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+def _estimate(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> MemoryEstimate:
+    """The recipe's Llama of ``model``'s shape (two blocks built, the rest extrapolated) on ``layout``."""
+    return estimate_memory(layout, ModelBuilder.llama(model), gpu_memory=args.gpu_memory, reserve=_reserve(args))
+
+
+def _tp_degrees(model: ModelArgs, world: int, above: int = 1) -> list[int]:
+    return [t for t in (2, 4, 8) if t > above and world % t == 0 and model.n_heads % t == 0
+            and model.kv_heads % t == 0]
+
+
+def _candidates(args: argparse.Namespace, model: ModelArgs) -> list[tuple[str, int, int]]:
     """(name, dp_replicate, tp) for FSDP, HSDP and FSDP x TP layouts that divide the world."""
-    shape, world = LLAMA3[args.config], args.world
+    world = args.world
     out = [("FSDP", 1, 1)]
     for r in (2, 4, 8):
         if world % r == 0 and world // r > 1:
             out.append((f"HSDP {r}x{world // r}", r, 1))
-    for t in (2, 4, 8):
-        if world % t == 0 and shape.kv_heads % t == 0 and world // t >= 1:
-            out.append((f"FSDP x TP{t}", 1, t))
+    out += [(f"FSDP x TP{t}", 1, t) for t in _tp_degrees(model, world)]
     return out
 
 
-def _compare(args: argparse.Namespace) -> str:
+def _compare(args: argparse.Namespace, model: ModelArgs) -> str:
     rows = []
-    for name, r, t in _candidates(args):
+    for name, r, t in _candidates(args, model):
         for reshard in (True, False):
             for ac in (False, True):
-                est = _estimate(args, _layout(args, dp_replicate=r, tp=t, reshard_after_forward=reshard,
-                                              activation_checkpointing=ac))
-                rows.append((est.peak_bytes, (name, "on" if reshard else "off", "on" if ac else "off",
-                             format_bytes(est.peak_bytes), est.peak_point, format_bytes(est.comm_bytes_per_step),
+                est = _estimate(args, model, _layout(args, dp_replicate=r, tp=t, reshard_after_forward=reshard,
+                                                     activation_checkpointing=ac))
+                rows.append((est.peak_bytes, (name, "on" if reshard else "off", "full" if ac else "none",
+                             format_bytes(est.peak_bytes), format_bytes(est.needed_bytes), est.peak_point,
+                             format_bytes(est.comm_bytes_per_step),
                              "-" if est.fits is None else "yes" if est.fits else "no")))
     rows.sort(key=lambda row: row[0])
-    header = ("layout", "reshard", "AC", "peak/rank", "peak at", "comm/step/rank", "fits")
+    header = ("layout", "reshard", "AC", "peak/rank", "needed/rank", "peak at", "comm/step/rank", "fits")
     return format_table([r for _, r in rows], header)
 
 
+# ---- when it does not fit: the nearest layouts that do ----------------------------------------
+def _changes(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> list[list[tuple[str, dict[str, Any]]]]:
+    """Single changes to ``layout``, cheapest first; each a list of (flags, Layout fields) to try in
+    order, of which the first that fits is suggested (e.g. the largest micro-batch that fits)."""
+    out: list[list[tuple[str, dict[str, Any]]]] = []
+    if not layout.activation_checkpointing:
+        out.append([("--activation-checkpointing full", {"activation_checkpointing": True})])
+    if not layout.reshard_after_forward:
+        out.append([("--reshard-after-forward true", {"reshard_after_forward": True})])
+    if layout.dp_replicate > 1:
+        out.append([("--dp-replicate 1", {"dp_replicate": 1})])
+    batches, b = [], layout.batch // 2
+    while b >= 1:  # the same tokens per step, in more micro-batches
+        accum = layout.grad_accum * layout.batch // b
+        batches.append((f"--batch {b} --grad-accum {accum}", {"batch": b, "grad_accum": accum}))
+        b //= 2
+    if batches:
+        out.append(batches)
+    tps = [(f"--tp {t}", {"tp": t}) for t in _tp_degrees(model, layout.world // layout.dp_replicate, layout.tp)]
+    if tps:
+        out.append(tps)
+    out.append([(f"--world {layout.world * k}", {"world": layout.world * k}) for k in (2, 4, 8)])
+    return out
+
+
+def _suggest(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> list[str]:
+    """Lines naming the nearest layouts that fit: single changes, else activation checkpointing plus one."""
+    def first_fit(options: list[tuple[str, dict[str, Any]]], base: Layout, prefix: str = "") -> str | None:
+        for flags, fields in options:
+            try:
+                candidate = dataclasses.replace(base, **fields)
+                est = _estimate(args, model, candidate)
+            except ValueError:  # e.g. a world that tp no longer divides
+                continue
+            if est.fits:
+                return f"  {prefix}{flags}: needs {format_bytes(est.needed_bytes)} " \
+                       f"({100 * est.needed_bytes / args.gpu_memory:.0f}%)"
+        return None
+
+    changes = _changes(args, model, layout)
+    found = [line for options in changes if (line := first_fit(options, layout))]
+    if not found and not layout.activation_checkpointing:
+        with_ac = dataclasses.replace(layout, activation_checkpointing=True)
+        found = [line for options in changes[1:] if (line := first_fit(options, with_ac,
+                                                                         "--activation-checkpointing full "))]
+    if not found:
+        return ["no layout one or two changes away fits (activation checkpointing, resharding, FSDP, smaller "
+                "micro-batches, --tp, up to 8x the GPUs); try --compare"]
+    return ["nearest layouts that fit (each from this one):", *found]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.seq > LLAMA3[args.config].max_seq_len:
-        _parser().error(f"--seq {args.seq} exceeds the config's max_seq_len {LLAMA3[args.config].max_seq_len}")
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
+        name, model, notes = _model_args(args)
+        layout = _layout(args)
         if args.compare:
-            print(f"{args.config}, world {args.world}, batch {args.batch} x seq {args.seq}, "
+            print(f"{name}, world {args.world}, batch {args.batch} x seq {args.seq}, "
                   f"param {args.param_dtype}, optimizer {args.optimizer}")
-            print(_compare(args))
-        else:
-            est = _estimate(args, _layout(args))
-            print(f"{args.config}: {est.table()}")
-            for note in est.notes:
-                print(f"note: {note}")
+            print(_compare(args, model))
+            return 0
+        est = _estimate(args, model, layout)
+        print(f"{name}: {est.table()}")
+        if args.gpu_memory is not None and (read := args.gpu_memory.note("--gpu-memory")):
+            notes.append(read)
+        for note in notes + est.notes:
+            print(f"note: {note}")
+        if est.fits is False:
+            print("\n".join(_suggest(args, model, layout)))
     except ValueError as e:
-        print(f"python -m fsdp2.plan: error: {e}", file=sys.stderr)
-        return 2
+        parser.error(str(e))
     return 0
 
 

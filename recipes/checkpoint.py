@@ -1,11 +1,13 @@
-"""Recipe checkpoints: save every N steps, resume from the newest complete one automatically.
+"""Recipe checkpoints: save every N steps, resume from the newest sound one, never lose work.
 
-Layout under ``--checkpoint-dir``::
+Layout under ``--checkpoint-dir`` (the directory belongs to the run: it names what it finds
+there by these patterns)::
 
-    step-00000100/             a complete checkpoint (DCP: one file per rank, .metadata,
-    step-00000200/             and fsdp2_complete.json, written last)
-    step-00000300.tmp-<id>/    being written (or left by a crash): never loaded
-    step-00000000.del-<id>/    being pruned (or left by a crash): never loaded
+    step-00000100/                   a checkpoint (DCP: one file per rank, .metadata, and
+    step-00000200/                   fsdp2_complete.json, written last)
+    step-00000300.tmp-<id>/          being written (or left by a crash): never loaded
+    step-00000000.del-<id>/          being pruned (or left by a crash): never loaded
+    step-00000400.unusable-<id>/     failed verification; moved aside, kept for inspection
 
 Each checkpoint is one :func:`fsdp2.checkpoint.save`: every rank writes its own shards into
 a temporary directory, and only once all have finished does rank 0 add the completion
@@ -15,21 +17,31 @@ DTensors, so it loads at another world size or layout too) and, as ``extra``, th
 scheduler, the step and the skipped-step counters. The data position is the step: batches
 are a function of it (see ``data.get_batch``).
 
-Resuming picks the newest checkpoint that passes :func:`fsdp2.checkpoint.verify`; one that
-fails (a file deleted or truncated after the save) is skipped with a warning naming it and
-what is wrong, and the next newest is used. Pruning renames a checkpoint out of the
-``step-N`` namespace before deleting it, so a crash mid-delete never leaves a half-deleted
-checkpoint that looks complete; leftovers of interrupted saves and prunes are removed when
-the next run starts.
+Only sound checkpoints count. A checkpoint is sound when :func:`fsdp2.checkpoint.verify`
+finds nothing wrong (marker present and readable, every file it lists there with its size,
+``.metadata`` readable and pointing inside the files). Resuming takes the newest sound one;
+unusable ones newer than it are moved aside (renamed ``.unusable-<id>``, never deleted) with a
+warning naming what is wrong. A directory that holds checkpoints but no sound one stops the
+run (:class:`UnusableCheckpointError`) rather than silently starting over, unless the run is
+told to start fresh. Pruning keeps the newest ``keep`` *sound* checkpoints: an unusable one
+never counts toward them, so it can never cost a sound one its place. A pruned checkpoint is
+renamed out of the ``step-N`` namespace before it is deleted, so a crash mid-delete never
+leaves a half-deleted checkpoint that looks complete; leftovers of interrupted saves and
+prunes are removed when the next run starts.
+
+Every save (with what it pruned), resume, fresh start and moved-aside checkpoint is one log record of the
+``recipes.checkpoint`` logger, on rank 0 (``train.py`` prints them).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -41,12 +53,17 @@ import torch.nn as nn
 import fsdp2.checkpoint as ckpt
 from fsdp2._wire import broadcast_json
 
-__all__ = ["Checkpointer", "check_export", "export_model"]
+__all__ = ["Checkpointer", "UnusableCheckpointError", "check_checkpoint_dir", "check_export", "export_model"]
 
 logger = logging.getLogger(__name__)
-_COMPLETE = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^(step-\d+)\.(tmp|old|del)-\w+$")  # see the layout above and fsdp2.checkpoint.save
 _MARKER = "fsdp2_complete.json"  # written last by fsdp2.checkpoint.save (docs/checkpointing.md)
+FRESH_FLAG = "--checkpoint.start_fresh_if_unusable"
+
+
+class UnusableCheckpointError(RuntimeError):
+    """The checkpoint directory holds checkpoints, none of them sound: resuming would lose work."""
 
 
 def _rank() -> int:
@@ -60,50 +77,134 @@ def _from_rank0(value: Any) -> Any:
     return broadcast_json(value)
 
 
+def _mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
 class Checkpointer:
-    """Saves and finds checkpoints in one directory; every method is collective.
+    """Saves and finds checkpoints in one directory; every public method is collective.
 
     Works without a process group too (one process is rank 0).
 
     Args:
         root: the checkpoint directory (created on first save).
-        keep: how many newest checkpoints to keep; 0 keeps all.
+        keep: how many newest sound checkpoints to keep; 0 keeps all.
+        start_fresh_if_unusable: when ``root`` holds checkpoints but none is sound, start
+            from step 0 (moving them aside) instead of raising :class:`UnusableCheckpointError`.
     """
 
-    def __init__(self, root: str | Path, *, keep: int = 2) -> None:
+    def __init__(self, root: str | Path, *, keep: int = 2, start_fresh_if_unusable: bool = False) -> None:
         self.root = Path(root)
         self.keep = keep
+        self.start_fresh_if_unusable = start_fresh_if_unusable
+        self.last_step: int | None = None  # the newest checkpoint this run resumed from or saved
 
+    # ---- finding ----------------------------------------------------------------------------
     def latest(self) -> tuple[int, Path] | None:
         """(step, path) of the newest sound checkpoint, as rank 0 sees it, or None.
 
-        Rank 0 first removes what interrupted saves and prunes left behind, then
-        checks the checkpoints newest first with :func:`fsdp2.checkpoint.verify`,
-        warning about (and passing over) each one that fails. Every rank gets
-        rank 0's answer: all must resume from the same step.
+        Rank 0 first removes what interrupted saves and prunes left behind, then checks the
+        checkpoints newest first with :func:`fsdp2.checkpoint.verify`, warning about each one
+        that fails (it is left in place: see :meth:`resume` for what a run does with it).
+        Every rank gets rank 0's answer: all must resume from the same step.
         """
         found = None
         if _rank() == 0:
             self._clean_leftovers()
-            for step in reversed(self._complete_steps()):
-                problems = ckpt.verify(self._dir(step))
-                if not problems:
-                    found = (step, self._dir(step))
-                    break
-                logger.warning("skipping corrupted checkpoint %s: %s", self._dir(step), "; ".join(problems))
-        found = _from_rank0([found[0], str(found[1])] if found else None)
+            found, unusable = self._newest_sound()
+            for name, problems in unusable:
+                logger.warning("checkpoint: skipping %s, unusable: %s", self.root / name, "; ".join(problems))
+            found = [found, str(self._dir(found))] if found is not None else None
+        found = _from_rank0(found)
         return (found[0], Path(found[1])) if found else None
 
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any] | None:
+        """Load the newest sound checkpoint and return its extra state, or None to start from step 0.
+
+        Rank 0 decides, logging one line: resumed from which step, or why the run starts
+        fresh. Unusable checkpoints newer than the one loaded are moved aside (one warning
+        each). Raises :class:`UnusableCheckpointError` on every rank when the directory holds
+        checkpoints but none is sound and ``start_fresh_if_unusable`` is off.
+        """
+        decision = _from_rank0(self._decide() if _rank() == 0 else None)
+        if decision["error"]:
+            raise UnusableCheckpointError(decision["error"])
+        if decision["step"] is None:
+            return None
+        path = self._dir(decision["step"])
+        extra = self.load(path, model, optimizer, scheduler)
+        self.last_step = extra["step"]
+        if _rank() == 0:
+            logger.info("checkpoint: resumed from %s at step %d", path, extra["step"])
+        return extra
+
+    def _decide(self) -> dict[str, Any]:
+        """Rank 0: which step to resume from (None: fresh), or the error that stops the run."""
+        existed = self.root.is_dir()
+        leftovers = self._clean_leftovers()
+        found, unusable = self._newest_sound()
+        if unusable and found is None and not self.start_fresh_if_unusable:
+            listed = "; ".join(f"{name} ({'; '.join(problems)})" for name, problems in unusable)
+            return {"step": None, "error": (
+                f"checkpoint.dir {self.root} holds no usable checkpoint: {listed}. Starting from step 0 would "
+                f"ignore them: repair them (e.g. copy them again) or move them out of the directory, or pass "
+                f"{FRESH_FLAG} to start from step 0 (they are then moved aside, not deleted)")}
+        for name, problems in unusable:
+            aside = self._move_aside(name)
+            logger.warning("checkpoint: %s is unusable (%s); moved it to %s (kept for inspection, never loaded)",
+                           self.root / name, "; ".join(problems), aside.name)
+        if found is None:
+            logger.info("checkpoint: starting from step 0: %s", self._why_fresh(existed, leftovers, unusable))
+        return {"step": found, "error": None}
+
+    def _why_fresh(self, existed: bool, leftovers: int, unusable: list[tuple[str, list[str]]]) -> str:
+        if unusable:
+            return f"no usable checkpoint in {self.root} ({FRESH_FLAG})"
+        if not existed:
+            return f"{self.root} does not exist yet{self._did_you_mean()}; the first save creates it"
+        interrupted = f" (removed {leftovers} interrupted save{'s' * (leftovers != 1)})" if leftovers else ""
+        return f"no checkpoint in {self.root}{interrupted}"
+
+    def _did_you_mean(self) -> str:
+        """A sibling of a missing ``root`` with a close name that holds checkpoints (a typo?)."""
+        parent = self.root.parent
+        if not parent.is_dir():
+            return f" (nor does {parent})"
+        siblings = [p.name for p in parent.iterdir() if p.is_dir() and _step_names(p)]
+        close = difflib.get_close_matches(self.root.name, siblings, n=1, cutoff=0.6)
+        if not close:
+            return ""
+        newest = max(int(_STEP.match(n).group(1)) for n in _step_names(parent / close[0]))
+        return f" (did you mean {parent / close[0]}? it holds checkpoints up to step {newest})"
+
+    def _newest_sound(self) -> tuple[int | None, list[tuple[str, list[str]]]]:
+        """Rank 0: the newest sound checkpoint's step, and the unusable ones newer than it (name, problems)."""
+        unusable = []
+        for step in reversed(self._steps()):
+            problems = ckpt.verify(self._dir(step))
+            if not problems:
+                return step, unusable
+            unusable.append((self._dir(step).name, problems))
+        return None, unusable
+
+    # ---- saving ------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler, *, extra: dict[str, Any] | None = None) -> Path:
         """Save at ``step`` (``extra``: more small state, e.g. counters), then prune to ``keep``."""
         final = self._dir(step)
+        start = time.perf_counter()
         if _rank() == 0:  # before save's first collective, so before any rank writes
             final.parent.mkdir(parents=True, exist_ok=True)
         # Atomic: the directory appears, complete, only after every rank has written its shards.
         ckpt.save(final, model, optimizer, extra={**(extra or {}), "step": step, "scheduler": scheduler.state_dict()})
+        self.last_step = step
         if _rank() == 0:
-            self._prune()
+            seconds = time.perf_counter() - start
+            pruned = self._prune()
+            done = f"; pruned step{'s' * (len(pruned) > 1)} {', '.join(map(str, pruned))}" if pruned else ""
+            logger.info("checkpoint: saved step %d to %s (%.1f MiB in %.1f s)%s", step, final, _mib(final), seconds,
+                        done)
         return final
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -113,32 +214,51 @@ class Checkpointer:
         scheduler.load_state_dict(extra["scheduler"])
         return extra
 
+    def _prune(self) -> list[int]:
+        """Rank 0: keep the newest ``keep`` sound checkpoints, move unusable newer ones aside, delete
+        the rest; returns the steps deleted."""
+        if not self.keep:
+            return []
+        kept = 0
+        pruned: list[int] = []
+        for step in reversed(self._steps()):
+            if kept == self.keep:
+                pruned.append(step)
+                self._delete(step)
+            elif problems := ckpt.verify(self._dir(step)):
+                aside = self._move_aside(self._dir(step).name)
+                logger.warning("checkpoint: %s is unusable (%s); moved it to %s instead of counting it among the "
+                               "%d kept", self._dir(step), "; ".join(problems), aside.name, self.keep)
+            else:
+                kept += 1
+        return sorted(pruned)
+
+    def _delete(self, step: int) -> None:
+        # Out of the step-N namespace first (atomic), then delete: a crash in the middle of
+        # rmtree must not leave a marker over missing shards.
+        doomed = self.root / f"{self._dir(step).name}.del-{uuid.uuid4().hex[:12]}"
+        os.rename(self._dir(step), doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def _move_aside(self, name: str) -> Path:
+        aside = self.root / f"{name}.unusable-{uuid.uuid4().hex[:12]}"
+        os.rename(self.root / name, aside)
+        return aside
+
+    # ---- the directory -----------------------------------------------------------------------
     def _dir(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
 
-    def _complete_steps(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        steps = []
-        for entry in self.root.iterdir():
-            match = _COMPLETE.match(entry.name)
-            if match and (entry / _MARKER).is_file():
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+    def _steps(self) -> list[int]:
+        """Every ``step-N`` directory's step, sound or not, ascending."""
+        return sorted(int(_STEP.match(name).group(1)) for name in _step_names(self.root))
 
-    def _prune(self) -> None:
-        if self.keep:
-            for step in self._complete_steps()[: -self.keep]:
-                # Out of the step-N namespace first (atomic), then delete: a crash in the middle
-                # of rmtree must not leave a marker over missing shards.
-                doomed = self.root / f"{self._dir(step).name}.del-{uuid.uuid4().hex[:12]}"
-                os.rename(self._dir(step), doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
-
-    def _clean_leftovers(self) -> None:
-        """Remove the temporary directories of saves and prunes a crash interrupted (rank 0, no save running)."""
+    def _clean_leftovers(self) -> int:
+        """Remove the temporary directories of saves and prunes a crash interrupted (rank 0, no save
+        running); returns how many."""
         if not self.root.is_dir():
-            return
+            return 0
+        removed = 0
         for entry in sorted(self.root.iterdir()):
             match = _LEFTOVER.match(entry.name)
             if not match:
@@ -147,10 +267,31 @@ class Checkpointer:
             if kind == "old" and (entry / _MARKER).is_file() and not (self.root / name).exists():
                 # Died between moving a checkpoint aside and renaming its replacement in.
                 os.rename(entry, self.root / name)
-                logger.warning("restored %s from %s, left by an interrupted save", name, entry.name)
+                logger.warning("checkpoint: restored %s from %s, left by an interrupted save", name, entry.name)
             else:
                 shutil.rmtree(entry, ignore_errors=True)
-                logger.info("removed %s, left by an interrupted save or prune", entry)
+                removed += 1
+                logger.info("checkpoint: removed %s, left by an interrupted save or prune", entry)
+        return removed
+
+
+def _step_names(root: Path) -> list[str]:
+    if not root.is_dir():
+        return []
+    return [entry.name for entry in root.iterdir() if _STEP.match(entry.name) and entry.is_dir()]
+
+
+def check_checkpoint_dir(path: str | Path) -> None:
+    """Raise ValueError, before any collective, if checkpoints could not be saved to or loaded from ``path``."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"checkpoint.dir={path} is a file, not a directory")
+    # torch.distributed.checkpoint exchanges its save and load plans with torch's object
+    # collectives, which need numpy: without it the first save fails after the first steps.
+    if importlib.util.find_spec("numpy") is None:
+        raise ValueError(
+            f"checkpoint.dir={path}: checkpoints need numpy (torch.distributed.checkpoint's object "
+            "collectives use it): pip install -e '.[checkpoint]' (or pip install numpy)"
+        )
 
 
 def check_export(path: str | Path) -> None:
@@ -173,4 +314,3 @@ def export_model(model: nn.Module, path: str | Path) -> None:
     if dist.get_rank() == 0:  # the only rank that writes
         path.parent.mkdir(parents=True, exist_ok=True)
     ckpt.export_full(path, model, format="safetensors" if path.suffix == ".safetensors" else "torch")
-    logger.info("exported the full model to %s", path)

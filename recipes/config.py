@@ -88,7 +88,8 @@ class DataConfig:
 class CheckpointConfig:
     dir: str | None = None  # None: no checkpoints; resumes from the newest complete one found here
     every: int = 0  # save every N steps (and at the end); 0: only at the end
-    keep: int = 2  # newest checkpoints to keep; 0 keeps all
+    keep: int = 2  # newest sound checkpoints to keep; 0 keeps all
+    start_fresh_if_unusable: bool = False  # dir holds only unusable checkpoints: start from step 0, not stop
     export: str | None = None  # write the final full model here: .safetensors (streamed), else torch.save
 
     def __post_init__(self) -> None:
@@ -101,10 +102,11 @@ class MetricsConfig:
     file: str | None = None  # one JSON object per logged step; a PNG loss curve is written next to it
     plot: bool = True  # draw that PNG at the end (needs matplotlib)
     sample_tokens: int = 0  # at the end, generate this many bytes from a prompt (greedy) and print them
+    peak_tflops: float = 0.0  # one device's peak TFLOPS in the run's precision, for MFU; 0: MFU not shown
 
     def __post_init__(self) -> None:
         _positive("metrics", self, "log_every")
-        _positive("metrics", self, "sample_tokens", allow_zero=True)
+        _positive("metrics", self, "sample_tokens", "peak_tflops", allow_zero=True)
 
 
 @dataclass

@@ -20,28 +20,37 @@ The [faults] keys inject bad batches to test that guard.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
+import signal
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 if __package__ in (None, ""):  # run as a script (torchrun recipes/train.py): make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
+with warnings.catch_warnings():
+    # torch warns at import when numpy is missing; training does not need numpy (checkpoints
+    # do, and check_checkpoint_dir says so before the first step).
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp2
-from recipes.checkpoint import Checkpointer, check_export, export_model
+from recipes.checkpoint import (
+    Checkpointer, UnusableCheckpointError, check_checkpoint_dir, check_export, export_model,
+)
 from recipes.config import ConfigError, JobConfig, TrainingConfig, describe, parse_args
 from recipes.data import ByteTokenizer, corpus_files, get_batch, load_corpus
 from recipes.llama.model import Transformer
 from recipes.llama.parallelize import ParallelDims, check_layout, parallelize
-from recipes.metrics import MetricsWriter, format_duration, gather_memory_mb, plot_loss
+from recipes.metrics import MetricsWriter, flops_per_token, format_duration, gather_memory_mb, plot_loss
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,27 +65,84 @@ def main(argv: list[str] | None = None) -> None:
         p = config.parallelism
         dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, int(os.environ.get("WORLD_SIZE", "1")))
         check_layout(dims, config)
+        if config.checkpoint.dir:
+            check_checkpoint_dir(config.checkpoint.dir)
         if config.checkpoint.export:
             check_export(config.checkpoint.export)
     except (ConfigError, ValueError) as e:  # before any process starts a collective
-        if rank0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"error: {e}", rank0)
     if rank0 and (problem := restart_store_problem()):
         print(f"warning: {problem}", file=sys.stderr)
+    show_recipe_logs(rank0)
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
-        if dist.get_world_size() != dims.world_size:
-            raise RuntimeError(f"WORLD_SIZE={dims.world_size} but the process group has {dist.get_world_size()} ranks")
-        train(config, dims, device)
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        try:
+            if dist.get_world_size() != dims.world_size:
+                raise RuntimeError(f"WORLD_SIZE={dims.world_size} but the process group has "
+                                   f"{dist.get_world_size()} ranks")
+            train(config, dims, device)
+        finally:
+            dist.destroy_process_group()
+    except UnusableCheckpointError as e:  # every rank raises it, after rank 0's decision
+        fail(f"error: {e}", rank0)
+    except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: one line instead of every rank's traceback
+        if rank0:
+            print(e if isinstance(e, Interrupted) else "interrupted before training started", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+
+
+def fail(message: str, rank0: bool) -> NoReturn:
+    """Stop this rank with exit code 2 after a clean error: one line on rank 0's stderr.
+
+    Under torchrun, every rank also writes the line to its error file (``TORCHELASTIC_ERROR_FILE``,
+    see torch.distributed.elastic's errors docs), so the failure report torchrun prints after
+    it names the error instead of "To enable traceback see ...". That report itself (about 30
+    lines) comes from torchrun's own process, which a worker cannot silence.
+    """
+    if rank0:
+        print(message, file=sys.stderr)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(error_file, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    sys.exit(2)
+
+
+def show_recipe_logs(rank0: bool) -> None:
+    """Print the recipe's own log records (checkpoint saves, prunes, resumes...) on rank 0, one line each."""
+    if not rank0:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_RecipeFormatter())
+    recipe_logger = logging.getLogger("recipes")
+    recipe_logger.addHandler(handler)
+    recipe_logger.setLevel(logging.INFO)
+
+
+class _RecipeFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = "warning: " if record.levelno >= logging.WARNING else ""
+        return prefix + record.getMessage()
+
+
+class Interrupted(Exception):
+    """Ctrl-C during training; the message says at which step, the last checkpoint and how to resume."""
+
+    def __init__(self, step: int, checkpointer: Checkpointer | None, every: int) -> None:
+        if checkpointer is None:
+            hint = "no checkpoints (no --checkpoint-dir): a rerun starts from step 0"
+        elif checkpointer.last_step is None:
+            when = f"the first is due at step {every}" if every else "the only one is due at the last step"
+            hint = f"no checkpoint in {checkpointer.root} yet ({when}): a rerun starts from step 0"
+        else:
+            hint = (f"the last checkpoint is step {checkpointer.last_step} in {checkpointer.root}: "
+                    "run the same command to resume from it")
+        super().__init__(f"interrupted during step {step}; {hint}")
 
 
 def restart_store_problem() -> str | None:
@@ -216,9 +282,11 @@ class SkipGuard:
 class Progress:
     """Turns logged steps into a printed line and a metrics record (tokens/s over the last window)."""
 
-    def __init__(self, config: JobConfig, tokens_per_step: int, start: int, device: torch.device) -> None:
+    def __init__(self, config: JobConfig, tokens_per_step: int, start: int, device: torch.device,
+                 flops_per_token: int) -> None:
         self.total, self.start, self.device = config.training.steps, start, device
         self.tokens_per_step = tokens_per_step
+        self.flops_per_token, self.peak_tflops = flops_per_token, config.metrics.peak_tflops
         self.writer = None
         if config.metrics.file and dist.get_rank() == 0:
             self.writer = MetricsWriter(config.metrics.file, resume_step=start)
@@ -241,7 +309,7 @@ class Progress:
         record = {"step": step, "loss": self.losses[-1], "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_s, "tokens": self.tokens_per_step * step,
                   "elapsed_s": now - self.loop_start, "eta_s": eta, "memory_mb": memory,
-                  "skipped": result.skipped, "skipped_steps": skipped_total}
+                  "skipped": result.skipped, "skipped_steps": skipped_total, **self.throughput(tokens_per_s)}
         if self.writer is not None and record:
             self.writer.write(record)
         log(f"step {step:>{len(str(self.total))}}/{self.total}  loss {self.losses[-1]:.4f}  lr {lr:.2e}  "
@@ -250,13 +318,21 @@ class Progress:
             + ("  (skipped)" if result.skipped else ""))
         self.window_start, self.window_steps = now, 0
 
+    def throughput(self, tokens_per_s: float) -> dict[str, float]:
+        """Model TFLOPS per rank at ``tokens_per_s`` (all ranks), and the MFU when the peak is known."""
+        tflops = tokens_per_s * self.flops_per_token / dist.get_world_size() / 1e12
+        return {"tflops_per_rank": tflops, **({"mfu": tflops / self.peak_tflops} if self.peak_tflops else {})}
+
     def summary(self) -> str:
         if not self.losses:
             return f"nothing to train: the checkpoint is at step {self.start} of {self.total}"
         elapsed = time.perf_counter() - self.loop_start
         rate = self.tokens_per_step * (self.total - self.start) / elapsed
+        speed = self.throughput(rate)
+        mfu = f", MFU {100 * speed['mfu']:.1f}%" if "mfu" in speed else ""
         return (f"done: steps {self.start + 1}-{self.total} in {format_duration(elapsed)}, loss "
-                f"{self.losses[0]:.4f} -> {self.losses[-1]:.4f}, {rate:,.0f} tok/s")
+                f"{self.losses[0]:.4f} -> {self.losses[-1]:.4f}, {rate:,.0f} tok/s, "
+                f"{speed['tflops_per_rank']:.3g} TFLOPS per rank{mfu}")
 
 
 def log_setup(config: JobConfig, dims: ParallelDims, model: Transformer, corpus: torch.Tensor) -> int:
@@ -276,6 +352,15 @@ def log_setup(config: JobConfig, dims: ParallelDims, model: Transformer, corpus:
     return tokens_per_step
 
 
+def model_flops_per_token(model: Transformer, config: JobConfig) -> int:
+    """Training FLOPs per token of the unsharded model (``recipes.metrics.flops_per_token``)."""
+    args = config.model
+    n_params = sum(p.numel() for p in model.parameters())  # DTensors: the global count
+    # A tied table is also the output projection, whose matmul costs what its weights say.
+    embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
+    return flops_per_token(n_params, embedding, args.n_layers, args.dim, config.training.seq_len)
+
+
 def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     """Collective: build, (resume,) train, export, sample; returns the step it resumed from (0: a fresh run)."""
     t, ckpt = config.training, config.checkpoint
@@ -287,26 +372,30 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     corpus = load_corpus(config.data.path)
     tokens_per_step = log_setup(config, dims, model, corpus)
 
-    checkpointer = Checkpointer(ckpt.dir, keep=ckpt.keep) if ckpt.dir else None
+    checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable)
+                    if ckpt.dir else None)
     guard = SkipGuard(t.max_skipped_steps)
     start = resume(checkpointer, model, optimizer, scheduler, guard)
-
-    progress = Progress(config, tokens_per_step, start, device)
+    progress = Progress(config, tokens_per_step, start, device, model_flops_per_token(model, config))
     dp_rank = dims.dp_rank(dist.get_rank())
     faults = config.faults
-    for step in range(start + 1, t.steps + 1):
-        poison = step in faults.nan_loss_at_steps and faults.nan_loss_rank in (-1, dist.get_rank())
-        result = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device, poison=poison)
-        guard.update(step, result.skipped)
-        progress.step_done()
-        # Recorded: the steps an uninterrupted run records (so a resumed run's file reads as one
-        # run), and every skipped step. Printed also: the first step after a resume.
-        recorded = step % config.metrics.log_every == 0 or step in (1, t.steps) or result.skipped
-        if recorded or step == start + 1:
-            progress.log(step, result, guard.total, record=recorded)
-        guard.check(step)
-        if checkpointer is not None and (step == t.steps or (ckpt.every and step % ckpt.every == 0)):
-            checkpointer.save(step, model, optimizer, scheduler, extra={"skips": guard.state_dict()})
+    step = start
+    try:
+        for step in range(start + 1, t.steps + 1):
+            poison = step in faults.nan_loss_at_steps and faults.nan_loss_rank in (-1, dist.get_rank())
+            result = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device, poison=poison)
+            guard.update(step, result.skipped)
+            progress.step_done()
+            # Recorded: the steps an uninterrupted run records (so a resumed run's file reads as one
+            # run), and every skipped step. Printed also: the first step after a resume.
+            recorded = step % config.metrics.log_every == 0 or step in (1, t.steps) or result.skipped
+            if recorded or step == start + 1:
+                progress.log(step, result, guard.total, record=recorded)
+            guard.check(step)
+            if checkpointer is not None and (step == t.steps or (ckpt.every and step % ckpt.every == 0)):
+                checkpointer.save(step, model, optimizer, scheduler, extra={"skips": guard.state_dict()})
+    except KeyboardInterrupt:
+        raise Interrupted(step, checkpointer, ckpt.every) from None
     log(progress.summary())
 
     if ckpt.export:
@@ -328,11 +417,10 @@ def resume(checkpointer: Checkpointer | None, model: Transformer, optimizer: tor
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restarts:
         log(f"torchrun restart {restarts}: resuming from the newest checkpoint")
-    if checkpointer is None or (found := checkpointer.latest()) is None:
+    # Logs one line: "resumed from ... at step N", or why the run starts from step 0.
+    if checkpointer is None or (extra := checkpointer.resume(model, optimizer, scheduler)) is None:
         return 0
-    extra = checkpointer.load(found[1], model, optimizer, scheduler)
     guard.load_state_dict(extra.get("skips", {"total": 0, "in_a_row": 0}))  # older checkpoints have none
-    log(f"resumed from {found[1]} at step {extra['step']}")
     return extra["step"]
 
 

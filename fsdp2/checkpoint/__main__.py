@@ -1,14 +1,20 @@
-"""``python -m fsdp2.checkpoint export DCP_DIR OUT.safetensors``: consolidate a DCP checkpoint offline.
+"""``python -m fsdp2.checkpoint export DIR OUT.safetensors``: consolidate a DCP checkpoint offline.
 
 Runs in one process with no process group: reads the checkpoint's metadata,
 then loads one tensor at a time (DCP assembles it from every rank's shards) and
 streams it into a safetensors file, so memory stays about one tensor.
+
+``DIR`` is a checkpoint (a directory with DCP's ``.metadata``), or a training run's
+checkpoint directory holding one checkpoint per subdirectory named by its step
+(``step-00000300``, ``step-300``, ``checkpoint_300``...): the newest sound one is exported,
+skipping any that :func:`fsdp2.checkpoint.verify` finds damaged.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ._dcp import single_process_ok
+from ._dcp import MARKER, single_process_ok, verify
 from ._safetensors import StreamingWriter
 
 
@@ -44,20 +50,62 @@ def export(dcp_dir: str, out: str, prefix: str | None = None) -> list[str]:
     return list(specs)
 
 
+_NUMBERED = re.compile(r"^[A-Za-z_-]*?(\d+)$")  # step-00000300, step-300, checkpoint_300; not step-3.tmp-1
+
+
+def find_checkpoint(path: str | os.PathLike) -> tuple[Path, list[str]]:
+    """The checkpoint to read at ``path``, and what was passed over on the way (for the user).
+
+    ``path`` itself when it holds DCP's ``.metadata``; otherwise the subdirectory with the
+    highest number at the end of its name that is sound (fsdp2 checkpoints must pass
+    :func:`fsdp2.checkpoint.verify`, plain DCP ones need a ``.metadata``).
+
+    Raises:
+        ValueError: ``path`` is not a checkpoint and holds no sound numbered checkpoint.
+    """
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        problems = verify(path) if (path / MARKER).is_file() else []
+        if problems:
+            raise ValueError(f"{path} is damaged: {'; '.join(problems)}")
+        return path, []
+    if not path.is_dir():
+        raise ValueError(f"{path} does not exist" if not path.exists() else f"{path} is not a directory")
+    numbered = sorted((int(m.group(1)), child) for child in path.iterdir()
+                      if child.is_dir() and (m := _NUMBERED.match(child.name)))
+    skipped = []
+    for _, child in reversed(numbered):
+        if (child / MARKER).is_file():
+            problems = verify(child)
+        else:
+            problems = [] if (child / ".metadata").is_file() else ["no .metadata (not a complete DCP checkpoint)"]
+        if not problems:
+            return child, skipped
+        skipped.append(f"skipped {child.name}: {'; '.join(problems)}")
+    found = "; ".join(skipped) if skipped else "no .metadata file and no numbered checkpoint directories in it"
+    raise ValueError(f"{path} is not a DCP checkpoint and holds no sound one: {found}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsdp2.checkpoint", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     cmd = commands.add_parser("export", help="consolidate a DCP checkpoint into one safetensors file")
-    cmd.add_argument("dcp_dir", help="the DCP checkpoint directory (e.g. one written by fsdp2.checkpoint.save)")
+    cmd.add_argument("dcp_dir", metavar="DIR",
+                     help="a DCP checkpoint directory (e.g. one written by fsdp2.checkpoint.save), or a run's "
+                          "checkpoint directory of step-N checkpoints: the newest sound one is exported")
     cmd.add_argument("out", help="the .safetensors file to write")
     cmd.add_argument("--prefix", default=None,
                      help="export the tensors whose key starts with this, stripping it "
                           "(default: 'model.' when present, else everything)")
     args = parser.parse_args(argv)
-    if not Path(args.dcp_dir, ".metadata").is_file():
-        parser.error(f"{args.dcp_dir} is not a DCP checkpoint (no .metadata file)")
-    keys = export(args.dcp_dir, args.out, args.prefix)
-    print(f"wrote {len(keys)} tensors to {args.out}")
+    try:
+        source, skipped = find_checkpoint(args.dcp_dir)
+    except ValueError as e:
+        parser.error(str(e))
+    for line in skipped:
+        print(line, file=sys.stderr)
+    keys = export(str(source), args.out, args.prefix)
+    print(f"wrote {len(keys)} tensors from {source} to {args.out}")
     return 0
 
 

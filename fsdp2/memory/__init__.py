@@ -6,8 +6,8 @@ the planner's command line.
 """
 
 from ._layout import Layout, ModelBuilder
-from ._planner import MemoryEstimate, estimate_memory
+from ._planner import MemoryEstimate, Reserve, estimate_memory
 from ._tracker import CATEGORIES, MemoryReport, MemoryTracker
 
-__all__ = ["CATEGORIES", "MemoryTracker", "MemoryReport", "estimate_memory", "MemoryEstimate", "Layout",
-           "ModelBuilder"]
+__all__ = ["CATEGORIES", "MemoryTracker", "MemoryReport", "estimate_memory", "MemoryEstimate", "Reserve",
+           "Layout", "ModelBuilder"]

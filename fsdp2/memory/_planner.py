@@ -30,11 +30,82 @@ from ._live import LiveStorages, plain_tensors, storage_key
 from ._schedule import _add_param, _Group, _Schedule
 from ._tracker import CATEGORIES, format_bytes, format_table
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "Reserve", "estimate_memory"]
+
+_MiB, _GiB = 2**20, 2**30
+
+# What each category holds at the peak, for the table (docs/memory.md says the same).
+_WHAT = {
+    "sharded_params": "this rank's shard of every parameter, all step long",
+    "unsharded_params": "parameters gathered for the blocks being computed or prefetched",
+    "gradients": "unsharded gradients being computed, and sharded ones already reduced",
+    "optimizer_state": "the optimizer's state of this rank's shards (AdamW: 2 values each)",
+    "activations": "what autograd saved for backward, and the outputs of the op running",
+    "communication": "all-gather and reduce-scatter buffers in flight",
+    "other": "the input tokens and the model's buffers (rotary tables)",
+}
+_WHAT_AT_STEP = {  # at the optimizer step the categories hold other things
+    "gradients": "the sharded gradients the optimizer reads",
+    "other": "inputs, buffers, and the optimizer's foreach temporary (one shard-sized buffer)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reserve:
+    """What a GPU process holds besides the training step's tensors, added before saying "fits".
+
+    The simulation counts what the step allocates through torch: parameters, gradients,
+    optimizer state, activations and fsdp2's buffers. A real GPU process also holds memory the
+    simulation cannot see; these are stated, typical figures (not measured by fsdp2), each
+    overridable (``python -m fsdp2.plan --reserve-context ... --reserve-nccl ... --fragmentation ...``).
+
+    Args:
+        context: the CUDA context, its loaded kernels and the libraries' handles and workspaces
+            (cuBLAS, cuDNN), outside torch's caching allocator. Default 1 GiB: recent GPUs with
+            CUDA 12's lazy module loading show about 0.5-1 GiB per process before its first tensor.
+        nccl_per_group: NCCL's buffers per communicator (one per mesh axis of more than one
+            rank: dp_shard, dp_replicate, tp; at least one). Default 512 MiB: ``NCCL_BUFFSIZE``
+            (4 MiB) per channel and peer connection, with up to 32 channels on NVLink; NVLink
+            SHARP (H100) adds more.
+        fragmentation: the caching allocator keeps more than the tensors it hands out (block
+            rounding, free gaps between live blocks): this fraction of the simulated peak.
+            Default 0.10; ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` usually lowers it.
+    """
+
+    context: int = _GiB
+    nccl_per_group: int = 512 * _MiB
+    fragmentation: float = 0.10
+
+    def __post_init__(self) -> None:
+        for name in ("context", "nccl_per_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Reserve.{name} must be a number of bytes >= 0, got {value!r}")
+        if not isinstance(self.fragmentation, (int, float)) or not 0 <= self.fragmentation < 1:
+            raise ValueError(f"Reserve.fragmentation must be a fraction in [0, 1), got {self.fragmentation!r}")
+
+    @classmethod
+    def none(cls) -> Reserve:
+        """Nothing reserved: the verdict compares the simulated peak alone (as for a CPU run)."""
+        return cls(context=0, nccl_per_group=0, fragmentation=0.0)
+
+    def bytes(self, layout: Layout, peak: int) -> dict[str, int]:
+        """The reserve for ``layout`` at a simulated ``peak``, by what it is for (zeros left out)."""
+        groups = max(1, sum(n > 1 for n in (layout.dp_shard, layout.dp_replicate, layout.tp)))
+        out = {"CUDA context": self.context, f"NCCL ({groups} communicator{'s' * (groups > 1)})":
+               groups * self.nccl_per_group, f"allocator ({100 * self.fragmentation:.0f}% of total)":
+               int(self.fragmentation * peak)}
+        return {name: nbytes for name, nbytes in out.items() if nbytes}
+
 
 @dataclass
 class MemoryEstimate:
-    """Predicted bytes on one rank: by category at the peak, where the peak is, and traffic."""
+    """Predicted bytes on one rank: by category at the peak, where the peak is, and traffic.
+
+    ``peak_bytes`` is the simulated step (what a ``MemoryTracker`` would measure); ``reserved``
+    what the process holds besides (see :class:`Reserve`); ``needed_bytes`` their sum, which
+    ``fits`` compares with ``gpu_memory``.
+    """
 
     peak_bytes: int
     peak_by_category: dict[str, int]
@@ -45,24 +116,44 @@ class MemoryEstimate:
     saved_activation_bytes_per_block: int
     gpu_memory: int | None = None
     notes: list[str] = field(default_factory=list)
+    reserved: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.peak_bytes + sum(self.reserved.values())
 
     @property
     def fits(self) -> bool | None:
-        return None if self.gpu_memory is None else self.peak_bytes <= self.gpu_memory
+        return None if self.gpu_memory is None else self.needed_bytes <= self.gpu_memory
 
     def table(self) -> str:
-        rows = [(c, format_bytes(self.peak_by_category[c])) for c in CATEGORIES]
-        rows.append(("total", format_bytes(self.peak_bytes)))
-        text = f"layout: {self.layout}\n" + format_table(rows, ("category", "per rank at peak"))
+        what = {**_WHAT, **(_WHAT_AT_STEP if self.peak_point == "optimizer step" else {})}
+        rows = [(c, format_bytes(self.peak_by_category[c]), what[c]) for c in CATEGORIES]
+        rows.append(("total", format_bytes(self.peak_bytes), "the simulated step's peak"))
+        if self.reserved:
+            rows += [(f"+ {name}", format_bytes(nbytes), "reserved: " + _RESERVED_WHAT[name.split(" (")[0]])
+                     for name, nbytes in self.reserved.items()]
+            rows.append(("needed", format_bytes(self.needed_bytes), "total + reserved"))
+        table = format_table([r[:2] for r in rows], ("category", "per rank at peak")).splitlines()
+        notes = ["what", "----", *(r[2] for r in rows)]
+        text = f"layout: {self.layout}\n" + "\n".join(f"{line}  {note}" for line, note in zip(table, notes))
         text += f"\npeak at: {self.peak_point}"
         text += f"\nsaved by autograd per block: {format_bytes(self.saved_activation_bytes_per_block)}"
         text += f"\ncommunication per step per rank: {format_bytes(self.comm_bytes_per_step)}"
         if self.gpu_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
-            text += f"\n{verdict} in {format_bytes(self.gpu_memory)} ({100 * self.peak_bytes / self.gpu_memory:.0f}%)"
+            text += (f"\n{verdict} in {format_bytes(self.gpu_memory)}: needs {format_bytes(self.needed_bytes)} "
+                     f"({100 * self.needed_bytes / self.gpu_memory:.0f}%)")
         return text
 
     __str__ = table
+
+
+_RESERVED_WHAT = {
+    "CUDA context": "CUDA context, kernels, cuBLAS/cuDNN handles",
+    "NCCL": "NCCL buffers per communicator",
+    "allocator": "caching allocator's fragmentation",
+}
 
 
 class _Timeline(LiveStorages):
@@ -243,7 +334,7 @@ def _simulate(model: nn.Module, sched: _Schedule, line: _Timeline, layout: Layou
 
 
 def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module] | None = None, *,
-                    gpu_memory: int | None = None) -> MemoryEstimate:
+                    gpu_memory: int | None = None, reserve: Reserve | None = None) -> MemoryEstimate:
     """Predict one rank's peak memory for training a model with fsdp2 on ``layout``.
 
     The model is sharded as the recipe does: each of ``model.layers`` is one group, the root
@@ -256,6 +347,10 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
         model: a ``ModelBuilder``, or a function building the model (``ModelBuilder(build=model)``);
             default ``ModelBuilder.llama("llama3_8b")``, the recipe's Llama at Llama 3 8B.
         gpu_memory: bytes available per rank, to say whether it fits.
+        reserve: what a GPU process holds besides the step (CUDA context, NCCL, allocator
+            fragmentation; see :class:`Reserve`), added to the peak for the verdict. Default:
+            ``Reserve()`` for ``backend="nccl"``, nothing for ``"gloo"`` (a CPU run);
+            ``Reserve.none()`` compares the simulated peak alone.
 
     With ``layout.tp > 1`` the fake model is tensor-parallelised by the builder's ``tp_plan``
     and runs as one rank of the TP group does, on a fake process group of ``tp`` ranks (so
@@ -267,6 +362,10 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
     builder = _as_builder(model)
     if gpu_memory is not None:
         positive_int("estimate_memory", "gpu_memory", gpu_memory)
+    if reserve is None:
+        reserve = Reserve() if layout.backend == "nccl" else Reserve.none()
+    elif not isinstance(reserve, Reserve):
+        raise TypeError(f"estimate_memory(reserve=...) takes a fsdp2.memory.Reserve, got {type(reserve).__name__}")
     shard = layout.dp_shard
     with contextlib.ExitStack() as stack:
         module, tp_mesh = _build(builder, layout.tp, stack)
@@ -307,7 +406,7 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
              ] if layout.tp > 1 else []
     return MemoryEstimate(line.peak, {c: line.peak_by_category.get(c, 0) for c in CATEGORIES}, line.peak_point,
                           dict(line.points), _describe(layout, n_blocks, pdtype), comm, run.saved_per_block,
-                          gpu_memory, notes)
+                          gpu_memory, notes, reserve.bytes(layout, line.peak))
 
 
 def _as_builder(model: ModelBuilder | Callable[[], nn.Module] | None) -> ModelBuilder:
@@ -380,11 +479,17 @@ def _root_parts(model: nn.Module, shard: int, pdtype: torch.dtype,
 
 
 def _cast_parameters(model: nn.Module, pdtype: torch.dtype) -> None:
-    """As ``MixedPrecisionPolicy``: the unsharded (floating-point) parameters in ``param_dtype``."""
+    """As ``MixedPrecisionPolicy``: the unsharded (floating-point) parameters in ``param_dtype``.
+
+    A parameter shared by two modules (tied embeddings) stays one parameter.
+    """
+    cast: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None and p.dtype.is_floating_point:
-                module._parameters[name] = nn.Parameter(p.detach().to(pdtype), p.requires_grad)
+                if id(p) not in cast:
+                    cast[id(p)] = nn.Parameter(p.detach().to(pdtype), p.requires_grad)
+                module._parameters[name] = cast[id(p)]
 
 
 def _describe(layout: Layout, n_blocks: int, pdtype: torch.dtype) -> str:

@@ -233,7 +233,7 @@ def test_corrupted_checkpoint_is_skipped_with_a_warning_and_refused_by_load(tmp_
         assert checkpointer.latest() == (1, root / "step-00000001")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2
-    assert "skipping corrupted checkpoint" in warnings[0] and "step-00000003" in warnings[0] \
+    assert "checkpoint: skipping" in warnings[0] and "step-00000003, unusable: " in warnings[0] \
         and "__0_0.distcp is" in warnings[0]
     assert "step-00000002" in warnings[1] and "__0_0.distcp is missing" in warnings[1]
 

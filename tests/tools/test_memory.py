@@ -237,20 +237,24 @@ class TestPinned(expecttest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertExpectedInline(out.stdout, """\
 llama3_8b: layout: world 8 = dp_replicate 1 x dp_shard 8 x tp 1; 32 blocks; batch 1 x seq 1024; param bfloat16; reshard_after_forward=True; activation_checkpointing=False
-category          per rank at peak
-----------------  ----------------
-sharded_params            3.74 GiB
-unsharded_params          1.96 GiB
-gradients                 1.38 GiB
-optimizer_state           7.48 GiB
-activations               6.70 GiB
-communication             1.27 GiB
-other                     4.01 MiB
-total                    22.53 GiB
+category                    per rank at peak  what
+--------------------------  ----------------  ----
+sharded_params                      3.74 GiB  this rank's shard of every parameter, all step long
+unsharded_params                    1.96 GiB  parameters gathered for the blocks being computed or prefetched
+gradients                           1.38 GiB  unsharded gradients being computed, and sharded ones already reduced
+optimizer_state                     7.48 GiB  the optimizer's state of this rank's shards (AdamW: 2 values each)
+activations                         6.70 GiB  what autograd saved for backward, and the outputs of the op running
+communication                       1.27 GiB  all-gather and reduce-scatter buffers in flight
+other                               4.01 MiB  the input tokens and the model's buffers (rotary tables)
+total                              22.53 GiB  the simulated step's peak
++ CUDA context                      1.00 GiB  reserved: CUDA context, kernels, cuBLAS/cuDNN handles
++ NCCL (1 communicator)           512.00 MiB  reserved: NCCL buffers per communicator
++ allocator (10% of total)          2.25 GiB  reserved: caching allocator's fragmentation
+needed                             26.28 GiB  total + reserved
 peak at: backward, layers.1
 saved by autograd per block: 216.13 MiB
 communication per step per rank: 50.64 GiB
-fits in 80.00 GiB (28%)
+fits in 80.00 GiB: needs 26.28 GiB (33%)
 """)
 
     def test_toy_planner_by_hand(self):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,7 +38,7 @@ from recipes.config import ConfigError, load_config, parse_args
 from recipes.data import ByteTokenizer, get_batch, load_corpus
 from recipes.llama.model import ModelArgs, Transformer
 from recipes.llama.parallelize import ParallelDims, check_layout, tp_plan
-from recipes.train import build_model, build_optimizer, lr_schedule, train
+from recipes.train import build_model, build_optimizer, lr_schedule, model_flops_per_token, train
 from recipes.train import main as train_main
 from tests._dist import run_on_ranks
 from tests._models import lm_loss, make_batch
@@ -397,6 +399,8 @@ def test_recipe_loss_is_finite_and_falls(full_run):
     # 4 batch x 32 seq x 2 accum x 2 ranks
     assert "tokens/step = 4 batch x 32 seq x 2 accum x 2 dp ranks = 512" in stdout
     assert "step 8/8  loss" in stdout
+    assert re.search(r"^done: steps 1-8 in .* tok/s, \S+ TFLOPS per rank$", stdout, re.M), stdout
+    assert records[8]["tflops_per_rank"] > 0 and "mfu" not in records[8]  # no peak given
     pytest.importorskip("matplotlib")
     assert (root / "a.png").stat().st_size > 0
 
@@ -450,6 +454,20 @@ def test_recipe_export_loads_into_unsharded_model(full_run, layout_run, layout):
     assert not torch.equal(model.tok_embeddings.weight, init.tok_embeddings.weight), "export holds trained weights"
 
 
+@pytest.mark.slow  # torchrun's start: tens of seconds on 2 cores
+def test_config_error_under_torchrun_names_the_error_in_torchrun_report():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(TRAIN),
+           "--training.lrr=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode != 0
+    error = "error: unknown key 'training.lrr' (from --training.lrr=1); did you mean 'training.lr'?"
+    assert proc.stdout == ""
+    assert proc.stderr.count(f"\n{error}") == 1, proc.stderr  # rank 0's line, once
+    # torchrun's own failure report (its process, not ours) names it instead of a link to the docs.
+    assert f"traceback : {error}" in proc.stderr
+    assert "To enable traceback see" not in proc.stderr
+
+
 def test_recipe_config_error_exits_cleanly(capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_main(["--training.lrr=1"])  # fails before any process group starts
@@ -460,3 +478,69 @@ def test_recipe_config_error_exits_cleanly(capsys):
         "weight_decay, beta1, beta2, max_grad_norm, mixed_precision, activation_checkpoint, compile, seed, "
         "max_skipped_steps\n"
     )
+
+
+# ---- the documented numbers ----------------------------------------------------------------------
+GETTING_STARTED = REPO / "docs" / "getting-started.md"
+DOC_CORPUS = "168 files, 4,698,555 bytes"  # Python 3.11.7's sources, as the sample output says
+
+
+def test_first_steps_of_the_demo_print_the_documented_losses(tmp_path):
+    # Steps 1-20 are the same on every machine (later ones depend on the CPU's kernels); the
+    # learning rate warms up over 20 steps whatever training.steps is, so 20 steps suffice.
+    text = GETTING_STARTED.read_text()
+    assert f"data: {DOC_CORPUS} from the Python standard library" in text
+    corpus = load_corpus(None)
+    if f"{corpus.numel():,} bytes" != DOC_CORPUS.split(", ")[1]:
+        pytest.skip(f"the documented losses are for Python 3.11.7's sources, not these {corpus.numel():,} bytes")
+    documented = {int(m[1]): float(m[2]) for m in re.finditer(r"^step +(\d+)/300  loss (\d\.\d{4})", text, re.M)
+                  if int(m[1]) <= 20}
+    assert sorted(documented) == [1, 10, 20]
+    run_on_ranks(_train_on_ranks, 2, ["--training.steps=20", "--metrics.sample_tokens=0", "--metrics.plot=false",
+                                      "--metrics.peak_tflops=0.5", "--metrics-file", str(tmp_path / "m.jsonl")],
+                 timeout=240.0)
+    records = _records(tmp_path / "m.jsonl")
+    assert {s: round(records[s]["loss"], 4) for s in documented} == documented
+    # Throughput in model FLOPs: tokens/s x FLOPs per token / ranks, and its share of the given peak.
+    flops = model_flops_per_token(Transformer(parse_args([]).model), parse_args([]))
+    r = records[20]
+    assert r["tflops_per_rank"] == pytest.approx(r["tokens_per_s"] * flops / 2 / 1e12)
+    assert r["mfu"] == pytest.approx(r["tflops_per_rank"] / 0.5)
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    config = parse_args([])  # the tiny config: dim 128, 4 layers, vocab 256, seq 128
+    model = Transformer(config.model)
+    n = sum(p.numel() for p in model.parameters())
+    assert model_flops_per_token(model, config) == 6 * (n - 256 * 128) + 12 * 4 * 128 * 128
+    tied = parse_args(["--model.tie_embeddings=true"])
+    tied_model = Transformer(tied.model)
+    assert model_flops_per_token(tied_model, tied) == 6 * sum(p.numel() for p in tied_model.parameters()) + \
+        12 * 4 * 128 * 128
+
+
+def test_ci_checks_the_documented_final_loss_range():
+    # README and getting-started state the range .ci/run checks the Quickstart's step 300 against.
+    low, high = re.search(r'^DEMO_LOSS_RANGE="(\S+) (\S+)"$', (REPO / ".ci" / "run").read_text(), re.M).groups()
+    assert f"lands in {low}-{high}" in GETTING_STARTED.read_text()
+    assert f"CI checks {low}-{high}" in (REPO / "README.md").read_text()
+
+
+# ---- quiet output ------------------------------------------------------------------------------
+def _without_numpy(tmp_path: Path) -> dict[str, str]:
+    """An environment whose Python processes cannot import numpy, as a virtualenv without it
+    (a sitecustomize hides it: ``import numpy`` raises ImportError)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['numpy'] = None\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+
+
+@pytest.mark.parametrize("command", [[str(TRAIN), "--help"], ["-m", "fsdp2.plan", "--help"],
+                                     ["-m", "fsdp2.checkpoint", "--help"]])
+def test_no_numpy_warning_without_numpy(tmp_path, command):
+    # torch warns "Failed to initialize NumPy" at import without numpy; neither needs numpy.
+    proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=REPO,
+                          env=_without_numpy(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""

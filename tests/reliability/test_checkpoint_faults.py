@@ -1,0 +1,314 @@
+"""Checkpoints never lose work: faults injected into real checkpoint files, the real recipe on 2 ranks.
+
+One 2-rank run of ``train()`` (6 steps, a checkpoint every 2) makes sound checkpoints; each
+test copies them into a fresh directory under the names it needs and damages them the way
+real faults do: a shard cut short (a copy onto a full disk), ``.metadata`` deleted, the
+completion marker deleted, a half-written ``.tmp-<id>`` directory (a save killed midway).
+Then the recipe runs on them and the test checks what it chose, what is left on disk and
+the one log line each save, prune, resume, fresh start and moved-aside checkpoint prints.
+
+- Only unusable checkpoints: the run stops on every rank with an error naming each one and
+  the flag that starts fresh; nothing on disk changes. With the flag it starts from step 0,
+  the unusable ones are moved aside (not deleted) and never counted by pruning, so the new
+  checkpoints survive (the issue-27 data loss: pruning deleted the new sound checkpoints
+  and kept the corrupt ones).
+- A corrupt newest checkpoint over a sound older one: the run resumes from the sound one,
+  exactly (losses equal the uninterrupted run's), and moves the corrupt one aside.
+- A checkpoint damaged while the run goes on is moved aside by pruning, which keeps the
+  newest *sound* ones.
+- Only leftovers of an interrupted save: a fresh start, saying so. A mistyped directory: a
+  fresh start that names the directory and the close match holding checkpoints.
+- No numpy (which DCP needs): the run stops before the first step with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recipes.checkpoint import Checkpointer, UnusableCheckpointError
+from tests._dist import run_on_ranks
+from tests.reliability.test_fault import BASE, _plain_setup
+from tests.tools.test_recipe import _train_on_ranks, _without_numpy
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "recipes" / "train.py"
+ARGS = [*BASE, "--training.steps=6", "--checkpoint-every", "2", "--checkpoint.keep=2"]
+FRESH = "--checkpoint.start_fresh_if_unusable"
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname}: {record.getMessage()}")
+
+
+def _train_logged(argv: list[str]) -> tuple[int | None, str | None, list[str]]:
+    """On every rank: (step resumed from, or None on error; the error; the recipe's log lines)."""
+    handler, recipes_logger = _Records(), logging.getLogger("recipes")
+    level = recipes_logger.level
+    recipes_logger.addHandler(handler)
+    recipes_logger.setLevel(logging.INFO)
+    try:
+        return _train_on_ranks(argv), None, handler.lines
+    except UnusableCheckpointError as e:
+        return None, str(e), handler.lines
+    finally:
+        recipes_logger.removeHandler(handler)
+        recipes_logger.setLevel(level)
+
+
+def _run(root: Path, *extra: str) -> tuple[list[int | None], list[str | None], list[str]]:
+    """The recipe on 2 ranks over ``root/ckpt``: resumed steps, errors, and rank 0's log lines."""
+    results = run_on_ranks(_train_logged, 2, [*ARGS, *extra, "--checkpoint-dir", str(root / "ckpt"),
+                                              "--metrics-file", str(root / "metrics.jsonl")], timeout=240.0)
+    assert results[1][2] == [], "only rank 0 logs"
+    return [r[0] for r in results], [r[1] for r in results], results[0][2]
+
+
+def _records(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _listing(ckpt: Path) -> list[str]:
+    """The directory's entries, ``.unusable-<id>`` suffixes shortened to ``.unusable``."""
+    return sorted(re.sub(r"\.unusable-\w+$", ".unusable", p.name) for p in ckpt.iterdir())
+
+
+@pytest.fixture(scope="module")
+def sound(tmp_path_factory) -> Path:
+    """A 2-rank run of ARGS with every checkpoint kept: step-2, step-4, step-6 and the metrics."""
+    root = tmp_path_factory.mktemp("sound")
+    run_on_ranks(_train_on_ranks, 2, [*ARGS, "--checkpoint.keep=0", "--checkpoint-dir", str(root / "ckpt"),
+                                      "--metrics-file", str(root / "metrics.jsonl")], timeout=240.0)
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]
+    return root
+
+
+def _copy(sound: Path, step: int, dest: Path, as_step: int | None = None) -> Path:
+    target = dest / "ckpt" / f"step-{as_step or step:08d}"
+    shutil.copytree(sound / "ckpt" / f"step-{step:08d}", target)
+    return target
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _snapshot(root: Path) -> dict[str, int]:
+    return {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+# ---- only unusable checkpoints ------------------------------------------------------------------
+def test_only_unusable_checkpoints_stop_the_run_unless_told_to_start_fresh(sound, tmp_path):
+    _truncate(_copy(sound, 6, tmp_path, as_step=200) / "__0_0.distcp")  # a copy cut short
+    (_copy(sound, 6, tmp_path, as_step=300) / ".metadata").unlink()  # DCP's index lost
+    before = _snapshot(tmp_path / "ckpt")
+
+    starts, errors, lines = _run(tmp_path)
+    assert starts == [None, None], "every rank stops, none trains"
+    assert errors[0] == errors[1] and errors[0].startswith(f"checkpoint.dir {tmp_path / 'ckpt'} holds no usable "
+                                                           "checkpoint: step-00000300 (.metadata is missing); "
+                                                           "step-00000200 (__0_0.distcp is ")
+    assert FRESH in errors[0]
+    assert lines == [], "nothing was resumed, started, saved or moved"
+    assert _snapshot(tmp_path / "ckpt") == before, "nothing on disk changed"
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+    starts, errors, lines = _run(tmp_path, FRESH)
+    assert starts == [0, 0] and errors == [None, None]
+    ckpt = tmp_path / "ckpt"
+    assert lines[0].startswith(f"WARNING: checkpoint: {ckpt / 'step-00000300'} is unusable (.metadata is missing); "
+                               "moved it to step-00000300.unusable-")
+    assert lines[1].startswith(f"WARNING: checkpoint: {ckpt / 'step-00000200'} is unusable (__0_0.distcp is ")
+    assert lines[2] == f"INFO: checkpoint: starting from step 0: no usable checkpoint in {ckpt} ({FRESH})"
+    assert [line.split(" to ")[0] for line in lines[3:]] == [f"INFO: checkpoint: saved step {s}" for s in (2, 4, 6)]
+    assert lines[-1].endswith(" s); pruned step 2") and "pruned" not in "".join(lines[:-1])
+    # The new sound checkpoints are kept; the unusable ones were set aside, whole, and never counted.
+    assert _listing(ckpt) == ["step-00000004", "step-00000006", "step-00000200.unusable", "step-00000300.unusable"]
+    aside = {p.name.split(".")[0]: p for p in ckpt.iterdir() if ".unusable-" in p.name}
+    assert _snapshot(aside["step-00000200"]) == {k.split("/", 1)[1]: v for k, v in before.items()
+                                                 if k.startswith("step-00000200/")}
+    # The fresh run is the uninterrupted run.
+    got, want = _records(tmp_path / "metrics.jsonl"), _records(sound / "metrics.jsonl")
+    assert [got[s]["loss"] for s in got] == [want[s]["loss"] for s in want]
+
+    starts, _, lines = _run(tmp_path)  # run again: resumes from the newest, nothing to do
+    assert starts == [6, 6]
+    assert lines == [f"INFO: checkpoint: resumed from {ckpt / 'step-00000006'} at step 6"]
+
+
+def test_a_checkpoint_without_its_marker_is_unusable_not_ignored(sound, tmp_path):
+    # A marker deleted (or a checkpoint copied without it): before, the run started over silently.
+    (_copy(sound, 4, tmp_path) / "fsdp2_complete.json").unlink()
+    starts, errors, _ = _run(tmp_path)
+    assert starts == [None, None]
+    assert "step-00000004 (" in errors[0] and "has no completion marker" in errors[0]
+
+
+# ---- a sound checkpoint under corrupt newer ones --------------------------------------------------
+def test_corrupt_newest_checkpoint_resumes_exactly_from_the_newest_sound_one(sound, tmp_path):
+    _copy(sound, 2, tmp_path)
+    _truncate(_copy(sound, 4, tmp_path) / "__1_0.distcp")
+    (_copy(sound, 6, tmp_path) / ".metadata").write_bytes(b"\x80")  # not a pickle any more
+
+    starts, errors, lines = _run(tmp_path)
+    assert starts == [2, 2] and errors == [None, None]
+    ckpt = tmp_path / "ckpt"
+    assert lines[0].startswith(f"WARNING: checkpoint: {ckpt / 'step-00000006'} is unusable "
+                               "(.metadata is 1 bytes but was saved with ")
+    assert lines[1].startswith(f"WARNING: checkpoint: {ckpt / 'step-00000004'} is unusable (__1_0.distcp is ")
+    assert lines[2] == f"INFO: checkpoint: resumed from {ckpt / 'step-00000002'} at step 2"
+    assert lines[-1].endswith(" s); pruned step 2")
+    assert _listing(ckpt) == ["step-00000004", "step-00000004.unusable", "step-00000006", "step-00000006.unusable"]
+    got, want = _records(tmp_path / "metrics.jsonl"), _records(sound / "metrics.jsonl")
+    for step in (3, 4, 5, 6):
+        for key in ("loss", "grad_norm", "lr"):
+            assert got[step][key] == want[step][key], (step, key)
+
+
+def test_pruning_keeps_the_newest_sound_checkpoints_and_sets_corrupt_ones_aside(tmp_path, caplog):
+    # Single process, the recipe's Checkpointer on real files: a checkpoint damaged after its save.
+    root = tmp_path / "ckpt"
+    checkpointer = Checkpointer(root, keep=2)
+    model, optimizer, scheduler = _plain_setup(seed=0)
+    for step in (1, 2):
+        checkpointer.save(step, model, optimizer, scheduler)
+    _truncate(root / "step-00000002" / "__0_0.distcp")
+    with caplog.at_level(logging.INFO, logger="recipes.checkpoint"):
+        checkpointer.save(3, model, optimizer, scheduler)
+    # Before: keep the two highest step numbers, i.e. delete step 1, the only other sound one.
+    assert _listing(root) == ["step-00000001", "step-00000002.unusable", "step-00000003"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith(f"checkpoint: {root / 'step-00000002'} is unusable (__0_0.distcp is ")
+    assert messages[0].endswith("instead of counting it among the 2 kept")
+    assert messages[1].startswith(f"checkpoint: saved step 3 to {root / 'step-00000003'} (")
+    assert messages[1].endswith(" s)"), "nothing pruned: steps 1 and 3 are the newest two sound checkpoints"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="recipes.checkpoint"):
+        checkpointer.save(4, model, optimizer, scheduler)
+    assert caplog.records[-1].getMessage().endswith(" s); pruned step 1")
+    assert _listing(root) == ["step-00000002.unusable", "step-00000003", "step-00000004"]
+
+
+# ---- fresh starts that say why ------------------------------------------------------------------
+def test_half_written_save_only_starts_fresh_and_says_so(sound, tmp_path):
+    leftover = _copy(sound, 2, tmp_path, as_step=2)
+    (leftover / "fsdp2_complete.json").unlink()
+    leftover.rename(leftover.with_name("step-00000002.tmp-0123456789ab"))  # a save killed midway
+    starts, errors, lines = _run(tmp_path, "--training.steps=2")
+    assert starts == [0, 0] and errors == [None, None]
+    ckpt = tmp_path / "ckpt"
+    assert lines[:2] == [
+        f"INFO: checkpoint: removed {ckpt / 'step-00000002.tmp-0123456789ab'}, left by an interrupted save or prune",
+        f"INFO: checkpoint: starting from step 0: no checkpoint in {ckpt} (removed 1 interrupted save)",
+    ]
+    assert lines[2].startswith(f"INFO: checkpoint: saved step 2 to {ckpt / 'step-00000002'} (") and len(lines) == 3
+
+
+def test_mistyped_checkpoint_dir_names_the_close_match(tmp_path, caplog):
+    checkpointer = Checkpointer(tmp_path / "ckpt")
+    model, optimizer, scheduler = _plain_setup(seed=0)
+    checkpointer.save(7, model, optimizer, scheduler)
+    with caplog.at_level(logging.INFO, logger="recipes.checkpoint"):
+        assert Checkpointer(tmp_path / "ckpts").resume(model, optimizer, scheduler) is None
+        assert Checkpointer(tmp_path / "other").resume(model, optimizer, scheduler) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"checkpoint: starting from step 0: {tmp_path / 'ckpts'} does not exist yet (did you mean "
+        f"{tmp_path / 'ckpt'}? it holds checkpoints up to step 7); the first save creates it",
+        f"checkpoint: starting from step 0: {tmp_path / 'other'} does not exist yet; the first save creates it",
+    ]
+
+
+# ---- a missing dependency, before the first step ------------------------------------------------
+def test_checkpointing_without_numpy_stops_before_the_first_step(tmp_path):
+    env = _without_numpy(tmp_path)
+    proc = subprocess.run([sys.executable, str(TRAIN), *ARGS, "--checkpoint-dir", str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr == (f"error: checkpoint.dir={tmp_path / 'ckpt'}: checkpoints need numpy "
+                           "(torch.distributed.checkpoint's object collectives use it): "
+                           "pip install -e '.[checkpoint]' (or pip install numpy)\n")
+    assert not (tmp_path / "ckpt").exists()
+
+
+# ---- the offline export takes the run's directory -----------------------------------------------
+def _export(source: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp2.checkpoint", "export", str(source), str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_export_of_a_run_directory_takes_the_newest_sound_checkpoint(sound, tmp_path):
+    from safetensors.torch import load_file
+
+    _copy(sound, 2, tmp_path)
+    _copy(sound, 4, tmp_path)
+    _truncate(_copy(sound, 6, tmp_path) / "__0_0.distcp")
+    shutil.copytree(sound / "ckpt" / "step-00000006", tmp_path / "ckpt" / "step-00000008.tmp-0123456789")
+    ckpt = tmp_path / "ckpt"
+    proc = _export(ckpt, tmp_path / "run.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("skipped step-00000006: __0_0.distcp is ")
+    assert proc.stdout.startswith(f"wrote 21 tensors from {ckpt / 'step-00000004'} to {tmp_path / 'run.safetensors'}")
+    assert _export(ckpt / "step-00000004", tmp_path / "step.safetensors").returncode == 0
+    run, step = load_file(tmp_path / "run.safetensors"), load_file(tmp_path / "step.safetensors")
+    assert run.keys() == step.keys() and all(run[k].equal(step[k]) for k in run)
+
+    (ckpt / "step-00000002" / ".metadata").unlink()
+    (ckpt / "step-00000004" / "fsdp2_complete.json").write_text("{")
+    proc = _export(ckpt, tmp_path / "none.safetensors")
+    assert proc.returncode == 2 and not (tmp_path / "none.safetensors").exists()
+    assert f"error: {ckpt} is not a DCP checkpoint and holds no sound one: skipped step-00000006: " in proc.stderr
+    assert "skipped step-00000004: fsdp2_complete.json is unreadable" in proc.stderr
+    assert "skipped step-00000002: .metadata is missing" in proc.stderr
+
+
+# ---- Ctrl-C: one line, with the step to resume from ----------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ctrl_c_prints_one_line_with_the_last_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    cmd = [sys.executable, str(TRAIN), *BASE, "--training.steps=100000", "--checkpoint-every", "2",
+           "--checkpoint-dir", str(ckpt)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (ckpt / "step-00000004" / "fsdp2_complete.json").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint at step 4"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    match = re.fullmatch(r"interrupted during step (\d+); the last checkpoint is step (\d+) in "
+                         rf"{re.escape(str(ckpt))}: run the same command to resume from it\n", stderr)
+    assert match, stderr
+    interrupted, last = map(int, match.groups())
+    assert 4 <= last < interrupted and last % 2 == 0
+    assert f"checkpoint: saved step {last} to {ckpt / f'step-{last:08d}'}" in stdout
+    assert (ckpt / f"step-{last:08d}" / "fsdp2_complete.json").is_file()
+    assert "Traceback" not in stdout + stderr
