@@ -101,8 +101,10 @@ class ParamGroup(PartialRelease):
         # them, see waits_for_inputs): one token each, held by the autograd graph, so a graph
         # dropped without a backward (an evaluation with gradients on) drops out by itself.
         self.inputs_pending: weakref.WeakSet[Any] = weakref.WeakSet()
-        # A forward of this iteration had no input requiring grad: nothing tells when backward
-        # is done with the frozen parameters, so the end of backward reduces (as torch).
+        # A forward of this iteration did not route its inputs through _InputsGradReady (none
+        # required grad, or the group had no frozen parameter then): nothing tells when backward
+        # is done with the parameters frozen at or since that forward, so the end of backward
+        # reduces them (as torch's FSDP2 does).
         self.unhooked_forward = False
         # Parameters whose local tensor subclass gathers compact data (_extension.py); None if none do.
         self._ext = GroupExtension.of(params, dp, subgroup is not None)
@@ -382,6 +384,8 @@ class ParamGroup(PartialRelease):
             _trace.emit("unshard", self.label)
             for p in self.params:  # no collective and no copy: view the shard itself
                 p.bind_unsharded(p.padded_local, self._on_grad_ready)
+            self.refresh_requires_grad()
+            for p in self.params:
                 p.to_unsharded()
             self.state = ShardState.UNSHARDED
             return
@@ -421,6 +425,7 @@ class ParamGroup(PartialRelease):
         if gather.release is not None:
             self._unreleased = gather
         self._gather = None  # only now: if the copy raised, reset() still finds the collective
+        self.refresh_requires_grad()  # a flag set on the sharded form since reaches autograd's
         for p in self.params:
             p.to_unsharded()
         self.state = ShardState.UNSHARDED
@@ -432,6 +437,7 @@ class ParamGroup(PartialRelease):
         if self.state is ShardState.SHARDED:
             return
         _trace.emit("reshard", self.label)
+        self.refresh_requires_grad()  # a flag set on the unsharded form shows on the sharded one
         for p in self.params:
             p.to_sharded()
         self._free_unsharded()
@@ -467,11 +473,14 @@ class ParamGroup(PartialRelease):
         self.has_frozen = self._num_trainable < len(self.params)
 
     def refresh_requires_grad(self) -> None:
-        """Follow ``requires_grad`` changes on the sharded parameters since the last forward.
+        """Follow ``requires_grad`` changes on either form of the parameters since the last look.
 
-        Called at each pre-forward: one flag comparison per parameter; counts are rebuilt only
-        when one changed. Frozen parameters get no gradient, no reduce-scatter, and so no
-        ``.grad`` for the optimizer to step with.
+        Called at each pre-forward and pre-backward and wherever the modules swap forms (unshard,
+        reshard): one flag comparison per form; counts are rebuilt only when one changed. Frozen
+        parameters get no gradient, no reduce-scatter, and so no ``.grad`` for the optimizer
+        to step with. A change after a forward is safe for its backward: that forward either
+        routed its inputs (``_InputsGradReady``) or counts as unhooked (``unhooked_forward``), so a
+        parameter frozen since is never freed before backward is done with it.
         """
         if any([p.sync_requires_grad() for p in self.params]):  # a list: sync every parameter
             self._count_trainable()
@@ -492,8 +501,11 @@ class ParamGroup(PartialRelease):
         self.backward_started = True
         if self.policy.unshard_in_backward:
             self.wait_for_unshard(whole=False)
+        self.refresh_requires_grad()  # frozen or unfrozen since forward: honoured by this backward
 
     def _on_grad_ready(self, param: ShardedParam) -> None:
+        if not param.unsharded.requires_grad:
+            return  # frozen since its forward: autograd runs the hook but accumulates nothing
         if self.post_backward_done and self.policy.reduce_unused:  # reduced at the end of the module's backward
             raise RuntimeError(
                 f"fsdp2: the gradient of {self._name_of(param)} arrived after {self.label} had reduced its "

@@ -55,8 +55,8 @@ class ShardedParam:
         self.fqn = fqn
         self.dp = dp
         self.rank = dp.shard_rank
-        # The sharded parameter's flag as of the last sync_requires_grad(): the user may
-        # freeze or unfreeze it at any time; the group reads it once per forward.
+        # Both forms' flag as of the last sync_requires_grad(): the user may freeze or
+        # unfreeze either at any time; the group reads them whenever the module swaps forms.
         self.requires_grad = param.requires_grad
         self.global_shape = param.shape
         # Tensor parallelism: the parameter is already a DTensor on a TP mesh. FSDP shards
@@ -296,17 +296,27 @@ class ShardedParam:
             self._grad_hooked = True
 
     def sync_requires_grad(self) -> bool:
-        """Follow the sharded parameter's ``requires_grad`` (frozen or unfrozen since the last call).
+        """Follow a ``requires_grad`` change made on either form since the last call.
 
-        Returns whether it changed. The unsharded parameter, which autograd sees, takes the flag:
-        a frozen parameter then gets no gradient, an unfrozen one gets one again.
+        The user changes the flag of whichever parameter the module holds at the time: the
+        sharded one between steps, the unsharded one between forward and backward (the root's,
+        or any group's after ``unshard()``). The form whose flag differs from the last one seen
+        holds the change, and both forms take it (a flag is a bool: where both differ, they agree).
+        Autograd reads the unsharded parameter's: a frozen parameter gets no gradient, an
+        unfrozen one (with its gradient hook) gets one again from its next forward on.
+        Returns whether it changed.
         """
-        flag = self.sharded.requires_grad
-        if flag == self.requires_grad:
+        flag = self.requires_grad
+        unsharded = self.unsharded
+        if self.sharded.requires_grad == flag and (unsharded is None or unsharded.requires_grad == flag):
             return False
+        flag = not flag
         self.requires_grad = flag
-        if self.unsharded is not None:
-            self.unsharded.requires_grad_(flag)
+        if self.sharded.requires_grad != flag:
+            self.sharded.requires_grad_(flag)
+        if unsharded is not None:
+            if unsharded.requires_grad != flag:
+                unsharded.requires_grad_(flag)
             self._hook_grad_ready()
         return True
 

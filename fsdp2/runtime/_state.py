@@ -179,8 +179,11 @@ class ModuleState:
         with _compat.outside_functorch():  # torch.func.jvp: gather plain tensors, not the transform's
             self._unshard_for_forward(recompute)
         group = self.group
-        if group is not None and not recompute and group.waits_for_inputs and torch.is_grad_enabled():
-            args, kwargs = self._hook_inputs_grad_ready(args, kwargs)
+        if group is not None and not recompute and torch.is_grad_enabled():
+            if group.waits_for_inputs:
+                args, kwargs = self._hook_inputs_grad_ready(args, kwargs)
+            else:  # should a parameter be frozen before backward, only the end of backward is safe
+                group.unhooked_forward = True
         policy = self.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
