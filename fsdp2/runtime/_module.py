@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..comm import _comm
 from ..comm._comm import AllGather, ReduceScatter
 from .._common import ShardState
-from .._errors import FSDPTypeError
+from .._errors import FSDPTypeError, FSDPValueError
 from ._state import ModuleState, get_state
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -427,8 +427,8 @@ def _no_custom_comms(method: str, group: Any) -> None:
                                       ("set_custom_reduce_scatter", group.policy.custom_reduce_scatter))
               if comm is not None]
     if custom:
-        raise ValueError(f"{method}: {group.label} has a custom comm ({', '.join(custom)}), which allocates its own "
-                         "buffers; allocate from the process group inside the custom comm instead")
+        raise FSDPValueError(f"{method}: {group.label} has a custom comm ({', '.join(custom)}), which allocates its "
+                             "own buffers; allocate from the process group inside the custom comm instead")
 
 
 def _states_of(method: str, modules: list[Any]) -> list[ModuleState]:
