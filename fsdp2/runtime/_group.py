@@ -12,7 +12,7 @@ segments and frees it a part at a time (``_release.py``).
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from ._reduce_queue import ReduceQueue
 from ..comm._streams import Completion, streams_for
 
 
-__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "send_aliases_shards"]
+__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "raise_if_on_meta", "send_aliases_shards"]
 
 
 def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
@@ -55,6 +55,20 @@ def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
     and sends from there: it never aliases them either way.
     """
     return device.type == "cpu" and not explicit
+
+
+def raise_if_on_meta(params: list[ShardedParam], name_of: Callable[[ShardedParam], str]) -> None:
+    """``RuntimeError`` (torch's type) naming the parameters still on the meta device, and the fix."""
+    names = [name_of(p) for p in params if p.padded_local.is_meta]
+    if names:
+        listed = f"{names}" if len(names) <= 20 else f"{names[:20]} and {len(names) - 20} more"
+        raise RuntimeError(
+            f"fsdp2: parameters still on the meta device at their first use: {listed}. Materialize them first: "
+            "model.to_empty(device=...) (after fully_shard it allocates only this rank's shards), then "
+            "initialize them: reset_parameters() on each module, or load weights (load_state_dict, "
+            "fsdp2.checkpoint.load_full, or set_model_state_dict(..., options=StateDictOptions("
+            "full_state_dict=True, broadcast_from_rank0=True)), which materializes them itself)"
+        )
 
 
 class ParamGroup(PartialRelease):
@@ -113,6 +127,7 @@ class ParamGroup(PartialRelease):
         self.transport: Transport = choose_transport(device, self._unsharded_bytes())
         self.refresh_transports()
         self._probed = False  # probe_transport() ran: at the group's first all-gather
+        self.prepared = False  # the parameters assigned since fully_shard were taken (take_assigned)
         self._aliases = self._aliases_shards()
         self._pack_shards()
 
@@ -127,12 +142,49 @@ class ParamGroup(PartialRelease):
             self._plans[world] = GatherPlan.build(layouts, dtypes)
         return self._plans[world]
 
+    def adopt_registered(self, move: bool, where: str) -> None:
+        """Take the parameters the modules hold now as the group's sharded ones (torch's
+        ``reset_sharded_param``): after ``nn.Module._apply``, ``load_state_dict(assign=True)``,
+        or a parameter assigned before the first forward. Every one is checked before any is
+        taken (``where`` names the caller in errors); the buffers are rebuilt if one changed.
+        ``move``: put new local tensors on the group's device (see ``ShardedParam.adopt_registered``).
+        """
+        if self.state is not ShardState.SHARDED:
+            raise RuntimeError(f"group {self.label} must be resharded before its parameters are replaced")
+        for p in self.params:
+            p.check_replacement(p.registered(), f"parameter {self._name_of(p)!r} ({where})")
+        if any([p.adopt_registered(move) for p in self.params]):  # a list: adopt every parameter
+            self.invalidate()
+
+    def materialize(self) -> None:
+        """Shards still on the meta device get zero-filled storage of their own (the checkpoint
+        helpers, before filling them); the parameter objects stay."""
+        self.reshard()
+        if any([p.materialize() for p in self.params]):  # a list: every parameter
+            self.invalidate()
+
+    def take_assigned(self) -> None:
+        """Before the group's first gather: take the parameters the user assigned since
+        ``fully_shard`` (``module.w = nn.Parameter(dtensor)``), as torch's FSDP2 does at lazy init."""
+        if not self.prepared and self.state is ShardState.SHARDED:
+            self.adopt_registered(True, "at its first use")
+
+    def prepare(self) -> None:
+        """An explicit ``unshard()``, which may come before the root's lazy init: take the
+        parameters assigned since ``fully_shard`` and refuse parameters still on the meta device."""
+        self.take_assigned()
+        raise_if_on_meta(self.params, self._name_of)
+        self.prepared = True
+
     def invalidate(self) -> None:
-        """Forget buffers and plans after devices or dtypes changed (``nn.Module._apply``)."""
+        """Forget buffers and plans after devices or dtypes changed (``nn.Module._apply``) or
+        parameters were replaced."""
         if self.state is not ShardState.SHARDED:
             raise RuntimeError(f"group {self.label} must be resharded before converting its module")
         self._plans.clear()
         self._buffers, self._regions = [], []
+        for p in self.params:  # their views of the old buffers go too
+            p.unbind_unsharded()
         self._chunk_views.clear()
         self._count_trainable()
         if self._ext is not None:

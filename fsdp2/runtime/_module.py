@@ -79,6 +79,7 @@ class FSDPModule:
         # No lazy init here: this module may be a sub-module called before the root's first
         # forward, and must not become a root itself.
         if state.group is not None:  # async: the caller's code runs before the wait (send_aliases_shards)
+            state.group.prepare()
             state.group.unshard(async_op=True, explicit=async_op)
         handle = UnshardHandle(state)
         if async_op:
@@ -411,9 +412,7 @@ class FSDPModule:
             state.group.reshard()
         out = super()._apply(*args, **kwargs)
         if state.group is not None:
-            for p in state.group.params:
-                p.reset_after_apply()
-            state.group.invalidate()
+            state.group.adopt_registered(False, "after a module conversion: to_empty(), to(), float(), ...")
         return out
 
 

@@ -30,7 +30,7 @@ from ..diagnostics import _checks
 from .. import _compat
 from .._api import MixedPrecisionPolicy
 from .._common import STATE_ATTR, ShardState, TrainingState, get_state
-from ._group import ParamGroup, ReduceQueue
+from ._group import ParamGroup, ReduceQueue, raise_if_on_meta
 from ._state_dict import register_state_dict_hooks
 from ._tree import cast_floating, iter_tensors, map_tensors
 
@@ -156,12 +156,18 @@ class ModuleState:
                     if group.segmented:
                         ctx.segmented.append(group)
         ctx.diag = _checks.Diagnostics(states, names)
+        groups = [state.group for state in states if state.group is not None]
         try:
-            _checks.check_rank_agreement(ctx.diag)
+            for group in groups:
+                group.take_assigned()
+            _checks.check_rank_agreement(ctx.diag)  # (before the next check: a rank alone on meta fails here)
+            raise_if_on_meta([p for group in groups for p in group.params], lambda p: ctx.diag.param_names[id(p)])
         except Exception:
             for state in states:  # not initialised: the next forward checks again
                 state.is_root, state.ctx = None, None
             raise
+        for group in groups:
+            group.prepared = True
         logger.debug("fsdp2: lazy init with root %s and %d groups", type(root_module).__name__, len(states))
 
     def label(self) -> str:

@@ -399,3 +399,25 @@ def _activation_checkpointing(variant: str) -> None:
 @pytest.mark.parametrize("variant", ["checkpoint_in_forward", "sharded_wrapper", "wrapper_around_sharded_block"])
 def test_activation_checkpointing_matches_reference(variant):
     run_on_ranks(_activation_checkpointing, 2, variant)
+
+
+# ---- module conversions between steps ------------------------------------------------------
+def _converted_between_steps() -> list[float]:
+    """``float()`` / ``cpu()`` that change nothing, after steps that gathered every group: the groups
+    rebuild their buffers, and the unsharded parameters with them (they used to keep viewing the
+    freed ones: the next forward failed with ``setStorage: ... storage of size 0``)."""
+    rank = dist.get_rank()
+    conversions = {1: lambda m: m.float(), 2: lambda m: m.cpu(), 3: lambda m: m.to(torch.float32)}
+
+    def step_fn(m: nn.Module, step: int) -> torch.Tensor:
+        if step in conversions:
+            conversions[step](m)
+        return _lm_step(rank, m, step)
+
+    ref = Transformer(vocab=VOCAB, dim=DIM, n_heads=HEADS, seq=SEQ)
+    model = copy.deepcopy(ref)
+    return _train_both(ref, _shard_blocks(model, list(model.layers)), step_fn, steps=4)
+
+
+def test_conversions_that_change_nothing_between_steps_keep_training():
+    run_on_ranks(_converted_between_steps, 2)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp2 import fully_shard, record_schedule
 from tests._dist import run_on_ranks
@@ -160,8 +160,28 @@ def _load_errors() -> None:
     sd["extra"] = torch.zeros(1)
     with pytest.raises(RuntimeError, match=r"(?s)Missing key\(s\).*norm.weight.*Unexpected key\(s\).*extra"):
         model.load_state_dict(sd, strict=True)
-    with pytest.raises(NotImplementedError, match=r"assign=True\) is not supported"):
-        model.load_state_dict(Transformer().state_dict(), assign=True)
+    # assign=True: a DTensor laid out otherwise than the parameter it would replace is refused
+    # before anything is assigned, even where it belongs to a group loaded after others.
+    registered = {name: p for name, p in model.named_parameters()}
+    values = {name: p.detach().full_tensor() for name, p in registered.items()}
+    sd = {k: v.clone() for k, v in values.items()}
+    sd["layers.2.mlp_norm.weight"] = distribute_tensor(sd["layers.2.mlp_norm.weight"], _mesh(), [Replicate()])
+    with pytest.raises(ValueError, match=r"fsdp2: load_state_dict\(assign=True\): key 'layers.2.mlp_norm.weight' "
+                                         r"is a DTensor \(Replicate\(\),\) on mesh \(2,\), "
+                                         r"shape \(32,\); fsdp2 shards it \(Shard\(dim=0\),\) .*distribute_tensor"):
+        model.load_state_dict(sd, assign=True)
+    assert all(p is registered[name] for name, p in model.named_parameters())
+    assert all(torch.equal(p.full_tensor(), values[name]) for name, p in model.named_parameters())
+    # A plain parameter put in place of a sharded one: refused at the first forward, naming the fix.
+    tokens, _ = make_batch(dist.get_rank(), 0)
+    model.norm.weight = nn.Parameter(torch.ones(32))
+    with pytest.raises(TypeError, match=r"fsdp2: parameter 'norm.weight' \(at its first use\) is a Parameter, but a "
+                                        r"fully_shard-ed parameter stays a DTensor \(\(Shard\(dim=0\),\) on mesh .*"
+                                        r"nn.Parameter\(distribute_tensor\(full, param.device_mesh, param.placements"):
+        model(tokens)
+    model.norm.weight = nn.Parameter(distribute_tensor(torch.ones(32), _mesh(), [Shard(0)]))
+    model(tokens).sum().backward()  # taken at the retried lazy init
+    assert model.norm.weight.grad is not None
 
 
 def test_load_state_dict_errors_name_keys_and_shapes():
