@@ -257,8 +257,9 @@ class ShardedParam:
         device = local.device
         if move and not local.is_meta:
             device = torch.device("cpu") if self.offload_to_cpu else self._home_device
+        # (A rank holding no rows of the parameter has an empty local tensor: no pointer to compare.)
         if current is self.sharded and local.dtype == padded.dtype and local.device == padded.device == device \
-                and (local.is_meta or local.data_ptr() == padded.data_ptr()):
+                and (local.is_meta or local.numel() == 0 or local.data_ptr() == padded.data_ptr()):
             return False
         dim, rows = self.layout.dim, self.layout.rows(self.rank)
         with torch.no_grad():

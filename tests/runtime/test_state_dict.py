@@ -33,7 +33,8 @@ def _shard(model: nn.Module) -> nn.Module:
 
 
 class _Odd(nn.Module):
-    """Rows that do not divide 4 ranks (3 rows: rank 3 holds an empty shard), tied weights."""
+    """Rows that do not divide 4 ranks (3 rows: rank 3 holds an empty shard, next to a non-empty
+    one in the root's group), tied weights."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,11 +42,11 @@ class _Odd(nn.Module):
         self.layers = nn.ModuleList([nn.Linear(5, 3), nn.Linear(3, 5)])
         self.head = nn.Linear(5, 7, bias=False)
         self.head.weight = self.emb.weight
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.emb(tokens)
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
+        x = torch.tanh(self.layers[0](self.emb(tokens))) * self.scale
+        x = torch.tanh(self.layers[1](x))
         return self.head(x)
 
 
@@ -112,8 +113,11 @@ def _load_full_and_sharded() -> None:
     source = _Odd()  # different weights to load
     tokens = torch.randint(0, 7, (2, 4))
 
+    local_data = {name: p.to_local().data_ptr() for name, p in model.named_parameters()}
     result = model.load_state_dict(source.state_dict(), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
+    # Copied into the shards in place: no storage replaced (rank 3 holds empty shards of some).
+    assert {name: p.to_local().data_ptr() for name, p in model.named_parameters()} == local_data
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), source.state_dict()[key], atol=0, rtol=0, msg=key)
     assert model.head.weight is model.emb.weight  # still tied, still the registered DTensor
