@@ -147,7 +147,7 @@ class ParamGroup(PartialRelease):
         ``reset_sharded_param``): after ``nn.Module._apply``, ``load_state_dict(assign=True)``,
         or a parameter assigned before the first forward. Every one is checked before any is
         taken (``where`` names the caller in errors); the buffers are rebuilt if one changed.
-        ``move``: put new local tensors on the group's device (see ``ShardedParam.adopt_registered``).
+        ``move``: put replacing parameters on the group's device (see ``ShardedParam.adopt_registered``).
         """
         if self.state is not ShardState.SHARDED:
             raise RuntimeError(f"group {self.label} must be resharded before its parameters are replaced")

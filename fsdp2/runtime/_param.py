@@ -248,14 +248,14 @@ class ShardedParam:
         ``nn.Module._apply`` (``to_empty()``, ``.to()``, ``.double()``) replaces the local
         tensor or the whole parameter, ``load_state_dict(assign=True)`` and a plain
         ``module.name = nn.Parameter(dtensor)`` the parameter: the local tensor is copied into
-        fresh padded storage (``move``: on this parameter's device, the CPU with offloading;
-        else where it is), registered under every name the parameter has, and the unsharded
+        fresh padded storage (``move``: a new parameter's on this parameter's device, the CPU
+        with offloading; else where it is), registered under every name the parameter has, and the unsharded
         parameter is rebuilt at the next unshard. Call ``check_replacement`` first.
         """
         current = self.registered()
         local, padded = current._local_tensor, self.padded_local
         device = local.device
-        if move and not local.is_meta:
+        if move and current is not self.sharded and not local.is_meta:  # (a conversion's device stays)
             device = torch.device("cpu") if self.offload_to_cpu else self._home_device
         # (A rank holding no rows of the parameter has an empty local tensor: no pointer to compare.)
         if current is self.sharded and local.dtype == padded.dtype and local.device == padded.device == device \
