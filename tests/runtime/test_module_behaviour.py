@@ -403,11 +403,13 @@ def test_activation_checkpointing_matches_reference(variant):
 
 # ---- module conversions between steps ------------------------------------------------------
 def _converted_between_steps() -> list[float]:
-    """``float()`` / ``cpu()`` that change nothing, after steps that gathered every group: the groups
-    rebuild their buffers, and the unsharded parameters with them (they used to keep viewing the
-    freed ones: the next forward failed with ``setStorage: ... storage of size 0``)."""
+    """Conversions after steps that gathered every group: ``float()`` turning the root's one bf16
+    parameter to fp32 (the root rebuilds its buffers, and every unsharded parameter with them, the
+    unconverted ones too: they used to keep viewing the freed buffers, and the next forward failed
+    with ``setStorage: ... storage of size 0``), a dtype round trip, and ``float()`` / ``cpu()``
+    that change nothing (which used to rebuild the buffers all the same)."""
     rank = dist.get_rank()
-    conversions = {1: lambda m: m.float(), 2: lambda m: m.cpu(), 3: lambda m: m.to(torch.float32)}
+    conversions = {1: lambda m: m.float(), 2: lambda m: m.double().float(), 3: lambda m: m.cpu()}
 
     def step_fn(m: nn.Module, step: int) -> torch.Tensor:
         if step in conversions:
@@ -415,6 +417,7 @@ def _converted_between_steps() -> list[float]:
         return _lm_step(rank, m, step)
 
     ref = Transformer(vocab=VOCAB, dim=DIM, n_heads=HEADS, seq=SEQ)
+    ref.unused = nn.Parameter(torch.ones(DIM, dtype=torch.bfloat16))  # (no gradient: AdamW skips it)
     model = copy.deepcopy(ref)
     return _train_both(ref, _shard_blocks(model, list(model.layers)), step_fn, steps=4)
 
