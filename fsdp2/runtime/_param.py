@@ -249,8 +249,9 @@ class ShardedParam:
         tensor or the whole parameter, ``load_state_dict(assign=True)`` and a plain
         ``module.name = nn.Parameter(dtensor)`` the parameter: the local tensor is copied into
         fresh padded storage (``move``: a new parameter's on this parameter's device, the CPU
-        with offloading; else where it is), registered under every name the parameter has, and the unsharded
-        parameter is rebuilt at the next unshard. Call ``check_replacement`` first.
+        with offloading; else where it is), the parameter is registered under every name it
+        has, and the unsharded parameter is rebuilt at the next unshard. Call
+        ``check_replacement`` first.
         """
         current = self.registered()
         local, padded = current._local_tensor, self.padded_local
