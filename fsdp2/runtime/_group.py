@@ -12,7 +12,7 @@ segments and frees it a part at a time (``_release.py``).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,14 +25,14 @@ from ._extension import GroupExtension
 from ..diagnostics._checks import HEADER
 from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, process_group_comms
 from ._mesh import DataParallelMesh, SubGroup
-from ._param import ShardedParam
+from ._param import ShardedParam, raise_if_on_meta
 from ._policy import GroupPolicy
 from ._release import PartialRelease
 from ._reduce_queue import ReduceQueue
 from ..comm._streams import Completion, streams_for
 
 
-__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "raise_if_on_meta", "send_aliases_shards"]
+__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "send_aliases_shards"]
 
 
 def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
@@ -55,20 +55,6 @@ def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
     and sends from there: it never aliases them either way.
     """
     return device.type == "cpu" and not explicit
-
-
-def raise_if_on_meta(params: list[ShardedParam], name_of: Callable[[ShardedParam], str]) -> None:
-    """``RuntimeError`` (torch's type) naming the parameters still on the meta device, and the fix."""
-    names = [name_of(p) for p in params if p.padded_local.is_meta]
-    if names:
-        listed = f"{names}" if len(names) <= 20 else f"{names[:20]} and {len(names) - 20} more"
-        raise RuntimeError(
-            f"fsdp2: parameters still on the meta device at their first use: {listed}. Materialize them first: "
-            "model.to_empty(device=...) (after fully_shard it allocates only this rank's shards), then "
-            "initialize them: reset_parameters() on each module, or load weights (load_state_dict, "
-            "fsdp2.checkpoint.load_full, or set_model_state_dict(..., options=StateDictOptions("
-            "full_state_dict=True, broadcast_from_rank0=True)), which materializes them itself)"
-        )
 
 
 class ParamGroup(PartialRelease):

@@ -24,7 +24,7 @@ from . import _extension
 from ._layout import ShardLayout, contiguous_stride
 from ._mesh import DataParallelMesh, tp_mesh_of
 
-__all__ = ["ShardLayout", "ShardedParam", "contiguous_stride"]
+__all__ = ["ShardLayout", "ShardedParam", "contiguous_stride", "raise_if_on_meta"]
 
 
 class ShardedParam:
@@ -492,6 +492,20 @@ class ShardedParam:
         else:
             with torch.no_grad():
                 grad._local_tensor.add_(local.to(padded.device) if move else local)
+
+
+def raise_if_on_meta(params: list[ShardedParam], name_of: Callable[[ShardedParam], str]) -> None:
+    """``RuntimeError`` (torch's type) naming the parameters still on the meta device, and the fix."""
+    names = [name_of(p) for p in params if p.padded_local.is_meta]
+    if names:
+        listed = f"{names}" if len(names) <= 20 else f"{names[:20]} and {len(names) - 20} more"
+        raise RuntimeError(
+            f"fsdp2: parameters still on the meta device at their first use: {listed}. Materialize them first: "
+            "model.to_empty(device=...) (after fully_shard it allocates only this rank's shards), then "
+            "initialize them: reset_parameters() on each module, or load weights (load_state_dict, "
+            "fsdp2.checkpoint.load_full, or set_model_state_dict(..., options=StateDictOptions("
+            "full_state_dict=True, broadcast_from_rank0=True)), which materializes them itself)"
+        )
 
 
 def _grad_ready(ref: weakref.ref) -> None:

@@ -30,7 +30,8 @@ from ..diagnostics import _checks
 from .. import _compat
 from .._api import MixedPrecisionPolicy
 from .._common import STATE_ATTR, ShardState, TrainingState, get_state
-from ._group import ParamGroup, ReduceQueue, raise_if_on_meta
+from ._group import ParamGroup, ReduceQueue
+from ._param import raise_if_on_meta
 from ._state_dict import register_state_dict_hooks
 from ._tree import cast_floating, iter_tensors, map_tensors
 
