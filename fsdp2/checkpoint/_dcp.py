@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .. import _wire
+from ._meta import materialize
 
 __all__ = ["MARKER", "CorruptCheckpointError", "save", "load", "verify", "find_complete", "single_process_ok"]
 
@@ -119,10 +120,11 @@ def load(path: str | os.PathLike, model: nn.Module,
     """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``); return ``extra``.
 
     Works on any number of ranks and any sharding (DCP reads the slices each
-    rank needs), including a plain model in a single process. Before reading
-    anything, rank 0 checks the checkpoint with :func:`verify` and tells the
-    other ranks, so every rank raises the same error (none is left waiting in
-    a collective).
+    rank needs), including a plain model in a single process, and a model built
+    on the meta device and sharded, never materialized (this rank's shards are
+    allocated first; see ``_meta.py``). Before reading anything, rank 0 checks
+    the checkpoint with :func:`verify` and tells the other ranks, so every rank
+    raises the same error (none is left waiting in a collective).
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path`` (a directory
@@ -147,6 +149,7 @@ def load(path: str | os.PathLike, model: nn.Module,
     marker = json.loads((path / MARKER).read_text())
     if optimizer is not None and not marker["optimizer"]:
         raise ValueError(f"checkpoint {path} was saved without an optimizer; call load(path, model)")
+    materialize(model)  # a model built on the meta device: storage for what DCP reads into
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import _compat
 from ..runtime._param import ShardedParam
 from .._common import get_state
+from ._meta import materialize
 from ._safetensors import StreamingWriter, import_safetensors
 
 __all__ = ["export_full", "load_full"]
@@ -133,7 +134,9 @@ def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None 
     files are memory-mapped and each rank copies just the box of each tensor
     its shard covers (with tensor parallelism: its rows of its TP chunk), so no
     rank materializes the model and nothing is sent.
-    Tensors are cast to the model's dtypes.
+    Tensors are cast to the model's dtypes. A model built on the meta device and
+    sharded, never materialized, gets storage for this rank's shards first
+    (``_meta.py``): no ``to_empty()`` needed.
 
     Args:
         path: file or directory, as above.
@@ -151,6 +154,8 @@ def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None 
     mapped = _map_keys(files, key_map)
     state = model.state_dict(keep_vars=True)  # the sharded Parameters themselves: they name their layout
     _check_keys(model, state, mapped, files)
+    materialize(model)  # a model built on the meta device: storage for what the file fills
+    state = model.state_dict(keep_vars=True)  # (the same objects, and buffers with storage now)
     managed: dict[int, ShardedParam] = {}
     for state_obj in {id(s): s for s in map(get_state, model.modules()) if s is not None}.values():
         if state_obj.group is not None:

@@ -96,6 +96,8 @@ def _param_str(fqn: str, p: ShardedParam) -> str:
         text += f" gathered as {p.param_dtype}, reduced in {p.reduce_dtype}"
     if p.tp is not None:
         text += f" tensor-parallel {tuple(p.tp[1])} on {_mesh_str(p.tp[0])}"
+    if p.padded_local.is_meta:  # every rank then raises naming it; a rank alone on meta fails this check
+        text += " on the meta device"
     return text
 
 

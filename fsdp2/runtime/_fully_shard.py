@@ -266,7 +266,7 @@ def _resolve_mesh(mesh: Any) -> DeviceMesh:
             "(HSDP), e.g. mesh['dp'] to take the data-parallel axes of a larger mesh"
         )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
+        raise FSDPValueError(
             "fully_shard: a 2-D mesh means HSDP (replicate, shard) and needs axis names; build it with "
             "init_device_mesh(device, (replicas, shards), mesh_dim_names=('dp_replicate', 'dp_shard'))"
         )

@@ -27,7 +27,7 @@ from ._extension import GroupExtension
 from ..diagnostics._checks import HEADER
 from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, process_group_comms
 from ._mesh import DataParallelMesh, SubGroup
-from ._param import ShardedParam
+from ._param import ShardedParam, raise_if_on_meta
 from ._policy import GroupPolicy
 from ._release import EarlyRelease, segment_bounds
 from ._reduce_queue import ReduceQueue
@@ -105,8 +105,10 @@ class ParamGroup:
         # them, see waits_for_inputs): one token each, held by the autograd graph, so a graph
         # dropped without a backward (an evaluation with gradients on) drops out by itself.
         self.inputs_pending: weakref.WeakSet[Any] = weakref.WeakSet()
-        # A forward of this iteration had no input requiring grad: nothing tells when backward
-        # is done with the frozen parameters, so the end of backward reduces (as torch).
+        # A forward of this iteration did not route its inputs through _InputsGradReady (none
+        # required grad, or the group had no frozen parameter then): nothing tells when backward
+        # is done with the parameters frozen at or since that forward, so the end of backward
+        # reduces them (as torch's FSDP2 does).
         self.unhooked_forward = False
         # Parameters whose local tensor subclass gathers compact data (_extension.py); None if none do.
         self._ext = GroupExtension.of(params, dp, subgroup is not None)
@@ -115,6 +117,7 @@ class ParamGroup:
         self.transport: Transport = choose_transport(device, self._unsharded_bytes())
         self.refresh_transports()
         self._probed = False  # probe_transport() ran: at the group's first all-gather
+        self.prepared = False  # the parameters assigned since fully_shard were taken (take_assigned)
         self._aliases = self._aliases_shards()
         self._pack_shards()
 
@@ -129,12 +132,49 @@ class ParamGroup:
             self._plans[world] = GatherPlan.build(layouts, dtypes)
         return self._plans[world]
 
+    def adopt_registered(self, move: bool, where: str) -> None:
+        """Take the parameters the modules hold now as the group's sharded ones (torch's
+        ``reset_sharded_param``): after ``nn.Module._apply``, ``load_state_dict(assign=True)``,
+        or a parameter assigned before the first forward. Every one is checked before any is
+        taken (``where`` names the caller in errors); the buffers are rebuilt if one changed.
+        ``move``: put replacing parameters on the group's device (see ``ShardedParam.adopt_registered``).
+        """
+        if self.state is not ShardState.SHARDED:
+            raise RuntimeError(f"group {self.label} must be resharded before its parameters are replaced")
+        for p in self.params:
+            p.check_replacement(p.registered(), f"parameter {self._name_of(p)!r} ({where})")
+        if any([p.adopt_registered(move) for p in self.params]):  # a list: adopt every parameter
+            self.invalidate()
+
+    def materialize(self) -> None:
+        """Shards still on the meta device get zero-filled storage of their own (the checkpoint
+        helpers, before filling them); the parameter objects stay."""
+        self.reshard()
+        if any([p.materialize() for p in self.params]):  # a list: every parameter
+            self.invalidate()
+
+    def take_assigned(self) -> None:
+        """Before the group's first gather: take the parameters the user assigned since
+        ``fully_shard`` (``module.w = nn.Parameter(dtensor)``), as torch's FSDP2 does at lazy init."""
+        if not self.prepared and self.state is ShardState.SHARDED:
+            self.adopt_registered(True, "at its first use")
+
+    def prepare(self) -> None:
+        """An explicit ``unshard()``, which may come before the root's lazy init: take the
+        parameters assigned since ``fully_shard`` and refuse parameters still on the meta device."""
+        self.take_assigned()
+        raise_if_on_meta(self.params, self._name_of)
+        self.prepared = True
+
     def invalidate(self) -> None:
-        """Forget buffers and plans after devices or dtypes changed (``nn.Module._apply``)."""
+        """Forget buffers and plans after devices or dtypes changed (``nn.Module._apply``) or
+        parameters were replaced."""
         if self.state is not ShardState.SHARDED:
             raise RuntimeError(f"group {self.label} must be resharded before converting its module")
         self._plans.clear()
         self._buffers, self._regions = [], []
+        for p in self.params:  # their views of the old buffers go too
+            p.unbind_unsharded()
         self._chunk_views.clear()
         self._count_trainable()
         if self._ext is not None:
@@ -395,6 +435,8 @@ class ParamGroup:
             _trace.emit("unshard", self.label)
             for p in self.params:  # no collective and no copy: view the shard itself
                 p.bind_unsharded(p.padded_local, self._on_grad_ready)
+            self.refresh_requires_grad()
+            for p in self.params:
                 p.to_unsharded()
             self.state = ShardState.UNSHARDED
             return
@@ -434,6 +476,7 @@ class ParamGroup:
         if gather.release is not None:
             self._unreleased = gather
         self._gather = None  # only now: if the copy raised, reset() still finds the collective
+        self.refresh_requires_grad()  # a flag set on the sharded form since reaches autograd's
         for p in self.params:
             p.to_unsharded()
         self.state = ShardState.UNSHARDED
@@ -445,6 +488,7 @@ class ParamGroup:
         if self.state is ShardState.SHARDED:
             return
         _trace.emit("reshard", self.label)
+        self.refresh_requires_grad()  # a flag set on the unsharded form shows on the sharded one
         for p in self.params:
             p.to_sharded()
         self._free_unsharded()
@@ -480,11 +524,14 @@ class ParamGroup:
         self.has_frozen = self._num_trainable < len(self.params)
 
     def refresh_requires_grad(self) -> None:
-        """Follow ``requires_grad`` changes on the sharded parameters since the last forward.
+        """Follow ``requires_grad`` changes on either form of the parameters since the last look.
 
-        Called at each pre-forward: one flag comparison per parameter; counts are rebuilt only
-        when one changed. Frozen parameters get no gradient, no reduce-scatter, and so no
-        ``.grad`` for the optimizer to step with.
+        Called at each pre-forward and pre-backward and wherever the modules swap forms (unshard,
+        reshard): one flag comparison per form; counts are rebuilt only when one changed. Frozen
+        parameters get no gradient, no reduce-scatter, and so no ``.grad`` for the optimizer
+        to step with. A change after a forward is safe for its backward: that forward either
+        routed its inputs (``_InputsGradReady``) or counts as unhooked (``unhooked_forward``), so a
+        parameter frozen since is never freed before backward is done with it.
         """
         if any([p.sync_requires_grad() for p in self.params]):  # a list: sync every parameter
             self._count_trainable()
@@ -548,8 +595,11 @@ class ParamGroup:
         self.backward_started = True
         if self.policy.unshard_in_backward:
             self.wait_for_unshard(whole=False)
+        self.refresh_requires_grad()  # frozen or unfrozen since forward: honoured by this backward
 
     def _on_grad_ready(self, param: ShardedParam) -> None:
+        if not param.unsharded.requires_grad:
+            return  # frozen since its forward: autograd runs the hook but accumulates nothing
         if self.post_backward_done and self.policy.reduce_unused:  # reduced at the end of the module's backward
             raise RuntimeError(
                 f"fsdp2: the gradient of {self._name_of(param)} arrived after {self.label} had reduced its "

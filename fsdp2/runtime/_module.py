@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..comm import _comm
 from ..comm._comm import AllGather, ReduceScatter
 from .._common import ShardState
-from .._errors import FSDPTypeError
+from .._errors import FSDPTypeError, FSDPValueError
 from ._state import ModuleState, get_state
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -81,6 +81,7 @@ class FSDPModule:
         # No lazy init here: this module may be a sub-module called before the root's first
         # forward, and must not become a root itself.
         if state.group is not None:  # async: the caller's code runs before the wait (send_aliases_shards)
+            state.group.prepare()
             state.group.unshard(async_op=True, explicit=async_op)
         handle = UnshardHandle(state)
         if async_op:
@@ -443,9 +444,7 @@ class FSDPModule:
             state.group.reshard()
         out = super()._apply(*args, **kwargs)
         if state.group is not None:
-            for p in state.group.params:
-                p.reset_after_apply()
-            state.group.invalidate()
+            state.group.adopt_registered(False, "after a module conversion: to_empty(), to(), float(), ...")
         return out
 
 
@@ -459,8 +458,8 @@ def _no_custom_comms(method: str, group: Any) -> None:
                                       ("set_custom_reduce_scatter", group.policy.custom_reduce_scatter))
               if comm is not None]
     if custom:
-        raise ValueError(f"{method}: {group.label} has a custom comm ({', '.join(custom)}), which allocates its own "
-                         "buffers; allocate from the process group inside the custom comm instead")
+        raise FSDPValueError(f"{method}: {group.label} has a custom comm ({', '.join(custom)}), which allocates its "
+                             "own buffers; allocate from the process group inside the custom comm instead")
 
 
 def _states_of(method: str, modules: list[Any]) -> list[ModuleState]:

@@ -24,7 +24,7 @@ from . import _extension
 from ._layout import ShardLayout, contiguous_stride
 from ._mesh import DataParallelMesh, tp_mesh_of
 
-__all__ = ["ShardLayout", "ShardedParam", "contiguous_stride"]
+__all__ = ["ShardLayout", "ShardedParam", "contiguous_stride", "raise_if_on_meta"]
 
 
 class ShardedParam:
@@ -55,8 +55,8 @@ class ShardedParam:
         self.fqn = fqn
         self.dp = dp
         self.rank = dp.shard_rank
-        # The sharded parameter's flag as of the last sync_requires_grad(): the user may
-        # freeze or unfreeze it at any time; the group reads it once per forward.
+        # Both forms' flag as of the last sync_requires_grad(): the user may freeze or
+        # unfreeze either at any time; the group reads them whenever the module swaps forms.
         self.requires_grad = param.requires_grad
         self.global_shape = param.shape
         # Tensor parallelism: the parameter is already a DTensor on a TP mesh. FSDP shards
@@ -207,37 +207,120 @@ class ShardedParam:
         box[layout.dim] = (start, start + layout.rows(self.rank))
         return box
 
-    def reset_after_apply(self) -> None:
-        """Re-adopt the module's parameter after ``nn.Module._apply``.
-
-        ``to_empty()``, ``.to(device/dtype)`` and friends replace the local
-        tensor (or the whole parameter); rebuild padded storage from whatever
-        is registered now, keeping the registered parameter object.
-        """
+    # ---- a parameter replaced on the module ---------------------------------------------
+    def registered(self) -> object:
+        """What the module holds now where this parameter was registered (its first name)."""
         module, name = self.locations[0]
-        current = module._parameters[name]
-        if not isinstance(current, DTensor):
+        return module._parameters[name]
+
+    def check_replacement(self, new: object, what: str) -> None:
+        """Raise unless ``new`` can become this parameter's sharded form: a DTensor laid out as
+        the current one (mesh, placements, global shape, this rank's local shape). ``what``
+        names it in the error (the caller and the parameter or state-dict key)."""
+        fix = ("build it as the current one is, e.g. nn.Parameter(distribute_tensor(full, param.device_mesh, "
+               "param.placements)) for param = the module's parameter, or pass full tensors to "
+               "load_state_dict (each rank keeps its rows)")
+        if not isinstance(new, DTensor):
             raise TypeError(
-                f"parameter {self.fqn!r} is no longer a DTensor after a module conversion; "
-                "convert fully_shard-ed modules with to_empty()/to()/cuda()/float()-style calls only"
+                f"fsdp2: {what} is a {type(new).__name__}, but a fully_shard-ed parameter stays a DTensor "
+                f"({self._layout_str(self.placements, self.spmd_mesh, self.global_shape)}); {fix}"
             )
-        local = current._local_tensor
-        if local.data_ptr() == self.padded_local.data_ptr() and local.device == self.padded_local.device \
-                and local.dtype == self.padded_local.dtype and local.device.type != "meta":
-            return
-        if self.ext is not None:  # keep the subclass (new_zeros dispatches to it)
-            padded = local.new_zeros(self.layout.local_shape)
-        else:
-            padded = torch.zeros(self.layout.local_shape, dtype=local.dtype, device=local.device)
-        rows = self.layout.rows(self.rank)
-        if local.device.type != "meta":
-            padded.narrow(self.layout.dim, 0, rows).copy_(local)
+        if new.device_mesh != self.spmd_mesh or tuple(new.placements) != self.placements \
+                or new.shape != self.global_shape:
+            raise ValueError(
+                f"fsdp2: {what} is a DTensor {self._layout_str(new.placements, new.device_mesh, new.shape)}; "
+                f"fsdp2 shards it {self._layout_str(self.placements, self.spmd_mesh, self.global_shape)}: {fix}"
+            )
+        box = [stop - start for start, stop in self.local_box()]
+        if list(new._local_tensor.shape) != box:
+            raise ValueError(
+                f"fsdp2: {what} holds a local tensor of shape {tuple(new._local_tensor.shape)} on this rank, "
+                f"where its layout puts {tuple(box)}; {fix}"
+            )
+
+    @staticmethod
+    def _layout_str(placements: object, mesh: DeviceMesh, shape: torch.Size) -> str:
+        names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
+        return f"{tuple(placements)} on mesh {tuple(mesh.shape)}{names}, shape {tuple(shape)}"
+
+    def adopt_registered(self, move: bool) -> bool:
+        """Make the parameter the module holds now the sharded one, re-padded (torch's
+        ``reset_sharded_param``); returns whether anything changed.
+
+        ``nn.Module._apply`` (``to_empty()``, ``.to()``, ``.double()``) replaces the local
+        tensor or the whole parameter, ``load_state_dict(assign=True)`` and a plain
+        ``module.name = nn.Parameter(dtensor)`` the parameter: the local tensor is copied into
+        fresh padded storage (``move``: a new parameter's on this parameter's device, the CPU
+        with offloading; else where it is), the parameter is registered under every name it
+        has, and the unsharded parameter is rebuilt at the next unshard. Call
+        ``check_replacement`` first.
+        """
+        current = self.registered()
+        local, padded = current._local_tensor, self.padded_local
+        device = local.device
+        if move and current is not self.sharded and not local.is_meta:  # (a conversion's device stays)
+            device = torch.device("cpu") if self.offload_to_cpu else self._home_device
+        # (A rank holding no rows of the parameter has an empty local tensor: no pointer to compare.)
+        if current is self.sharded and local.dtype == padded.dtype and local.device == padded.device == device \
+                and (local.is_meta or local.numel() == 0 or local.data_ptr() == padded.data_ptr()):
+            return False
+        dim, rows = self.layout.dim, self.layout.rows(self.rank)
+        with torch.no_grad():
+            if local.device != device:
+                local = local.to(device)
+            if self.ext is not None:  # keep the subclass (new_zeros dispatches to it)
+                padded = local.new_zeros(self.layout.local_shape)
+            else:
+                padded = torch.zeros(self.layout.local_shape, dtype=local.dtype, device=device)
+            if not local.is_meta:
+                padded.narrow(dim, 0, rows).copy_(local)
+        if self.pin_memory and padded.device.type == "cpu":
+            padded = padded.pin_memory()
         self.padded_local = padded
-        _compat.set_dtensor_local(current, padded.narrow(self.layout.dim, 0, rows))
+        self._point_at_padded(current)
         self.sharded = current
         self.requires_grad = current.requires_grad
-        self._register_on_modules(current)
-        self.unsharded = None  # device or dtype may have changed: rebuild at next unshard
+        self._register_on_modules(current)  # a tied parameter: every name holds it again
+        self.unbind_unsharded()  # device or dtype may have changed
+        return True
+
+    def materialize(self) -> bool:
+        """A shard still on the meta device gets storage of its own, zero-filled, where it lives
+        (the compute device, or the CPU with offloading); the parameter object stays. Returns
+        whether it was on meta."""
+        if not self.padded_local.is_meta:
+            return False
+        device = torch.device("cpu") if self.offload_to_cpu else self._home_device
+        if self.ext is not None:  # keep the subclass (new_zeros dispatches to it)
+            padded = self.padded_local.new_zeros(self.layout.local_shape, device=device)
+        else:
+            padded = torch.zeros(self.layout.local_shape, dtype=self.padded_local.dtype, device=device)
+        if self.pin_memory and padded.device.type == "cpu":
+            padded = padded.pin_memory()
+        self.padded_local = padded
+        self._point_at_padded(self.sharded)
+        self.unbind_unsharded()
+        return True
+
+    def _point_at_padded(self, param: DTensor) -> None:
+        """Make ``param``'s local tensor the unpadded view of ``padded_local``, keeping the object.
+
+        A DTensor carries its device apart from its local tensor's: where the device changes
+        (the meta device to a real one), a new DTensor is swapped into the same object
+        (``torch.utils.swap_tensors``), which keeps the hooks registered on it.
+        """
+        local = self.padded_local.narrow(self.layout.dim, 0, self.layout.rows(self.rank))
+        if param.device == local.device:
+            _compat.set_dtensor_local(param, local)
+            return
+        moved = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                   shape=param.shape, stride=param.stride())
+        torch.utils.swap_tensors(param, _compat.parameter(moved, param.requires_grad))
+
+    def unbind_unsharded(self) -> None:
+        """Forget the unsharded parameter: the next unshard makes a new one (the group's buffers changed)."""
+        self.unsharded = None
+        self._grad_hooked = False
 
     def adopt_padded_local(self, slot: torch.Tensor) -> None:
         """Move the padded shard into ``slot`` (same shape and dtype) and keep it there.
@@ -298,17 +381,27 @@ class ShardedParam:
             self._grad_hooked = True
 
     def sync_requires_grad(self) -> bool:
-        """Follow the sharded parameter's ``requires_grad`` (frozen or unfrozen since the last call).
+        """Follow a ``requires_grad`` change made on either form since the last call.
 
-        Returns whether it changed. The unsharded parameter, which autograd sees, takes the flag:
-        a frozen parameter then gets no gradient, an unfrozen one gets one again.
+        The user changes the flag of whichever parameter the module holds at the time: the
+        sharded one between steps, the unsharded one between forward and backward (the root's,
+        or any group's after ``unshard()``). The form whose flag differs from the last one seen
+        holds the change, and both forms take it (a flag is a bool: where both differ, they agree).
+        Autograd reads the unsharded parameter's: a frozen parameter gets no gradient, an
+        unfrozen one (with its gradient hook) gets one again from its next forward on.
+        Returns whether it changed.
         """
-        flag = self.sharded.requires_grad
-        if flag == self.requires_grad:
+        flag = self.requires_grad
+        unsharded = self.unsharded
+        if self.sharded.requires_grad == flag and (unsharded is None or unsharded.requires_grad == flag):
             return False
+        flag = not flag
         self.requires_grad = flag
-        if self.unsharded is not None:
-            self.unsharded.requires_grad_(flag)
+        if self.sharded.requires_grad != flag:
+            self.sharded.requires_grad_(flag)
+        if unsharded is not None:
+            if unsharded.requires_grad != flag:
+                unsharded.requires_grad_(flag)
             self._hook_grad_ready()
         return True
 
@@ -401,6 +494,20 @@ class ShardedParam:
         else:
             with torch.no_grad():
                 grad._local_tensor.add_(local.to(padded.device) if move else local)
+
+
+def raise_if_on_meta(params: list[ShardedParam], name_of: Callable[[ShardedParam], str]) -> None:
+    """``RuntimeError`` (torch's type) naming the parameters still on the meta device, and the fix."""
+    names = [name_of(p) for p in params if p.padded_local.is_meta]
+    if names:
+        listed = f"{names}" if len(names) <= 20 else f"{names[:20]} and {len(names) - 20} more"
+        raise RuntimeError(
+            f"fsdp2: parameters still on the meta device at their first use: {listed}. Materialize them first: "
+            "model.to_empty(device=...) (after fully_shard it allocates only this rank's shards), then "
+            "initialize them: reset_parameters() on each module, or load weights (load_state_dict, "
+            "fsdp2.checkpoint.load_full, or set_model_state_dict(..., options=StateDictOptions("
+            "full_state_dict=True, broadcast_from_rank0=True)), which materializes them itself)"
+        )
 
 
 def _grad_ready(ref: weakref.ref) -> None:

@@ -32,6 +32,7 @@ from .._api import MixedPrecisionPolicy
 from .._common import STATE_ATTR, ShardState, TrainingState, get_state
 from ._group import ParamGroup, ReduceQueue
 from ._release import EarlyRelease
+from ._param import raise_if_on_meta
 from ._state_dict import register_state_dict_hooks
 from ._tree import cast_floating, iter_tensors, map_tensors
 
@@ -158,12 +159,18 @@ class ModuleState:
                         group.early = EarlyRelease(group)
                     ctx.early.append(group.early)
         ctx.diag = _checks.Diagnostics(states, names)
+        groups = [state.group for state in states if state.group is not None]
         try:
-            _checks.check_rank_agreement(ctx.diag)
+            for group in groups:
+                group.take_assigned()
+            _checks.check_rank_agreement(ctx.diag)  # (before the next check: a rank alone on meta fails here)
+            raise_if_on_meta([p for group in groups for p in group.params], lambda p: ctx.diag.param_names[id(p)])
         except Exception:
             for state in states:  # not initialised: the next forward checks again
                 state.is_root, state.ctx = None, None
             raise
+        for group in groups:
+            group.prepared = True
         logger.debug("fsdp2: lazy init with root %s and %d groups", type(root_module).__name__, len(states))
 
     def label(self) -> str:
@@ -181,8 +188,11 @@ class ModuleState:
         with _compat.outside_functorch():  # torch.func.jvp: gather plain tensors, not the transform's
             self._unshard_for_forward(recompute)
         group = self.group
-        if group is not None and not recompute and group.waits_for_inputs and torch.is_grad_enabled():
-            args, kwargs = self._hook_inputs_grad_ready(args, kwargs)
+        if group is not None and not recompute and torch.is_grad_enabled():
+            if group.waits_for_inputs:
+                args, kwargs = self._hook_inputs_grad_ready(args, kwargs)
+            else:  # should a parameter be frozen before backward, only the end of backward is safe
+                group.unhooked_forward = True
         policy = self.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)

@@ -2,7 +2,7 @@
 
 Outside forward and backward the modules hold the sharded DTensor parameters,
 so ``nn.Module.state_dict`` already returns them under the unsharded model's
-keys. Two hooks per sharded module cover the rest:
+keys. Three hooks per sharded module cover the rest:
 
 - a state-dict post-hook that, while the group is unsharded (after an explicit
   ``unshard()``, or a forward whose parameters were kept for backward), puts the
@@ -12,7 +12,12 @@ keys. Two hooks per sharded module cover the rest:
   of its TP chunk for tensor-parallel parameters), so
   ``load_state_dict`` accepts full tensors as well as DTensors. A full tensor
   of the wrong shape is left alone: ``nn.Module`` reports it as a size mismatch
-  naming the key and both shapes.
+  naming the key and both shapes. With ``assign=True`` it first checks every
+  DTensor that would replace a parameter of any group under the module (mesh,
+  placements, shape), so a bad one raises before anything is assigned;
+- a load post-hook that takes the parameters ``assign=True`` put on the modules as
+  the group's sharded ones, re-padded (``ParamGroup.adopt_registered``; torch's
+  ``reset_sharded_param``).
 
 Keys are found from the module tree at hook time (a parameter may be tied under
 several names), never cached, so a module re-parented after ``fully_shard``
@@ -28,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .. import _compat
-from .._common import STATE_ATTR
+from .._common import STATE_ATTR, get_state
 from ._param import ShardedParam
 
 if TYPE_CHECKING:
@@ -47,6 +52,7 @@ def register_state_dict_hooks(state: ModuleState) -> list[RemovableHandle]:
             lambda m, sd, prefix, _meta: _sharded_on_save(state, m, sd, prefix)))
         handles.append(module.register_load_state_dict_pre_hook(
             lambda m, sd, prefix, meta, *_rest: _shard_on_load(state, m, sd, prefix, meta)))
+        handles.append(module.register_load_state_dict_post_hook(lambda m, _keys: _adopt_assigned(state)))
     return handles
 
 
@@ -103,14 +109,10 @@ def _sharded_on_save(state: ModuleState, module: nn.Module, state_dict: dict[str
 
 def _shard_on_load(state: ModuleState, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                    local_metadata: dict[str, Any]) -> None:
+    if local_metadata.get("assign_to_params_buffers"):
+        _check_assigned(module, state_dict, prefix)
     if state.group is None:
         return
-    if local_metadata.get("assign_to_params_buffers"):
-        raise NotImplementedError(
-            f"load_state_dict(assign=True) is not supported on a fully_shard-ed "
-            f"{type(module).__name__}: it would replace the sharded parameters fsdp2 manages; "
-            "load with assign=False (full tensors and DTensors are both accepted)"
-        )
     # Loading overwrites the shards; full parameters gathered before would be stale.
     state.group.reshard()
     for key, param in _param_keys(state, module, prefix):
@@ -118,3 +120,22 @@ def _shard_on_load(state: ModuleState, module: nn.Module, state_dict: dict[str, 
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
                 and value.shape == param.global_shape:
             state_dict[key] = shard_full_tensor(param, value)
+
+
+def _check_assigned(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+    """``load_state_dict(assign=True)``: every DTensor about to replace a parameter of a group
+    under ``module`` is laid out as that parameter (full plain tensors are cut down instead)."""
+    for name, sub in module.named_modules(remove_duplicate=False):
+        state = get_state(sub)
+        if state is None or state.group is None or sub not in state.modules:
+            continue
+        for key, param in _param_keys(state, sub, f"{prefix}{name}." if name else prefix):
+            value = state_dict.get(key)
+            if isinstance(value, DTensor) and value.shape == param.global_shape:  # (else nn.Module's size mismatch)
+                param.check_replacement(value, f"load_state_dict(assign=True): key {key!r}")
+
+
+def _adopt_assigned(state: ModuleState) -> None:
+    """After loading: parameters ``assign=True`` replaced become the group's sharded ones."""
+    if state.group is not None:
+        state.group.adopt_registered(True, "after load_state_dict(assign=True)")

@@ -101,6 +101,9 @@ def _two_mlps(variant: str, odd: bool) -> nn.Sequential:
     model = nn.Sequential(MLP(8, hidden=16 if odd and variant == "shape" else 32), MLP(8))
     if odd and variant == "requires_grad":
         model[1].out_proj.bias.requires_grad_(False)
+    if odd and variant == "meta":  # never materialized there: every rank raises, none waits in a collective
+        with torch.device("meta"):
+            model[1] = MLP(8)
     return model
 
 
@@ -129,7 +132,9 @@ def _disagree(variant: str, mesh_shape: tuple[int, ...], odd_rank: int) -> str:
     ("groups", r"rank 0 has fully_shard groups \[0, 1\], rank 1 has fully_shard groups \[root, 0\]"),
     ("mesh", r"rank 0 has group 0 \(reshard_after_forward=True, mesh \(axis0=2\) on cpu, ranks \[0, 1\]\), "
              r"rank 1 has group 0 \(reshard_after_forward=True, mesh \(tp=2\) on cpu, ranks \[0, 1\]\)"),
-], ids=["shape", "requires_grad", "reshard_after_forward", "groups", "mesh"])
+    ("meta", r"rank 0 has 1.in_proj.weight \(32, 8\) float32, rank 1 has 1.in_proj.weight \(32, 8\) float32 "
+             r"on the meta device"),
+], ids=["shape", "requires_grad", "reshard_after_forward", "groups", "mesh", "meta"])
 def test_ranks_that_built_different_models_fail_at_first_forward(variant, expected):
     messages = run_on_ranks(_disagree, 2, variant, (2,), 1)
     assert messages[0] == messages[1]

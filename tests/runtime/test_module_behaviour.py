@@ -399,3 +399,28 @@ def _activation_checkpointing(variant: str) -> None:
 @pytest.mark.parametrize("variant", ["checkpoint_in_forward", "sharded_wrapper", "wrapper_around_sharded_block"])
 def test_activation_checkpointing_matches_reference(variant):
     run_on_ranks(_activation_checkpointing, 2, variant)
+
+
+# ---- module conversions between steps ------------------------------------------------------
+def _converted_between_steps() -> list[float]:
+    """Conversions after steps that gathered every group: ``float()`` turning the root's one bf16
+    parameter to fp32 (the root rebuilds its buffers, and every unsharded parameter with them, the
+    unconverted ones too: they used to keep viewing the freed buffers, and the next forward failed
+    with ``setStorage: ... storage of size 0``), a dtype round trip, and ``float()`` / ``cpu()``
+    that change nothing (which used to rebuild the buffers all the same)."""
+    rank = dist.get_rank()
+    conversions = {1: lambda m: m.float(), 2: lambda m: m.double().float(), 3: lambda m: m.cpu()}
+
+    def step_fn(m: nn.Module, step: int) -> torch.Tensor:
+        if step in conversions:
+            conversions[step](m)
+        return _lm_step(rank, m, step)
+
+    ref = Transformer(vocab=VOCAB, dim=DIM, n_heads=HEADS, seq=SEQ)
+    ref.unused = nn.Parameter(torch.ones(DIM, dtype=torch.bfloat16))  # (no gradient: AdamW skips it)
+    model = copy.deepcopy(ref)
+    return _train_both(ref, _shard_blocks(model, list(model.layers)), step_fn, steps=4)
+
+
+def test_conversions_that_change_nothing_between_steps_keep_training():
+    run_on_ranks(_converted_between_steps, 2)

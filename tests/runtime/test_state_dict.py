@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp2 import fully_shard, record_schedule
 from tests._dist import run_on_ranks
@@ -33,7 +33,8 @@ def _shard(model: nn.Module) -> nn.Module:
 
 
 class _Odd(nn.Module):
-    """Rows that do not divide 4 ranks (3 rows: rank 3 holds an empty shard), tied weights."""
+    """Rows that do not divide 4 ranks (3 rows: rank 3 holds an empty shard, next to a non-empty
+    one in the root's group), tied weights."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,11 +42,11 @@ class _Odd(nn.Module):
         self.layers = nn.ModuleList([nn.Linear(5, 3), nn.Linear(3, 5)])
         self.head = nn.Linear(5, 7, bias=False)
         self.head.weight = self.emb.weight
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.emb(tokens)
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
+        x = torch.tanh(self.layers[0](self.emb(tokens))) * self.scale
+        x = torch.tanh(self.layers[1](x))
         return self.head(x)
 
 
@@ -112,8 +113,11 @@ def _load_full_and_sharded() -> None:
     source = _Odd()  # different weights to load
     tokens = torch.randint(0, 7, (2, 4))
 
+    local_data = {name: p.to_local().data_ptr() for name, p in model.named_parameters()}
     result = model.load_state_dict(source.state_dict(), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
+    # Copied into the shards in place: no storage replaced (rank 3 holds empty shards of some).
+    assert {name: p.to_local().data_ptr() for name, p in model.named_parameters()} == local_data
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), source.state_dict()[key], atol=0, rtol=0, msg=key)
     assert model.head.weight is model.emb.weight  # still tied, still the registered DTensor
@@ -160,8 +164,28 @@ def _load_errors() -> None:
     sd["extra"] = torch.zeros(1)
     with pytest.raises(RuntimeError, match=r"(?s)Missing key\(s\).*norm.weight.*Unexpected key\(s\).*extra"):
         model.load_state_dict(sd, strict=True)
-    with pytest.raises(NotImplementedError, match=r"assign=True\) is not supported"):
-        model.load_state_dict(Transformer().state_dict(), assign=True)
+    # assign=True: a DTensor laid out otherwise than the parameter it would replace is refused
+    # before anything is assigned, even where it belongs to a group loaded after others.
+    registered = {name: p for name, p in model.named_parameters()}
+    values = {name: p.detach().full_tensor() for name, p in registered.items()}
+    sd = {k: v.clone() for k, v in values.items()}
+    sd["layers.2.mlp_norm.weight"] = distribute_tensor(sd["layers.2.mlp_norm.weight"], _mesh(), [Replicate()])
+    with pytest.raises(ValueError, match=r"fsdp2: load_state_dict\(assign=True\): key 'layers.2.mlp_norm.weight' "
+                                         r"is a DTensor \(Replicate\(\),\) on mesh \(2,\), "
+                                         r"shape \(32,\); fsdp2 shards it \(Shard\(dim=0\),\) .*distribute_tensor"):
+        model.load_state_dict(sd, assign=True)
+    assert all(p is registered[name] for name, p in model.named_parameters())
+    assert all(torch.equal(p.full_tensor(), values[name]) for name, p in model.named_parameters())
+    # A plain parameter put in place of a sharded one: refused at the first forward, naming the fix.
+    tokens, _ = make_batch(dist.get_rank(), 0)
+    model.norm.weight = nn.Parameter(torch.ones(32))
+    with pytest.raises(TypeError, match=r"fsdp2: parameter 'norm.weight' \(at its first use\) is a Parameter, but a "
+                                        r"fully_shard-ed parameter stays a DTensor \(\(Shard\(dim=0\),\) on mesh .*"
+                                        r"nn.Parameter\(distribute_tensor\(full, param.device_mesh, param.placements"):
+        model(tokens)
+    model.norm.weight = nn.Parameter(distribute_tensor(torch.ones(32), _mesh(), [Shard(0)]))
+    model(tokens).sum().backward()  # taken at the retried lazy init
+    assert model.norm.weight.grad is not None
 
 
 def test_load_state_dict_errors_name_keys_and_shapes():

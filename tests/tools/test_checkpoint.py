@@ -38,13 +38,15 @@ def _mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _build(impl: str = "fsdp2", seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A sharded Transformer (blocks then root) and its AdamW; ``impl="torch"`` uses torch's FSDP2."""
+def _build(impl: str = "fsdp2", seed: int = 0, meta: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A sharded Transformer (blocks then root) and its AdamW; ``impl="torch"`` uses torch's FSDP2;
+    ``meta``: built on the meta device and never materialized."""
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard as shard
     else:
         shard = fully_shard
-    model = Transformer(vocab=_VOCAB, seed=seed)
+    with torch.device("meta" if meta else "cpu"):
+        model = Transformer(vocab=_VOCAB, seed=seed)
     mesh = _mesh()
     for block in model.layers:
         shard(block, mesh=mesh)
@@ -253,6 +255,55 @@ def test_helpers_never_load_an_incomplete_checkpoint(tmp_path, caplog):
     fsdp2_ckpt.save(tmp_path / "model_only", model)
     with pytest.raises(ValueError, match="saved without an optimizer"):
         fsdp2_ckpt.load(tmp_path / "model_only", fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+
+
+def _helpers_into_meta_models(dcp_path: str, full_path: str) -> None:
+    model, opt = _build()
+    _train(model, opt, range(2))
+    fsdp2_ckpt.save(dcp_path, model, opt, extra={"step": 2})
+    fsdp2_ckpt.export_full(full_path, model)
+    saved = _full_state(model, opt)
+    straight = _train(model, opt, range(2, 4))
+
+    # Built on meta and sharded, never materialized; the optimizer made before the load.
+    model, opt = _build(meta=True)
+    params = list(model.parameters())
+    assert fsdp2_ckpt.load(dcp_path, model, opt) == {"step": 2}
+    assert all(p is q and p.device.type == "cpu" for p, q in zip(model.parameters(), params))
+    _assert_same(_full_state(model, opt), saved)
+    assert _train(model, opt, range(2, 4)) == straight  # bit-identical resume
+
+    model, _opt = _build(meta=True)
+    fsdp2_ckpt.load_full(full_path, model)
+    got = {f"model.{k}": _full(v) for k, v in model.state_dict().items()}
+    _assert_same(got, {k: v for k, v in saved.items() if k.startswith("model.")})
+
+
+def test_helpers_load_into_a_model_built_on_the_meta_device(tmp_path):
+    run_on_ranks(_helpers_into_meta_models, 2, str(tmp_path / "ckpt"), str(tmp_path / "model.safetensors"))
+
+
+class _WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("offset", torch.arange(4.0))  # in the checkpoint
+        self.register_buffer("table", torch.ones(4), persistent=False)  # in none
+
+
+def test_load_full_into_a_plain_meta_model_fills_what_the_file_holds(tmp_path, caplog):
+    from safetensors.torch import save_file
+
+    source = _WithBuffers()
+    save_file(source.state_dict(), tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        model = _WithBuffers()
+    linear_weight = model.linear.weight
+    with caplog.at_level("WARNING"):
+        fsdp2_ckpt.load_full(tmp_path / "m.safetensors", model)
+    _assert_same(model.state_dict(), source.state_dict())
+    assert model.linear.weight is linear_weight  # the same object (an optimizer made before keeps it)
+    assert model.table.is_meta and "non-persistent buffers ['table'] are on the meta device" in caplog.text
 
 
 # ---- export_full / load_full / the command line ---------------------------------------------

@@ -262,3 +262,37 @@ def test_full_tensors_load_into_and_export_from_2d_layouts(tmp_path, layout):
     path = tmp_path / "model.safetensors"
     run_on_ranks(_full_tensors_in_and_out, 4, str(path), layout)
     _assert_same(load_file(path), _plain(layout).state_dict())
+
+
+# ---- loading into a model built on the meta device ----------------------------------------------
+def _assigned_into_meta(layout: str, how: str) -> list[float]:
+    """torchtune's assign of DTensors laid out as the meta shards, or DCP's broadcast from rank 0
+    (which cuts strided FSDP x TP shards too), into a model never materialized: the same values and the same
+    training as a model sharded from the full weights."""
+    mesh = _mesh(layout)
+    full_sd, want = _plain(layout).state_dict(), _plain(layout).state_dict()  # (DCP fills rank 0's dict in place)
+    with torch.device("meta"):
+        model = _shard(_plain(layout), layout, mesh)
+    if how == "torchtune":
+        meta_sd = model.state_dict()
+        sharded = {k: nn.Parameter(distribute_tensor(full_sd[k], meta_sd[k].device_mesh, meta_sd[k].placements))
+                   for k in meta_sd}
+        model.load_state_dict(sharded, assign=True)
+    else:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full_sd if dist.get_rank() == 0 else {}, options=options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _assert_same(_model_only(_state(model, opt, gather=True)), want)
+    ref, ref_opt = _build(layout, mesh)
+    _assert_same(_state(model, opt), _state(ref, ref_opt))  # this rank's pieces too
+    losses = _train(model, opt, layout, range(2))
+    assert losses == _train(ref, ref_opt, layout, range(2))
+    return losses
+
+
+# Not torchtune's way under FSDP x TP: DTensor's distribute_tensor refuses the uneven strided shards
+# (an AssertionError in torch 2.13's _StridedShard._shard_tensor), for torch's fully_shard as well.
+@pytest.mark.parametrize("layout, how", [("hsdp", "torchtune"), ("hsdp", "broadcast_from_rank0"),
+                                         ("fsdp_tp", "broadcast_from_rank0")])
+def test_assign_loads_into_a_meta_model(layout, how):
+    run_on_ranks(_assigned_into_meta, 4, layout, how)

@@ -85,6 +85,10 @@ def _case(name: str) -> tuple[nn.Module, Callable[[], Any], type[Exception], str
     if name == "mesh_3d":
         mesh = init_device_mesh("cpu", (1, 1, dist.get_world_size()), mesh_dim_names=("a", "b", "c"))
         return mlp, lambda: fully_shard(mlp, mesh=mesh), ValueError, r"mesh has 3 dims; use a 1-D mesh"
+    if name == "mesh_2d_unnamed":
+        mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
+        return mlp, lambda: fully_shard(mlp, mesh=mesh), ValueError, \
+            r"a 2-D mesh means HSDP \(replicate, shard\) and needs axis names; build it with init_device_mesh"
     if name.startswith("reshard_after_forward="):
         value = name.split("=", 1)[1]
         if value.lstrip("-").isdigit():
@@ -143,7 +147,7 @@ def _check_case(name: str) -> None:
 
 
 CASES = [
-    "mesh_is_process_group", "mesh_is_string", "mesh_3d",
+    "mesh_is_process_group", "mesh_is_string", "mesh_3d", "mesh_2d_unnamed",
     "reshard_after_forward=3", "reshard_after_forward=0", "reshard_after_forward=-1",
     "reshard_after_forward=yes",
     "param_shared_between_groups", "param_shared_with_root", "params_on_meta_and_cpu", "fully_shard_twice",
