@@ -446,6 +446,7 @@ class FSDPModule:
             for p in state.group.params:
                 p.reset_after_apply()
             state.group.invalidate()
+            state.group.find_extensions()  # the local tensors are new objects
         return out
 
 

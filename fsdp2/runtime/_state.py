@@ -140,6 +140,9 @@ class ModuleState:
                     f"sub-module {state.label()} is mid-iteration as a root; run forward through the "
                     "outermost module"
                 )
+        for state in states:  # before anything changes: a hook that fails the checks raises, nothing set
+            if state.group is not None:
+                state.group.find_extensions()  # hooks attached since fully_shard (to_empty() made new tensors)
         ctx = RootContext(states)
         ctx.prefetch_limit = self.prefetch_limit
         owned = {module: state for state in states for module in state.modules}
