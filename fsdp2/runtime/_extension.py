@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 # Module imports both ways (_param builds a ParamExtension): names are looked up at call time.
 from . import _layout
-from .. import _wire
+from .. import _compat, _wire
 
 if TYPE_CHECKING:
     from ._mesh import DataParallelMesh
@@ -307,6 +307,7 @@ class GroupExtension:
             self._agree()
         self.sources = sources
 
+    @_compat.outside_dispatch_modes()  # bookkeeping, not the group's all-gather (CommDebugMode)
     def _agree(self) -> None:
         """Check once that every rank gathers inputs of the same shapes (collective on the shard group).
 
