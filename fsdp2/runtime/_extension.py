@@ -25,10 +25,12 @@ allocated itself are freed (storage resized to 0) at reshard and re-allocated be
 next ``out=`` call, as torch does. A group holding no such parameter has no
 ``GroupExtension`` and takes none of these paths.
 
-The methods may be attached after ``fully_shard``, to the subclass or to the local tensor
-object itself (a plain tensor too): the group looks for them again at lazy init and after
-a module conversion (``to_empty()`` makes new local tensors, without hooks attached to the
-old ones), as torch does at its lazy init (``refresh_params``).
+The methods may be attached after ``fully_shard`` to the sharded local tensor object
+itself (instance methods, on a plain tensor too): the group looks for them again at lazy
+init and after a module conversion (``to_empty()`` makes new local tensors, without hooks
+attached to the old ones), as torch does at its lazy init (``refresh_params``). A subclass
+parameter whose class has no hooks at ``fully_shard`` is sharded as a plain tensor, so hooks
+added to that class later are not seen (torch keeps the subclass).
 
 Mixed precision does not cast these inputs: ``param_dtype`` is handed to the rebuild.
 Gradients of the unsharded tensor are plain tensors, reduced like any other.
@@ -114,9 +116,9 @@ def _check_one(local: torch.Tensor, fqn: str, tensor_parallel: bool, dim: int,
 def refresh_params(params: Sequence[ShardedParam], reshard_after_forward: bool | int | None) -> bool:
     """Follow the methods defined on (or removed from) the sharded local tensors since ``fully_shard``.
 
-    The hooks may be attached after ``fully_shard`` (to the class, or to the local tensor
-    object itself, which ``to_empty()`` replaces), as torch allows: the group looks again at
-    lazy init and after a module conversion. Returns whether any parameter changed side;
+    The hooks may be attached after ``fully_shard`` to the local tensor object itself (which
+    ``to_empty()`` replaces), as torch allows: the group looks again at lazy init and after a
+    module conversion. Returns whether any parameter changed side;
     the ones that gained the methods pass ``fully_shard``'s checks first, all or none changing.
     """
     found = []
