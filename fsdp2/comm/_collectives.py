@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALIGN", "GatherPlan", "GatherTargets", "AllGatherInFlight", "ReduceTarget", "ReduceScatterInFlight",
-    "reduce_op", "packed_offsets", "finish_reduce_scatter", "ReducedGrads",
+    "reduce_op", "packed_offsets", "finish_reduce_scatter", "ReducedGrads", "show_flat_all_gather",
+    "show_flat_reduce_scatter",
 ]
 
 
@@ -258,6 +259,29 @@ def _divide_before(factor: float) -> float:
     part is about ``sqrt(factor)`` and the sum of pre-divided values stays in fp16's range."""
     powers = (1 << k for k in itertools.count())
     return float(next(p for p in powers if factor % p or p * p >= factor))
+
+
+def show_flat_all_gather(plan: GatherPlan, pg: dist.ProcessGroup) -> None:
+    """Under a dispatch mode (``CommDebugMode``): the flat all-gather a transport's messages or
+    reads stand for, issued on meta tensors of its shapes, so the mode sees the collective
+    torch's FSDP2 (and fsdp2's flat transport) issues. Meta tensors move no data: c10d's meta
+    kernel returns at once, on this rank alone, whatever the others do. Without a mode, or on
+    one rank (no collective there, as with the flat transport and torch), nothing.
+    """
+    if plan.world > 1 and _compat.dispatch_modes_active():
+        meta = torch.device("meta")
+        send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=meta)
+        out = torch.empty(plan.world * plan.slice_bytes, dtype=torch.uint8, device=meta)
+        _compat.all_gather_flat(out, send, group=pg)
+
+
+def show_flat_reduce_scatter(numel: int, world: int, dtype: torch.dtype, op: dist.ReduceOp,
+                             pg: dist.ProcessGroup) -> None:
+    """As :func:`show_flat_all_gather`, for a reduce-scatter of ``numel`` elements per rank."""
+    if _compat.dispatch_modes_active():
+        meta = torch.device("meta")
+        out = torch.empty(numel, dtype=dtype, device=meta)
+        _compat.reduce_scatter_flat(out, torch.empty(world * numel, dtype=dtype, device=meta), op=op, group=pg)
 
 
 def _run_all_reduce_hook(fn: Callable[[torch.Tensor], None], stream: Any, reduced: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import _debug
-from .. import _wire
+from .. import _compat, _wire
 from .._compat import root_mesh
 
 if TYPE_CHECKING:  # for annotations only: the checks sit below the runtime and the transport
@@ -133,6 +133,7 @@ def _mesh_groups(groups: Sequence[ParamGroup]) -> list[dist.ProcessGroup]:
 
 
 # ---- rank agreement -------------------------------------------------------------------
+@_compat.outside_dispatch_modes()  # bookkeeping: a mode counting FSDP's collectives skips it
 def check_rank_agreement(diag: Diagnostics) -> None:
     """Raise ``ValueError`` on every rank if ranks sharing the model built it differently.
 
@@ -296,6 +297,7 @@ def record_nonfinite(root: RootContext, params: Sequence[ShardedParam], shards: 
         root.diag.nonfinite.append((root.diag.param_names.get(id(p), "?"), count))
 
 
+@_compat.outside_dispatch_modes()
 def raise_if_nonfinite(root: RootContext) -> None:
     """End of backward: agree across ranks on the first non-finite parameter; raise on every rank.
 

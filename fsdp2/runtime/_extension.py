@@ -16,12 +16,21 @@ that FSDP calls around its all-gather:
 How it fits fsdp2's layout: each input is one more entry of the group's all-gather,
 laid out as a dim-0 sharded tensor of its own (``ShardLayout`` with the input's shape as
 the local shape), so the byte slice, the unsharded buffer and every transport (flat,
-exchange, reads) carry it like any parameter. The outputs are views of the unsharded
-buffer: freeing the buffer at reshard frees them, and they keep their storage object
-across gathers (subclasses check that ``out``'s data is the all-gather output). Inner
-tensors the subclass allocated itself are freed (storage resized to 0) at reshard and
-re-allocated before the next ``out=`` call, as torch does. A group holding no such
-parameter has no ``GroupExtension`` and takes none of these paths.
+exchange, reads) carry it like any parameter. Each input's gathered output is a tensor of
+its own at storage offset 0, as torch's all-gather outputs are (a rebuild may pair outputs,
+``TwoTensor`` requires equal offsets); the group frees its storage at reshard and
+re-allocates it before the next gather, so it keeps its storage object across gathers
+(subclasses check that ``out``'s data is the all-gather output). Inner tensors the subclass
+allocated itself are freed (storage resized to 0) at reshard and re-allocated before the
+next ``out=`` call, as torch does. A group holding no such parameter has no
+``GroupExtension`` and takes none of these paths.
+
+The methods may be attached after ``fully_shard`` to the sharded local tensor object
+itself (instance methods, on a plain tensor too): the group looks for them again at lazy
+init and after a module conversion (``to_empty()`` makes new local tensors, without hooks
+attached to the old ones), as torch does at its lazy init (``refresh_params``). A subclass
+parameter whose class has no hooks at ``fully_shard`` is sharded as a plain tensor, so hooks
+added to that class later are not seen (torch keeps the subclass).
 
 Mixed precision does not cast these inputs: ``param_dtype`` is handed to the rebuild.
 Gradients of the unsharded tensor are plain tensors, reduced like any other.
@@ -40,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 # Module imports both ways (_param builds a ParamExtension): names are looked up at call time.
 from . import _layout
-from .. import _wire
+from .. import _compat, _wire
 
 if TYPE_CHECKING:
     from ._mesh import DataParallelMesh
@@ -76,27 +85,53 @@ def check_params(found: Sequence[tuple[torch.nn.Parameter, Any, str]], dims: Seq
     """
     for (param, _locations, fqn), dim in zip(found, dims):
         local = param._local_tensor if isinstance(param, DTensor) else param
-        if not has_extension(local, fqn):
-            continue
-        _pre_arity(local, fqn)
-        name = type(local).__name__
-        if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"fully_shard: parameter {fqn!r} is a DTensor whose local tensor ({name}) defines "
-                f"{PRE}; the all-gather extension is supported for data-parallel parameters only "
-                "(no tensor parallelism): shard it with fully_shard alone, or use a plain local tensor"
-            )
-        if dim != 0:
-            raise NotImplementedError(
-                f"fully_shard: parameter {fqn!r} ({name}, which defines {PRE}) is sharded on "
-                f"dim {dim}; parameters using the all-gather extension are sharded on dim 0: return Shard(0) "
-                "from shard_placement_fn for it"
-            )
-        if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
-            raise NotImplementedError(
-                f"fully_shard: reshard_after_forward as an int is not supported with parameters that define "
-                f"{PRE} ({fqn!r}, a {name}), as in torch; use True or False"
-            )
+        if has_extension(local, fqn):
+            _check_one(local, fqn, isinstance(param, DTensor), dim, reshard_after_forward)
+
+
+def _check_one(local: torch.Tensor, fqn: str, tensor_parallel: bool, dim: int,
+               reshard_after_forward: bool | int | None) -> None:
+    """The checks of one parameter whose local tensor defines the extension (see check_params)."""
+    _pre_arity(local, fqn)
+    name = type(local).__name__
+    if tensor_parallel:
+        raise NotImplementedError(
+            f"fully_shard: parameter {fqn!r} is a DTensor whose local tensor ({name}) defines "
+            f"{PRE}; the all-gather extension is supported for data-parallel parameters only "
+            "(no tensor parallelism): shard it with fully_shard alone, or use a plain local tensor"
+        )
+    if dim != 0:
+        raise NotImplementedError(
+            f"fully_shard: parameter {fqn!r} ({name}, which defines {PRE}) is sharded on "
+            f"dim {dim}; parameters using the all-gather extension are sharded on dim 0: return Shard(0) "
+            "from shard_placement_fn for it"
+        )
+    if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward as an int is not supported with parameters that define "
+            f"{PRE} ({fqn!r}, a {name}), as in torch; use True or False"
+        )
+
+
+def refresh_params(params: Sequence[ShardedParam], reshard_after_forward: bool | int | None) -> bool:
+    """Follow the methods defined on (or removed from) the sharded local tensors since ``fully_shard``.
+
+    The hooks may be attached after ``fully_shard`` to the local tensor object itself (which
+    ``to_empty()`` replaces), as torch allows: the group looks again at lazy init and after a
+    module conversion. Returns whether any parameter changed side;
+    the ones that gained the methods pass ``fully_shard``'s checks first, all or none changing.
+    """
+    found = []
+    for p in params:
+        local = p.sharded._local_tensor
+        if has_extension(local, p.fqn) != (p.ext is not None):
+            found.append((p, local))
+    for p, local in found:
+        if p.ext is None:
+            _check_one(local, p.fqn, p.tp is not None, p.layout.dim, reshard_after_forward)
+    for p, local in found:
+        p.ext = ParamExtension(p, local) if p.ext is None else None
+    return bool(found)
 
 
 def _pre_arity(local: torch.Tensor, fqn: str) -> int:
@@ -114,8 +149,8 @@ class ParamExtension:
     """One parameter's extension state: the hooks' results between an all-gather and its rebuild.
 
     ``specs`` (shape and dtype of each input, fixed at the first all-gather) lay out the
-    group's plan; ``outputs`` are the persistent views of the unsharded buffer the inputs
-    are gathered into; ``to_free`` the inner tensors outside that buffer (with their sizes).
+    group's plan; ``outputs`` are the persistent tensors the inputs are gathered into (one
+    storage each); ``to_free`` the inner tensors outside them (with their sizes).
     """
 
     def __init__(self, p: ShardedParam, local: torch.Tensor) -> None:
@@ -173,11 +208,11 @@ class ParamExtension:
         return [t.detach() for t in inputs], metadata
 
     # ---- after the all-gather ----------------------------------------------------------
-    def bind_outputs(self, regions: Sequence[torch.Tensor]) -> None:
-        """Keep the views of the unsharded buffer each input is gathered into (persistent)."""
-        self.outputs = tuple(regions)
+    def bind_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Keep the tensors each input is gathered into (persistent: same objects, same storages)."""
+        self.outputs = tuple(outputs)
 
-    def post_all_gather(self, on_grad_ready: Callable[[ShardedParam], None], buffer: torch.Tensor) -> None:
+    def post_all_gather(self, on_grad_ready: Callable[[ShardedParam], None]) -> None:
         """Rebuild the unsharded tensor from ``outputs``: created the first time, refreshed with ``out=`` after."""
         p = self.param
         local = p.sharded._local_tensor
@@ -194,8 +229,9 @@ class ParamExtension:
         shape = p.layout.shape
         if tensor.shape != shape:  # the padded rows (uneven sharding) are not part of the parameter
             tensor = torch.as_strided(tensor, shape, _layout.contiguous_stride(shape), 0)
-        base = buffer.untyped_storage().data_ptr()
-        self.to_free = [(t, t.untyped_storage().nbytes()) for t in inner if t.untyped_storage().data_ptr() != base]
+        gathered = {t.untyped_storage().data_ptr() for t in self.outputs}  # freed and re-allocated by the group
+        self.to_free = [(t, t.untyped_storage().nbytes()) for t in inner
+                        if t.untyped_storage().data_ptr() not in gathered]
         p.bind_unsharded_tensor(tensor, on_grad_ready)
 
     def _check_post(self, result: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -247,6 +283,7 @@ class GroupExtension:
         self.pg = dp.shard_group
         self.agreed = False  # the ranks compared their inputs' shapes (once, at the first all-gather)
         self.sources: list[torch.Tensor] = []
+        self.gathered: list[torch.Tensor] = []  # the inputs' gathered outputs, one storage each (bind)
 
     @classmethod
     def of(cls, params: Sequence[ShardedParam], dp: DataParallelMesh, partial: bool) -> GroupExtension | None:
@@ -272,6 +309,7 @@ class GroupExtension:
             self._agree()
         self.sources = sources
 
+    @_compat.outside_dispatch_modes()  # bookkeeping, not the group's all-gather (CommDebugMode)
     def _agree(self) -> None:
         """Check once that every rank gathers inputs of the same shapes (collective on the shard group).
 
@@ -304,50 +342,81 @@ class GroupExtension:
                 dtypes.append(dtype)
         return layouts, dtypes
 
+    def _inputs(self) -> list[bool]:
+        """Per entry of the all-gather: whether it is an extension parameter's input."""
+        return [is_input for p in self.params
+                for is_input in ([False] if p.ext is None else [True] * len(p.ext.specs))]
+
     def region_bytes(self, world: int) -> list[int]:
-        """Bytes of each entry's gathered region in the unsharded buffer."""
+        """Bytes of each entry's region in the unsharded buffer: none for an input, whose
+        gathered output has a storage of its own (``bind``)."""
         layouts, dtypes = self.entries(world)
-        return [math.prod(lay.padded_shape) * dtype.itemsize for lay, dtype in zip(layouts, dtypes)]
+        return [0 if is_input else math.prod(lay.padded_shape) * dtype.itemsize
+                for lay, dtype, is_input in zip(layouts, dtypes, self._inputs())]
+
+    def output_bytes(self, world: int) -> int:
+        """Bytes of the inputs' gathered outputs, outside the unsharded buffer."""
+        layouts, dtypes = self.entries(world)
+        return sum(math.prod(lay.padded_shape) * dtype.itemsize
+                   for lay, dtype, is_input in zip(layouts, dtypes, self._inputs()) if is_input)
 
     def bind(self, buffer: torch.Tensor, param_base: torch.Tensor, starts: Sequence[int], sizes: Sequence[int],
              plan: Any, on_grad_ready: Callable[[ShardedParam], None]) -> list[torch.Tensor]:
-        """Cut the unsharded buffer into one region per entry of ``plan`` (at ``starts``) and hand them out.
+        """One region per entry of ``plan``, where the all-gather writes it; returns them.
 
-        A plain parameter's region becomes its unsharded view, an extension parameter's
-        regions its all-gather outputs; both are taken from ``param_base`` (the buffer's
-        ``.data``, without its version counter). Returns the regions as views of ``buffer``
-        (where the all-gather writes).
+        A plain parameter's region is its place in the unsharded buffer (at ``starts``) and
+        its unsharded view is taken from ``param_base`` (the buffer's ``.data``, without its
+        version counter). An extension input's gathered output is a tensor of its own at
+        storage offset 0, as torch's all-gather outputs are: a rebuild may pair outputs that
+        must sit at equal offsets (``TwoTensor`` checks that). The hooks get their ``.data``,
+        which refilling does not bump the version counter of.
         """
-        def regions(base: torch.Tensor) -> list[torch.Tensor]:
-            return [base[start:start + size].view(dtype).view(lay.padded_shape)
-                    for lay, dtype, start, size in zip(plan.layouts, plan.dtypes, starts, sizes)]
-
-        mine = regions(param_base)
-        i = 0
+        layouts, dtypes = plan.layouts, plan.dtypes
+        regions: list[torch.Tensor] = []
+        self.gathered = []
         for p in self.params:
+            i = len(regions)
             if p.ext is None:
-                p.bind_unsharded(mine[i], on_grad_ready)
-                i += 1
-            else:
-                n = len(p.ext.specs)
-                p.ext.bind_outputs(mine[i:i + n])
-                i += n
-        return regions(buffer)
+                lay, dtype, start, size = layouts[i], dtypes[i], starts[i], sizes[i]
+                regions.append(buffer[start:start + size].view(dtype).view(lay.padded_shape))
+                p.bind_unsharded(param_base[start:start + size].view(dtype).view(lay.padded_shape), on_grad_ready)
+                continue
+            n = len(p.ext.specs)
+            own = [torch.empty(lay.padded_shape, dtype=dtype, device=buffer.device)
+                   for lay, dtype in zip(layouts[i:i + n], dtypes[i:i + n])]
+            p.ext.bind_outputs([t.data for t in own])
+            self.gathered += own
+            regions += own
+        return regions
 
-    def post_all_gather(self, on_grad_ready: Callable[[ShardedParam], None], buffer: torch.Tensor) -> None:
+    def alloc(self) -> None:
+        """Unshard: the storages of the gathered outputs again (freed at the last reshard)."""
+        for t in self.gathered:
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(t.numel() * t.element_size())
+
+    def post_all_gather(self, on_grad_ready: Callable[[ShardedParam], None]) -> None:
         self.sources = []
         for p in self.params:
             if p.ext is not None:
-                p.ext.post_all_gather(on_grad_ready, buffer)
+                p.ext.post_all_gather(on_grad_ready)
 
     def free(self) -> None:
+        """Reshard: the gathered outputs' storages and the inner tensors the rebuilds allocated."""
+        for t in self.gathered:
+            t.untyped_storage().resize_(0)
         for p in self.params:
             if p.ext is not None:
                 p.ext.free()
 
+    def held(self) -> list[torch.Tensor]:
+        """The unsharded-side tensors outside the group's buffer (the memory tracker's)."""
+        return self.gathered + [t for p in self.params if p.ext is not None for t, _ in p.ext.to_free]
+
     def reset(self) -> None:
         """After ``nn.Module._apply`` (devices or dtypes changed): outputs and rebuilt tensors are stale."""
-        self.sources = []
+        self.sources, self.gathered = [], []
         for p in self.params:
             if p.ext is not None:
                 p.ext.outputs, p.ext.to_free, p.ext.inputs, p.ext.metadata = (), [], [], None

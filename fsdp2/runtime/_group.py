@@ -23,6 +23,7 @@ from .._common import ShardState
 from ..diagnostics import _checks, _debug, _trace
 from ..comm._collectives import ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceTarget
 from ..comm._transport import Transport, choose_transport, flat_transport
+from . import _extension
 from ._extension import GroupExtension
 from ..diagnostics._checks import HEADER
 from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, process_group_comms
@@ -155,9 +156,11 @@ class ParamGroup:
 
     def take_assigned(self) -> None:
         """Before the group's first gather: take the parameters the user assigned since
-        ``fully_shard`` (``module.w = nn.Parameter(dtensor)``), as torch's FSDP2 does at lazy init."""
+        ``fully_shard`` (``module.w = nn.Parameter(dtensor)``) and the all-gather extensions
+        attached to the shards since, as torch's FSDP2 does at lazy init."""
         if not self.prepared and self.state is ShardState.SHARDED:
             self.adopt_registered(True, "at its first use")
+            self.find_extensions()  # hooks attached since fully_shard (to_empty() made new tensors)
 
     def prepare(self) -> None:
         """An explicit ``unshard()``, which may come before the root's lazy init: take the
@@ -165,6 +168,15 @@ class ParamGroup:
         self.take_assigned()
         raise_if_on_meta(self.params, self._name_of)
         self.prepared = True
+
+    def find_extensions(self) -> None:
+        """Lazy init and module conversions: take up the all-gather extension methods attached
+        to (or removed from) the sharded local tensors since ``fully_shard`` (``_extension.py``)."""
+        if self.state is not ShardState.SHARDED:
+            return  # gathered or gathering (an explicit unshard before the first forward): as built
+        if _extension.refresh_params(self.params, self.policy.reshard_after_forward):
+            self._ext = GroupExtension.of(self.params, self.dp, self.subgroup is not None)
+            self.invalidate()
 
     def invalidate(self) -> None:
         """Forget buffers and plans after devices or dtypes changed (``nn.Module._apply``) or
@@ -277,7 +289,8 @@ class ParamGroup:
         return starts, sizes, totals
 
     def _unsharded_bytes(self) -> int:
-        return sum(self._unsharded_layout()[2])
+        gathered = self._ext.output_bytes(self.world) if self._ext is not None and self._ext.known else 0
+        return sum(self._unsharded_layout()[2]) + gathered  # (extension inputs' outputs: storages of their own)
 
     def _alloc_unsharded(self) -> None:
         # The buffer and its parameter views outlive this forward: if the first unshard
@@ -317,6 +330,8 @@ class ParamGroup:
             storage = buffer.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(buffer.numel())
+        if self._ext is not None:
+            self._ext.alloc()
 
     def _targets(self, plan: GatherPlan) -> GatherTargets:
         """The unsharded buffer's regions viewed as ``plan.world`` chunks each, where the
@@ -403,7 +418,7 @@ class ParamGroup:
         found = {
             "sharded_params": [p.padded_local for p in self.params],
             "gradients": grads,
-            "unsharded_params": list(self._buffers),
+            "unsharded_params": list(self._buffers) + (self._ext.held() if self._ext is not None else []),
             "communication": comm,
         }
         return {category: [t for t in ts if isinstance(t, torch.Tensor)] for category, ts in found.items()}
@@ -472,7 +487,7 @@ class ParamGroup:
             self._alloc_unsharded()
             gather.transport.finish_all_gather(gather, self._targets(gather.plan))
             if self._ext is not None:  # rebuild the subclasses' unsharded tensors from what arrived
-                self._ext.post_all_gather(self._on_grad_ready, self._buffers[0])
+                self._ext.post_all_gather(self._on_grad_ready)
         if gather.release is not None:
             self._unreleased = gather
         self._gather = None  # only now: if the copy raised, reset() still finds the collective

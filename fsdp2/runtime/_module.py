@@ -445,6 +445,7 @@ class FSDPModule:
         out = super()._apply(*args, **kwargs)
         if state.group is not None:
             state.group.adopt_registered(False, "after a module conversion: to_empty(), to(), float(), ...")
+            state.group.find_extensions()  # the local tensors are new objects
         return out
 
 

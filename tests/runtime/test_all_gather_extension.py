@@ -229,6 +229,176 @@ def test_uneven_rows_padded_by_the_hook(transport):
     assert all(r["pre_calls"] > 0 for r in results)
 
 
+# ---- hooks attached after fully_shard ----------------------------------------------------------
+class RoundedLinear(nn.Linear):
+    """Computes with its weight rounded to bf16, the gradient straight through: what a model
+    whose weights are gathered in bf16 (``_bf16_hooks``) computes, unsharded."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return nn.functional.linear(x, w + (w.to(torch.bfloat16).float() - w).detach(), self.bias)
+
+
+class RoundedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(RoundedLinear(DIM, 2 * DIM), nn.Tanh(), RoundedLinear(2 * DIM, DIM))
+                                     for _ in range(2)])
+        self.head = nn.Linear(DIM, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _bf16_hooks(local: torch.Tensor, seen: list) -> None:
+    """Attach extension hooks to one plain local tensor object: gather it in bf16, compute in
+    ``param_dtype``. ``seen`` records the mesh each pre-all-gather call gets."""
+    from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+
+    def pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+        seen.append((mesh.ndim, mesh.size(), mesh.mesh_dim_names))
+        return (self.to(torch.bfloat16),), None
+
+    def post(self, outputs, metadata, param_dtype, *, out=None):
+        with torch.no_grad():
+            if out is None:
+                full = outputs[0].to(param_dtype)
+                return full, (full,)
+            with _unsafe_preserve_version_counter(out):  # refilled under autograd's saved tensors
+                out.copy_(outputs[0])
+            return None
+
+    local.fsdp_pre_all_gather = pre.__get__(local)
+    local.fsdp_post_all_gather = post.__get__(local)
+
+
+def _hooks_after_to_empty(transport: str, hsdp: bool) -> dict:
+    """Meta init, ``fully_shard``, ``to_empty()``, then the hooks on the new local tensors: fsdp2
+    and torch's fully_shard train like the unsharded reference, and their hooks see the same meshes."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")) if hsdp \
+        else init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    models = {"ref": RoundedNet()}
+    seen: dict[str, list] = {"fsdp2": [], "torch": []}
+    for name, fully_shard in (("fsdp2", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        with torch.device("meta"):
+            model = RoundedNet()
+        with environ(CPU_COLLECTIVES_ENV, transport):
+            _shard(model, fully_shard, mesh)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for (pname, p), ref in zip(model.named_parameters(), models["ref"].parameters()):
+                p.copy_(distribute_tensor(ref.detach(), p.device_mesh, p.placements))
+                if "blocks" in pname and pname.endswith("weight"):  # the new objects (to_empty made them)
+                    _bf16_hooks(p._local_tensor, seen[name])
+        models[name] = model
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-2) for name, m in models.items()}
+    for step in range(3):
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        losses = {name: m(x).square().mean() for name, m in models.items()}
+        for loss in losses.values():
+            loss.backward()
+        average_grads(models["ref"])
+        for name in ("fsdp2", "torch"):
+            torch.testing.assert_close(losses[name], losses["ref"], msg=lambda m: f"step {step} {name}: {m}")
+        named = {name: dict(m.named_parameters()) for name, m in models.items()}
+        for pname, ref in named["ref"].items():
+            ours, theirs = full(named["fsdp2"][pname].grad), full(named["torch"][pname].grad)
+            torch.testing.assert_close(ours, ref.grad, msg=lambda m: f"step {step} {pname} grad: {m}")
+            torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+        for opt in opts.values():
+            opt.step()
+            opt.zero_grad()
+    for pname, ref in named["ref"].items():
+        torch.testing.assert_close(full(named["fsdp2"][pname].detach()), ref.detach())
+    return seen
+
+
+@pytest.mark.parametrize("transport,hsdp", [("flat", False), ("read", False), ("exchange", True)])
+def test_hooks_attached_after_to_empty_run_like_torch(transport, hsdp):
+    for seen in run_on_ranks(_hooks_after_to_empty, 4 if hsdp else 2, transport, hsdp):
+        # Every gather of the four block weights called the hook, with the shard axis's 1-D mesh.
+        expected = (1, 2, ("shard",)) if hsdp else (1, 2, None)
+        assert seen["fsdp2"] and set(seen["fsdp2"]) == {expected}, seen["fsdp2"][:4]
+        assert seen["fsdp2"] == seen["torch"]
+
+
+def _hooks_come_and_go() -> None:
+    """Hooks on tensors that ``to_empty()`` replaced go with them (torch's fully_shard fails
+    there: its outputs keep the hooks' dtype), and a late hook on a parameter sharded on dim 1
+    is refused at lazy init."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = torch.randn(4, DIM)
+    torch.manual_seed(0)
+    model, ref = _shard(RoundedNet(), fsdp2.fully_shard, mesh), RoundedNet()
+    seen: list = []
+    for pname, p in model.named_parameters():
+        if "blocks" in pname and pname.endswith("weight"):
+            _bf16_hooks(p._local_tensor, seen)
+    model(x).sum().backward()
+    assert len(seen) == 8, seen  # four weights, forward and backward
+    model.to_empty(device="cpu")  # new local tensors, without the hooks: plain gathers from now on
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), ref.parameters()):
+            p.copy_(distribute_tensor(r.detach(), p.device_mesh, p.placements))
+    torch.testing.assert_close(model(x), ref(x))
+    assert len(seen) == 8, seen
+    model = RoundedNet()
+    fsdp2.fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    _bf16_hooks(model.blocks[0][0].weight._local_tensor, [])
+    with pytest.raises(NotImplementedError, match=r"sharded on dim 1.*return Shard\(0\)"):
+        model(x)
+
+
+def test_hooks_follow_the_local_tensors():
+    run_on_ranks(_hooks_come_and_go, 2)
+
+
+# ---- what the rebuild gets -----------------------------------------------------------------
+class RecordsOutputs(Int8Rows):
+    """Records, per rebuild, each gathered output's storage offset and whether the output
+    fills its storage (an allocation of its own)."""
+
+    outputs: list = []
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        RecordsOutputs.outputs.append([(t.storage_offset(), t.untyped_storage().nbytes() == t.numel() * t.itemsize)
+                                       for t in outputs])
+        return super().fsdp_post_all_gather(outputs, metadata, param_dtype, out=out)
+
+
+def _gathered_outputs(transport: str) -> dict:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    recorded = {}
+    for name, fully_shard in (("fsdp2", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        with environ(CPU_COLLECTIVES_ENV, transport):
+            model = _shard(_build(False, cls=RecordsOutputs), fully_shard, mesh)
+        RecordsOutputs.outputs = []
+        for _ in range(2):
+            model(torch.randn(4, DIM)).sum().backward()
+        recorded[name] = RecordsOutputs.outputs
+    return recorded
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_gathered_outputs_are_allocations_of_their_own_like_torch(transport):
+    # As torch's all-gather outputs: each at offset 0 of a storage it fills, so a rebuild may
+    # pair them (torch's TwoTensor requires equal storage offsets), on every transport.
+    for recorded in run_on_ranks(_gathered_outputs, 2, transport):
+        assert recorded["fsdp2"] == recorded["torch"], recorded
+        assert recorded["fsdp2"] and all(o == [(0, True), (0, True)] for o in recorded["fsdp2"]), recorded
+
+
 # ---- state dict ---------------------------------------------------------------------------
 def _state_dicts() -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard

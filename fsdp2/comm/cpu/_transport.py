@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from ...diagnostics import _debug
 from ...diagnostics._checks import HEADER
+from ... import _compat
 from .._collectives import (ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight,
-                           ReduceTarget, reduce_op)
+                           ReduceTarget, reduce_op, show_flat_all_gather, show_flat_reduce_scatter)
 from .._streams import Completion
 from .._transport import (CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupBytes, Transport, cpu_transport,
                           flat_transport)
@@ -47,7 +48,8 @@ class ExchangeTransport(Transport):
     def probe(self, pg: dist.ProcessGroup) -> None:
         """Find out (once per process group, collectively) whether its ranks can read each other."""
         if self.may_read and pg.size() > 1:
-            probe_reads(pg, self.must_read)
+            with _compat.outside_dispatch_modes():  # bookkeeping, not FSDP's collectives (CommDebugMode)
+                probe_reads(pg, self.must_read)
 
     def reads(self, pg: dist.ProcessGroup) -> bool:
         """Whether the exchanges over ``pg`` read the peers' memory (once probed)."""
@@ -56,7 +58,9 @@ class ExchangeTransport(Transport):
     def start_all_gather(self, source: GatherSource, plan: GatherPlan, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
         """Straight into the unsharded buffer: this rank's entries are copied into their own
-        chunks and sent from there (never aliasing the shards), the peers' received in place."""
+        chunks and sent from there (never aliasing the shards), the peers' received in place.
+        A dispatch mode sees the flat all-gather this stands for (``show_flat_all_gather``)."""
+        show_flat_all_gather(plan, pg)
         chunks = source.targets(plan).chunks
         if header is None:
             header = torch.zeros(HEADER, dtype=torch.uint8)
@@ -78,8 +82,10 @@ class ExchangeTransport(Transport):
         if world == 1:
             return self._local.start_reduce_scatter(params, grads, dtype, target, device, header)
         op, pre, post = reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
-        _debug.log_collective("reduce_scatter", target.label, target.group,
-                              f"{world} x {sum(p.layout.local_numel for p in params)} elements", dtype, target.root)
+        numel = sum(p.layout.local_numel for p in params)
+        _debug.log_collective("reduce_scatter", target.label, target.group, f"{world} x {numel} elements", dtype,
+                              target.root)
+        show_flat_reduce_scatter(numel, world, dtype, op, target.group)  # what a dispatch mode sees
         full, copies = _sendable(params, grads, dtype, world, pre)
         if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division
             post = float(world) * (post or 1.0)
