@@ -190,6 +190,17 @@ class Checkpointer:
             unusable.append((self._dir(step).name, problems))
         return None, unusable
 
+    def newest_saved(self) -> int | None:
+        """This process's view, no collective: the newest step resumed from, saved, or complete on disk.
+
+        After Ctrl-C: a save renames its checkpoint into place (complete) before ``save``
+        returns and records it, so an interrupt in between finds it on disk only.
+        """
+        on_disk = [int(_STEP.match(name).group(1)) for name in _step_names(self.root)
+                   if (self.root / name / _MARKER).is_file()]
+        steps = on_disk + ([self.last_step] if self.last_step is not None else [])
+        return max(steps) if steps else None
+
     # ---- saving ------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler, *, extra: dict[str, Any] | None = None) -> Path:

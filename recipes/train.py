@@ -160,14 +160,14 @@ class Interrupted(Exception):
     """Ctrl-C during training; the message says at which step, the last checkpoint and how to resume."""
 
     def __init__(self, step: int, checkpointer: Checkpointer | None, every: int) -> None:
+        last = checkpointer.newest_saved() if checkpointer is not None else None
         if checkpointer is None:
             hint = "no checkpoints (no --checkpoint-dir): a rerun starts from step 0"
-        elif checkpointer.last_step is None:
+        elif last is None:
             when = f"the first is due at step {every}" if every else "the only one is due at the last step"
             hint = f"no checkpoint in {checkpointer.root} yet ({when}): a rerun starts from step 0"
         else:
-            hint = (f"the last checkpoint is step {checkpointer.last_step} in {checkpointer.root}: "
-                    "run the same command to resume from it")
+            hint = f"the last checkpoint is step {last} in {checkpointer.root}: run the same command to resume from it"
         super().__init__(f"interrupted during step {step}; {hint}")
 
 
