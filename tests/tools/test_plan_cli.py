@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,15 @@ def test_a_layout_that_does_not_fit_gets_the_nearest_that_do_and_they_fit(capsys
         assert "fits in" in _plan(capsys, *base, "--gpu-memory", gpu, *flags), line
     # Nothing near fits: said so.
     assert "no layout one or two changes away fits" in _plan(capsys, *base, "--gpu-memory", "1MiB")
+
+
+def test_readme_shows_the_planner_as_it_prints(capsys):
+    # README's first screen quotes a planner command and lines of its output ("..." for the rest).
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"```text\n\s*\$ python -m fsdp2\.plan (.*?)\n(.*?)```", readme, re.S)
+    assert block, "README quotes python -m fsdp2.plan"
+    out = _plan(capsys, *block[1].split())
+    for line in block[2].splitlines():
+        line = line.strip()
+        if line and line != "...":
+            assert line in out, line
