@@ -13,6 +13,8 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import _compat
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -28,7 +30,10 @@ def clip_grad_norm_(
     Gradients are grouped by (mesh, placements); each group's norm is taken
     with ``torch.nn.utils.get_total_norm`` (DTensor reduces it over its mesh),
     the group norms are combined into the total, and every gradient is scaled
-    by ``max_norm / total`` when that is below 1.
+    by ``max_norm / total`` when that is below 1. The norm of gradients sharded
+    over several mesh axes (FSDP x TP) is reduced by one all-reduce over them
+    together, not one per axis: the first call gives those axes a flattened
+    process group (``_compat.flatten_axes``), as DTensor's warning asks.
 
     Returns:
         The total norm as a plain tensor, the same on every rank.
@@ -43,7 +48,13 @@ def clip_grad_norm_(
     if not groups:
         return torch.tensor(0.0)
     norms = []
-    for members in groups.values():
+    for key, members in groups.items():
+        if isinstance(key, tuple):  # a DTensor's norm is partial over the axes its gradient is sharded on
+            sharded = [i for i, p in enumerate(key[1]) if not p.is_replicate()]  # Shard, _StridedShard
+            # Equal meshes can be distinct objects; a flattened mesh is recorded on each one's root.
+            roots = {id(_compat.root_mesh(p.grad.device_mesh)): p.grad.device_mesh for p in members}
+            for mesh in roots.values():
+                _compat.flatten_axes(mesh, sharded)
         norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type, error_if_nonfinite, foreach)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     device = norms[0].device

@@ -205,6 +205,27 @@ def root_mesh(mesh):
     return _mesh_resources.get_root_mesh(mesh)
 
 
+def flatten_axes(mesh, axes) -> None:
+    """Give ``mesh``'s ``axes`` (two or more, by index) one process group, so DTensor reduces over them at once.
+
+    DTensor then reduces a value partial on those axes (a gradient norm under FSDP x TP) with
+    one all-reduce instead of one per axis, and does not warn about the sequential ones; it finds
+    the flattened mesh by layout in the root mesh, where ``DeviceMesh._flatten`` (private, no
+    public name in torch 2.11-2.14; torchtitan flattens its meshes the same way) registers it.
+    Collective on first use (a new process group); later calls find it. Meshes without axis
+    names are left alone (``_flatten`` slices by name).
+    """
+    names = mesh.mesh_dim_names
+    if names is None or len(axes) < 2 or not hasattr(mesh, "_flatten"):
+        return
+    picked = tuple(names[i] for i in axes)
+    flat_name = "_".join(picked)
+    root = root_mesh(mesh)
+    if flat_name in getattr(root, "_flatten_mapping", {}):
+        return
+    mesh[picked]._flatten(flat_name)
+
+
 def concat_meshes(meshes):
     """One mesh whose axes are those of ``meshes`` in order (all sliced from one root)."""
     from torch.distributed.device_mesh import DeviceMesh

@@ -9,7 +9,7 @@ docs/comparison.md lists the cases.
 
 from __future__ import annotations
 
-__all__ = ["FSDPTypeError", "FSDPValueError"]
+__all__ = ["FSDPTypeError", "FSDPValueError", "FSDPOrderError"]
 
 
 class FSDPTypeError(TypeError, ValueError):
@@ -18,3 +18,8 @@ class FSDPTypeError(TypeError, ValueError):
 
 class FSDPValueError(ValueError, AssertionError):
     """A bad value, where torch's FSDP2 fails an assertion (``AssertionError``)."""
+
+
+class FSDPOrderError(ValueError, TypeError):
+    """``fully_shard`` on a module inside one already sharded (a child after its parent), where
+    torch's FSDP2 fails with a ``TypeError`` from inside (on a mesh without axis names)."""

@@ -52,8 +52,10 @@ import torch.nn as nn
 
 import fsdp2.checkpoint as ckpt
 from fsdp2._wire import broadcast_json
+from fsdp2.checkpoint.__main__ import find_checkpoint
 
-__all__ = ["Checkpointer", "UnusableCheckpointError", "check_checkpoint_dir", "check_export", "export_model"]
+__all__ = ["Checkpointer", "UnusableCheckpointError", "check_checkpoint_dir", "check_export", "export_model",
+           "check_initial_load", "load_initial"]
 
 logger = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d+)$")
@@ -188,6 +190,17 @@ class Checkpointer:
             unusable.append((self._dir(step).name, problems))
         return None, unusable
 
+    def newest_saved(self) -> int | None:
+        """This process's view, no collective: the newest step resumed from, saved, or complete on disk.
+
+        After Ctrl-C: a save renames its checkpoint into place (complete) before ``save``
+        returns and records it, so an interrupt in between finds it on disk only.
+        """
+        on_disk = [int(_STEP.match(name).group(1)) for name in _step_names(self.root)
+                   if (self.root / name / _MARKER).is_file()]
+        steps = on_disk + ([self.last_step] if self.last_step is not None else [])
+        return max(steps) if steps else None
+
     # ---- saving ------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler, *, extra: dict[str, Any] | None = None) -> Path:
@@ -281,15 +294,67 @@ def _step_names(root: Path) -> list[str]:
     return [entry.name for entry in root.iterdir() if _STEP.match(entry.name) and entry.is_dir()]
 
 
+def _is_safetensors(path: Path) -> bool:
+    """A .safetensors file, or a directory of them (``model.safetensors`` or Hugging Face's shard index)."""
+    return path.suffix == ".safetensors" or (path.is_dir() and any(
+        (path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")))
+
+
+def check_initial_load(path: str | Path) -> None:
+    """Raise ValueError, before any collective, if ``checkpoint.initial_load_path`` could not be loaded."""
+    where = f"checkpoint.initial_load_path={path}"
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{where} does not exist")
+    if _is_safetensors(path):
+        if importlib.util.find_spec("safetensors") is None:
+            raise ValueError(f"{where}: reading safetensors needs the 'safetensors' package "
+                             "(pip install -e '.[checkpoint]')")
+        return
+    if path.is_file():
+        raise ValueError(f"{where} is a file but not .safetensors; pass a .safetensors file (e.g. one "
+                         "--checkpoint.export wrote) or a DCP checkpoint directory")
+    _need_numpy(where)
+    try:
+        find_checkpoint(path)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def load_initial(path: str | Path, model: nn.Module) -> None:
+    """Collective: the model's weights from ``path`` (checked by :func:`check_initial_load`), nothing else.
+
+    A .safetensors file (or directory) goes through :func:`fsdp2.checkpoint.load_full`: each rank
+    memory-maps it and reads its own rows. A DCP checkpoint, a step directory or a run's
+    checkpoint directory (its newest sound checkpoint), through :func:`fsdp2.checkpoint.load`
+    with no optimizer: its model only. Either works at any world size and layout.
+    """
+    path = Path(path)
+    if _is_safetensors(path):
+        ckpt.load_full(path, model)
+        source = f"{path} (safetensors)"
+    else:
+        found, _skipped = find_checkpoint(path)
+        ckpt.load(found, model)
+        source = f"{found} (DCP checkpoint)"
+    if _rank() == 0:
+        logger.info("checkpoint: starting from the weights in %s: the model only, the optimizer and the "
+                    "schedule start fresh (checkpoint.initial_load_path)", source)
+
+
 def check_checkpoint_dir(path: str | Path) -> None:
     """Raise ValueError, before any collective, if checkpoints could not be saved to or loaded from ``path``."""
     if Path(path).exists() and not Path(path).is_dir():
         raise ValueError(f"checkpoint.dir={path} is a file, not a directory")
+    _need_numpy(f"checkpoint.dir={path}")
+
+
+def _need_numpy(where: str) -> None:
     # torch.distributed.checkpoint exchanges its save and load plans with torch's object
     # collectives, which need numpy: without it the first save fails after the first steps.
     if importlib.util.find_spec("numpy") is None:
         raise ValueError(
-            f"checkpoint.dir={path}: checkpoints need numpy (torch.distributed.checkpoint's object "
+            f"{where}: checkpoints need numpy (torch.distributed.checkpoint's object "
             "collectives use it): pip install -e '.[checkpoint]' (or pip install numpy)"
         )
 

@@ -9,12 +9,18 @@ a wrong type fails before any process group starts, with a message naming the ke
     --training.steps=ten     training.steps must be an int, got 'ten' (from --training.steps=ten)
 
 A few frequent keys have short flags (``--dp-shard 2`` is ``--parallelism.dp_shard=2``).
+Each field's trailing comment (continued on comment lines below it) is its ``--help`` text.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
+import io
+import textwrap
+import tokenize
 import tomllib
 import types
 import typing
@@ -25,8 +31,9 @@ from typing import Any, Literal
 from .llama.model import ModelArgs
 
 __all__ = [
-    "ConfigError", "JobConfig", "TrainingConfig", "ParallelismConfig", "DataConfig",
-    "CheckpointConfig", "MetricsConfig", "FaultsConfig", "DEFAULT_CONFIG", "parse_args", "load_config", "describe",
+    "ConfigError", "JobConfig", "JobSettings", "TrainingConfig", "ParallelismConfig", "DataConfig",
+    "ValidationConfig", "CheckpointConfig", "MetricsConfig", "ProfilingConfig", "FaultsConfig", "DEFAULT_CONFIG",
+    "parse_args", "load_config", "describe", "field_help",
 ]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.toml"
@@ -45,6 +52,12 @@ def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> 
 
 
 @dataclass
+class JobSettings:
+    dump_folder: str = "runs"  # the run's directory: profiler traces, memory snapshots and TensorBoard events
+    # go in its profile_traces/, memory_snapshot/ and tb/ folders
+
+
+@dataclass
 class TrainingConfig:
     steps: int = 300  # optimizer steps in the whole run (the LR schedule spans them)
     batch_size: int = 8  # sequences per data-parallel rank per micro-batch
@@ -52,10 +65,10 @@ class TrainingConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     lr: float = 3e-3  # peak learning rate, reached after warmup_steps
     min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # linear warmup from lr / warmup_steps to lr over these steps, then cosine decay
     weight_decay: float = 0.1  # applied to matrices only, not to norms
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
     max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
     mixed_precision: Literal["fp32", "bf16"] = "fp32"  # bf16: compute and all-gather in bf16, reduce in fp32
     activation_checkpoint: bool = False  # recompute each block's activations in backward
@@ -85,12 +98,29 @@ class DataConfig:
 
 
 @dataclass
+class ValidationConfig:
+    enable: bool = False  # hold out the data's last bytes and report the loss on them; training never
+    # sees them (so enabling it changes the training batches)
+    split: float = 0.05  # the fraction of the data held out
+    freq: int = 50  # validate every N steps, and after the last step
+    steps: int = 4  # batches per validation (training.batch_size x training.seq_len per data-parallel
+    # rank), the same batches every time
+
+    def __post_init__(self) -> None:
+        _positive("validation", self, "freq", "steps")
+        if not 0.0 < self.split < 1.0:
+            raise ConfigError(f"validation.split must be in (0, 1), got {self.split!r}")
+
+
+@dataclass
 class CheckpointConfig:
     dir: str | None = None  # None: no checkpoints; resumes from the newest complete one found here
     every: int = 0  # save every N steps (and at the end); 0: only at the end
     keep: int = 2  # newest sound checkpoints to keep; 0 keeps all
     start_fresh_if_unusable: bool = False  # dir holds only unusable checkpoints: start from step 0, not stop
     export: str | None = None  # write the final full model here: .safetensors (streamed), else torch.save
+    initial_load_path: str | None = None  # a run that does not resume starts from these weights (model only):
+    # a .safetensors file (or a directory of them) or a DCP checkpoint (a step directory or a run's dir)
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every", "keep", allow_zero=True)
@@ -103,10 +133,26 @@ class MetricsConfig:
     plot: bool = True  # draw that PNG at the end (needs matplotlib)
     sample_tokens: int = 0  # at the end, generate this many bytes from a prompt (greedy) and print them
     peak_tflops: float = 0.0  # one device's peak TFLOPS in the run's precision, for MFU; 0: MFU not shown
+    enable_tensorboard: bool = False  # also write every record to TensorBoard, in job.dump_folder/tb
+    # (needs pip install -e '.[tensorboard]')
 
     def __post_init__(self) -> None:
         _positive("metrics", self, "log_every")
         _positive("metrics", self, "sample_tokens", "peak_tflops", allow_zero=True)
+
+
+@dataclass
+class ProfilingConfig:
+    trace_steps: list[int] = field(default_factory=list)  # record these steps with torch.profiler, one
+    # Chrome/Perfetto trace per step and rank in job.dump_folder/profile_traces
+    memory_snapshot_steps: list[int] = field(default_factory=list)  # a memory snapshot of these steps per rank
+    # in job.dump_folder/memory_snapshot: CUDA's allocation history (open it at pytorch.org/memory_viz); on
+    # CPU, which keeps none, fsdp2.MemoryTracker's live bytes by category at the step's peak
+
+    def __post_init__(self) -> None:
+        for name in ("trace_steps", "memory_snapshot_steps"):
+            if any(s <= 0 for s in getattr(self, name)):
+                raise ConfigError(f"profiling.{name} must hold steps >= 1, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -125,12 +171,15 @@ class FaultsConfig:
 
 @dataclass
 class JobConfig:
+    job: JobSettings = field(default_factory=JobSettings)
     model: ModelArgs = field(default_factory=ModelArgs)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def __post_init__(self) -> None:
@@ -336,14 +385,41 @@ def parse_args(argv: typing.Sequence[str]) -> JobConfig:
 
 
 def describe(config: JobConfig | None = None) -> str:
-    """Every key with its type and value, one per line (``--help`` prints this)."""
+    """Every key with its value, its type and what it does, section by section (``--help`` prints this)."""
     config = config or JobConfig()
     lines = []
     for section in SECTIONS:
         obj = getattr(config, section)
+        lines.append(f"[{section}]")
+        helps = field_help(type(obj))
         for name, tp in _field_types(type(obj)).items():
             value = getattr(obj, name)
             text = ("none" if value is None else str(value).lower() if isinstance(value, bool)
                     else ",".join(map(str, value)) if isinstance(value, list) else str(value))
-            lines.append(f"  {f'--{section}.{name}={text}':<42} {_type_name(tp)}")
+            lines.append(f"  --{section}.{name}={text}  ({_type_name(tp)})")
+            lines += textwrap.wrap(helps.get(name, ""), 96, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
+
+
+@functools.cache
+def field_help(cls: type) -> dict[str, str]:
+    """What each field of ``cls`` does: its trailing comment, continued by comment lines below it.
+
+    Read from the class's source, so the comment a reader sees beside a field is the text
+    ``--help`` prints. Fields without a comment (or a class whose source is missing) get none.
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    helps: dict[str, list[str]] = {}
+    current = None
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    for i, tok in enumerate(tokens):
+        if tok.type == tokenize.NAME and tok.start[1] == 4 and tok.string == "def":
+            break  # the fields come first
+        if tok.type == tokenize.NAME and tok.start[1] == 4 and tokens[i + 1].string == ":":
+            current = tok.string
+        elif tok.type == tokenize.COMMENT and current is not None:
+            helps.setdefault(current, []).append(tok.string.lstrip("#").strip())
+    return {name: " ".join(parts) for name, parts in helps.items()}

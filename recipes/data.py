@@ -7,6 +7,8 @@
 - The batch for (step, data-parallel rank, micro-batch) is drawn from a generator seeded
   by (seed, step, rank, micro-batch) alone. No iterator state: a run resumed at step s
   sees exactly the batches an uninterrupted run would, and checkpoints need no data state.
+- Validation holds out the corpus's last bytes (``split_corpus``); training then draws from
+  the rest only, validation from them only.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ByteTokenizer", "corpus_files", "load_corpus", "get_batch"]
+__all__ = ["ByteTokenizer", "corpus_files", "load_corpus", "corpus_size", "split_corpus", "get_batch"]
 
 
 class ByteTokenizer:
@@ -57,6 +59,21 @@ def corpus_files(path: str | None = None) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"--data {path}: the directory holds no files")
     return files
+
+
+def corpus_size(path: str | None = None) -> int:
+    """Bytes :func:`load_corpus` returns, from the files' sizes (nothing read)."""
+    files = corpus_files(path)
+    return sum(f.stat().st_size for f in files) + len(files) - 1
+
+
+def split_corpus(corpus: torch.Tensor, held_out: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training part, held-out part): the last ``held_out`` fraction of the bytes is held out.
+
+    The tail, not random windows: a window drawn from one part never overlaps the other.
+    """
+    n_held_out = int(corpus.numel() * held_out)
+    return corpus[: corpus.numel() - n_held_out], corpus[corpus.numel() - n_held_out:]
 
 
 def load_corpus(path: str | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""What a run reports: one line per logged step, a JSON-lines metrics file, a PNG loss curve."""
+"""What a run reports: one line per logged step, a JSON-lines metrics file, a PNG loss curve, TensorBoard."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["memory_mb", "gather_memory_mb", "MetricsWriter", "format_duration", "plot_loss", "flops_per_token"]
+__all__ = ["memory_mb", "gather_memory_mb", "MetricsWriter", "TensorBoardWriter", "check_tensorboard",
+           "format_duration", "plot_loss", "flops_per_token"]
+
+TENSORBOARD_INSTALL = "pip install -e '.[tensorboard]' (or pip install tensorboard)"
 
 
 def flops_per_token(n_params: int, n_embedding_params: int, n_layers: int, dim: int, seq_len: int) -> int:
@@ -77,6 +80,47 @@ class MetricsWriter:
             f.write(json.dumps(record) + "\n")
 
 
+def check_tensorboard() -> None:
+    """Raise ValueError, before any collective, if TensorBoard logging could not start."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401  (imports the tensorboard package, or fails)
+    except ImportError as e:
+        raise ValueError(f"metrics.enable_tensorboard needs the tensorboard package ({e}): {TENSORBOARD_INSTALL}, "
+                         "or leave metrics.enable_tensorboard off") from None
+
+
+class TensorBoardWriter:
+    """Writes each metrics record's numbers as TensorBoard scalars (rank 0 only), with torch's SummaryWriter.
+
+    Tags: ``loss/train``, ``loss/validation``, ``lr``, ``grad_norm``, ``throughput/tokens_per_s``,
+    ``throughput/tflops_per_rank``, ``throughput/mfu``, ``memory_mb/max`` (the largest rank's) and
+    ``skipped_steps``, each at its step. A resumed run purges the events after the step it
+    resumed from (SummaryWriter's ``purge_step``), so the curves read as one run, like the
+    metrics file.
+    """
+
+    TAGS = {"loss": "loss/train", "val_loss": "loss/validation", "lr": "lr", "grad_norm": "grad_norm",
+            "tokens_per_s": "throughput/tokens_per_s", "tflops_per_rank": "throughput/tflops_per_rank",
+            "mfu": "throughput/mfu", "skipped_steps": "skipped_steps"}
+
+    def __init__(self, folder: str | Path, *, resume_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.folder = Path(folder)
+        self.writer = SummaryWriter(str(self.folder), purge_step=resume_step + 1 if resume_step else None)
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        for key, tag in self.TAGS.items():
+            if isinstance(record.get(key), (int, float)):
+                self.writer.add_scalar(tag, record[key], step)
+        if record.get("memory_mb"):
+            self.writer.add_scalar("memory_mb/max", max(record["memory_mb"]), step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 def _parse(line: str) -> dict[str, Any] | None:
     """A metrics line's record; None for a blank or cut-off line."""
     try:
@@ -98,9 +142,14 @@ def plot_loss(metrics_path: str | Path) -> Path | None:
     metrics_path = Path(metrics_path)
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", linewidth=1)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", linewidth=1, label="training")
+    validated = [r for r in records if "val_loss" in r]
+    if validated:
+        ax.plot([r["step"] for r in validated], [r["val_loss"] for r in validated], marker="o", linewidth=1,
+                label="validation (held out)")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats / byte)")
+    ax.set_ylabel("loss (nats / byte)")
     ax.set_title(str(metrics_path))
     ax.grid(alpha=0.3)
     out = metrics_path.with_suffix(".png")

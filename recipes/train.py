@@ -16,6 +16,12 @@ final weights equal an uninterrupted run's. A step whose gradient norm is not fi
 skipped (no optimizer step; the learning-rate schedule advances), warned about and recorded
 as "skipped" in the metrics; training.max_skipped_steps of them in a row stop the run.
 The [faults] keys inject bad batches to test that guard.
+
+Watching a run: --validation.enable reports the loss on held-out data every validation.freq
+steps; --metrics.enable_tensorboard writes TensorBoard events to job.dump_folder/tb;
+--profiling.trace_steps=N,M writes torch.profiler traces of those steps and
+--profiling.memory_snapshot_steps=N a memory snapshot; --checkpoint.initial_load_path
+starts a fresh run from saved weights (safetensors or a DCP checkpoint).
 """
 
 from __future__ import annotations
@@ -44,31 +50,35 @@ import torch.nn.functional as F
 
 import fsdp2
 from recipes.checkpoint import (
-    Checkpointer, UnusableCheckpointError, check_checkpoint_dir, check_export, export_model,
+    Checkpointer, UnusableCheckpointError, check_checkpoint_dir, check_export, check_initial_load, export_model,
+    load_initial,
 )
 from recipes.config import ConfigError, JobConfig, TrainingConfig, describe, parse_args
-from recipes.data import ByteTokenizer, corpus_files, get_batch, load_corpus
+from recipes.data import ByteTokenizer, corpus_files, corpus_size, get_batch, load_corpus, split_corpus
 from recipes.llama.model import Transformer
 from recipes.llama.parallelize import ParallelDims, check_layout, parallelize
-from recipes.metrics import MetricsWriter, flops_per_token, format_duration, gather_memory_mb, plot_loss
+from recipes.metrics import (
+    MetricsWriter, TensorBoardWriter, check_tensorboard, flops_per_token, format_duration, gather_memory_mb,
+    plot_loss,
+)
+from recipes.profiling import Profiler
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     rank0 = os.environ.get("RANK", "0") == "0"
-    if "-h" in argv or "--help" in argv:
-        if rank0:
-            print(__doc__ + "\nKeys, with the values of the default config:\n" + describe(parse_args([])))
-        return
     try:
+        if "-h" in argv or "--help" in argv:
+            if rank0:  # the values this command line runs with: the config file's, then the overrides
+                config = parse_args([a for a in argv if a not in ("-h", "--help")])
+                print(__doc__ + "\nEvery key, as --section.key=value (the value this command line would use), "
+                      "its type and what it does:\n" + describe(config))
+            return
         config = parse_args(argv)
         p = config.parallelism
         dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, int(os.environ.get("WORLD_SIZE", "1")))
         check_layout(dims, config)
-        if config.checkpoint.dir:
-            check_checkpoint_dir(config.checkpoint.dir)
-        if config.checkpoint.export:
-            check_export(config.checkpoint.export)
+        check_run(config)
     except (ConfigError, ValueError) as e:  # before any process starts a collective
         fail(f"error: {e}", rank0)
     if rank0 and (problem := restart_store_problem()):
@@ -95,6 +105,22 @@ def main(argv: list[str] | None = None) -> None:
         if rank0:
             print(e if isinstance(e, Interrupted) else "interrupted before training started", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+
+
+def check_run(config: JobConfig) -> None:
+    """Raise ValueError for what would fail only after training started: missing packages, bad paths, data."""
+    if config.checkpoint.dir:
+        check_checkpoint_dir(config.checkpoint.dir)
+    if config.checkpoint.export:
+        check_export(config.checkpoint.export)
+    if config.checkpoint.initial_load_path:
+        check_initial_load(config.checkpoint.initial_load_path)
+    if config.metrics.enable_tensorboard:
+        check_tensorboard()
+    v, t = config.validation, config.training
+    if v.enable and (held_out := int(corpus_size(config.data.path) * v.split)) < t.seq_len + 2:
+        raise ValueError(f"validation.split={v.split} holds out {held_out} bytes of the data, fewer than "
+                         f"training.seq_len + 2 = {t.seq_len + 2}; raise validation.split or use more data")
 
 
 def fail(message: str, rank0: bool) -> NoReturn:
@@ -134,14 +160,14 @@ class Interrupted(Exception):
     """Ctrl-C during training; the message says at which step, the last checkpoint and how to resume."""
 
     def __init__(self, step: int, checkpointer: Checkpointer | None, every: int) -> None:
+        last = checkpointer.newest_saved() if checkpointer is not None else None
         if checkpointer is None:
             hint = "no checkpoints (no --checkpoint-dir): a rerun starts from step 0"
-        elif checkpointer.last_step is None:
+        elif last is None:
             when = f"the first is due at step {every}" if every else "the only one is due at the last step"
             hint = f"no checkpoint in {checkpointer.root} yet ({when}): a rerun starts from step 0"
         else:
-            hint = (f"the last checkpoint is step {checkpointer.last_step} in {checkpointer.root}: "
-                    "run the same command to resume from it")
+            hint = f"the last checkpoint is step {last} in {checkpointer.root}: run the same command to resume from it"
         super().__init__(f"interrupted during step {step}; {hint}")
 
 
@@ -287,9 +313,13 @@ class Progress:
         self.total, self.start, self.device = config.training.steps, start, device
         self.tokens_per_step = tokens_per_step
         self.flops_per_token, self.peak_tflops = flops_per_token, config.metrics.peak_tflops
-        self.writer = None
+        self.writer = self.tensorboard = None
         if config.metrics.file and dist.get_rank() == 0:
             self.writer = MetricsWriter(config.metrics.file, resume_step=start)
+        if config.metrics.enable_tensorboard and dist.get_rank() == 0:
+            self.tensorboard = TensorBoardWriter(Path(config.job.dump_folder) / "tb", resume_step=start)
+            log(f"metrics: TensorBoard events in {self.tensorboard.folder} (tensorboard --logdir "
+                f"{self.tensorboard.folder})")
         self.loop_start = self.window_start = time.perf_counter()
         self.window_steps = 0
         self.losses: list[float] = []
@@ -297,7 +327,12 @@ class Progress:
     def step_done(self) -> None:
         self.window_steps += 1
 
-    def log(self, step: int, result: StepResult, skipped_total: int, *, record: bool = True) -> None:
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (validation) out of the training throughput."""
+        self.window_start += seconds
+
+    def log(self, step: int, result: StepResult, skipped_total: int, *, record: bool = True,
+            val_loss: float | None = None) -> None:
         """Collective: average the loss over ranks, gather memory, print and (if ``record``) record."""
         loss, grad_norm, lr = result.loss, result.grad_norm, result.lr
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
@@ -309,13 +344,18 @@ class Progress:
         record = {"step": step, "loss": self.losses[-1], "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_s, "tokens": self.tokens_per_step * step,
                   "elapsed_s": now - self.loop_start, "eta_s": eta, "memory_mb": memory,
-                  "skipped": result.skipped, "skipped_steps": skipped_total, **self.throughput(tokens_per_s)}
-        if self.writer is not None and record:
-            self.writer.write(record)
+                  "skipped": result.skipped, "skipped_steps": skipped_total, **self.throughput(tokens_per_s),
+                  **({"val_loss": val_loss} if val_loss is not None else {})}
+        if record:
+            for writer in (self.writer, self.tensorboard):
+                if writer is not None:
+                    writer.write(record)
         log(f"step {step:>{len(str(self.total))}}/{self.total}  loss {self.losses[-1]:.4f}  lr {lr:.2e}  "
             f"gnorm {grad_norm:.2f}  {tokens_per_s:,.0f} tok/s  "
             f"mem {'/'.join(f'{m:.0f}' for m in memory)} MiB  eta {format_duration(eta)}"
             + ("  (skipped)" if result.skipped else ""))
+        if val_loss is not None:
+            log(f"step {step:>{len(str(self.total))}}/{self.total}  validation loss {val_loss:.4f} (held-out data)")
         self.window_start, self.window_steps = now, 0
 
     def throughput(self, tokens_per_s: float) -> dict[str, float]:
@@ -371,31 +411,49 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     scheduler = lr_schedule(optimizer, t)
     corpus = load_corpus(config.data.path)
     tokens_per_step = log_setup(config, dims, model, corpus)
+    held_out = None
+    if config.validation.enable:  # training never sees the held-out bytes
+        corpus, held_out = split_corpus(corpus, config.validation.split)
+        log(f"validation: the last {held_out.numel():,} bytes of the data ({config.validation.split:.0%}) held out, "
+            f"{config.validation.steps} batches every {config.validation.freq} steps")
 
     checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable)
                     if ckpt.dir else None)
     guard = SkipGuard(t.max_skipped_steps)
     start = resume(checkpointer, model, optimizer, scheduler, guard)
+    if start == 0 and ckpt.initial_load_path:
+        load_initial(ckpt.initial_load_path, model)
     progress = Progress(config, tokens_per_step, start, device, model_flops_per_token(model, config))
+    profiler = Profiler(config, dist.get_rank(), device)
     dp_rank = dims.dp_rank(dist.get_rank())
     faults = config.faults
     step = start
     try:
         for step in range(start + 1, t.steps + 1):
             poison = step in faults.nan_loss_at_steps and faults.nan_loss_rank in (-1, dist.get_rank())
-            result = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device, poison=poison)
+            with profiler.step(step, model, optimizer):
+                result = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device, poison=poison)
             guard.update(step, result.skipped)
             progress.step_done()
+            val_loss = None
+            if held_out is not None and (step % config.validation.freq == 0 or step == t.steps):
+                started = time.perf_counter()
+                val_loss = validate(model, held_out, dp_rank, config, device)
+                progress.exclude(time.perf_counter() - started)
             # Recorded: the steps an uninterrupted run records (so a resumed run's file reads as one
-            # run), and every skipped step. Printed also: the first step after a resume.
-            recorded = step % config.metrics.log_every == 0 or step in (1, t.steps) or result.skipped
+            # run), every skipped step and every validation. Printed also: the first step after a resume.
+            recorded = (step % config.metrics.log_every == 0 or step in (1, t.steps) or result.skipped
+                        or val_loss is not None)
             if recorded or step == start + 1:
-                progress.log(step, result, guard.total, record=recorded)
+                progress.log(step, result, guard.total, record=recorded, val_loss=val_loss)
             guard.check(step)
             if checkpointer is not None and (step == t.steps or (ckpt.every and step % ckpt.every == 0)):
                 checkpointer.save(step, model, optimizer, scheduler, extra={"skips": guard.state_dict()})
     except KeyboardInterrupt:
         raise Interrupted(step, checkpointer, ckpt.every) from None
+    finally:
+        if progress.tensorboard is not None:
+            progress.tensorboard.close()
     log(progress.summary())
 
     if ckpt.export:
@@ -409,6 +467,26 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
         log(f"metrics: {progress.writer.path}" + (f", loss curve: {png}" if png else
                                                   " (matplotlib not installed: no loss curve; pip install matplotlib)"))
     return start
+
+
+@torch.no_grad()
+def validate(model: Transformer, held_out: torch.Tensor, dp_rank: int, config: JobConfig,
+             device: torch.device) -> float:
+    """Collective: the mean loss on ``validation.steps`` held-out batches per data-parallel rank, over all ranks.
+
+    The same batches every time (the batch function at step 0, on the held-out bytes), so the
+    numbers of one run are comparable; no gradients, no state changed.
+    """
+    t, steps = config.training, config.validation.steps
+    total = torch.zeros((), device=device)
+    for i in range(steps):
+        inputs, targets = get_batch(held_out, seed=t.seed, step=0, rank=dp_rank, micro=i,
+                                    batch_size=t.batch_size, seq_len=t.seq_len)
+        logits = model(inputs.to(device))  # (batch, seq, vocab)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
+    total /= steps
+    dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    return total.item()
 
 
 def resume(checkpointer: Checkpointer | None, model: Transformer, optimizer: torch.optim.Optimizer,

@@ -39,18 +39,18 @@ __all__ = ["ModelArgs", "Transformer", "Block", "Attention", "FeedForward", "pre
 class ModelArgs:
     """Shape of the model. Defaults are a small byte-level model; configs override them."""
 
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
+    dim: int = 128  # width of the residual stream (heads x head_dim)
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # query heads per attention layer
     n_kv_heads: int | None = None  # None: as many as n_heads (multi-head); fewer: grouped-query
-    vocab_size: int = 256
+    vocab_size: int = 256  # rows of the embedding table and the output layer (256: bytes)
     multiple_of: int = 32  # the SwiGLU hidden size is rounded up to a multiple of this
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    ffn_dim_multiplier: float | None = None  # scales the SwiGLU hidden size (8/3 x dim) before rounding
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    rope_theta: float = 10000.0  # base of the rotary embeddings' frequencies
     max_seq_len: int = 256  # length of the rotary table; sequences may be shorter
     tie_embeddings: bool = False  # the output projection reuses tok_embeddings.weight
-    init_std: float = 0.02
+    init_std: float = 0.02  # standard deviation of the initial weights
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):

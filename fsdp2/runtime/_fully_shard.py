@@ -22,7 +22,7 @@ from ._group import ParamGroup, SubGroup
 from ._mesh import DataParallelMesh, SpmdAxes, tp_mesh_of
 from ._module import FSDPModule
 from ._param import ShardedParam
-from .._errors import FSDPTypeError, FSDPValueError
+from .._errors import FSDPOrderError, FSDPTypeError, FSDPValueError
 from .._common import get_state
 from ._state import ModuleState
 
@@ -90,6 +90,7 @@ def fully_shard(
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     mp_policy, offload_policy = _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
     found = _collect_params(modules, ignored_params or set())
+    _check_order(found)
     dims = check_group(found, mesh, spmd, reshard_after_forward, shard_placement_fn)
 
     dp = DataParallelMesh.of(mesh, spmd)
@@ -246,6 +247,23 @@ def _check_modules(module: Any) -> list[nn.Module]:
     return modules
 
 
+def _check_order(found: list[Found]) -> None:
+    """Refuse a module inside one ``fully_shard`` already took: its parameters are that group's shards.
+
+    ``_managed_modules`` marked every module of the earlier call's subtree; a marked module
+    holding a DTensor parameter here (and no state of its own, else ``_collect_params`` would
+    have skipped it) is a child sharded after its parent.
+    """
+    for param, locations, fqn in found:
+        holder = next((m for m, _name in locations if m.__dict__.get(_MANAGED_MARKERS[0]) is True), None)
+        if isinstance(param, DTensor) and holder is not None:
+            raise FSDPOrderError(
+                f"fully_shard: parameter {fqn!r} (of a {type(holder).__name__}) is already sharded by an earlier "
+                "fully_shard on a module that contains it. fully_shard goes bottom-up: call fully_shard on the "
+                "children (e.g. each block) first, then on the parent (the root last)"
+            )
+
+
 def _resolve_mesh(mesh: Any) -> DeviceMesh:
     if mesh is None:
         if not dist.is_available() or not dist.is_initialized():
@@ -260,6 +278,7 @@ def _resolve_mesh(mesh: Any) -> DeviceMesh:
             f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "
             "build one with init_device_mesh('cpu' or 'cuda', (world_size,))"
         )
+    _check_mesh_device(mesh)
     if mesh.ndim > 2:
         raise ValueError(
             f"fully_shard: mesh has {mesh.ndim} dims; use a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh "
@@ -273,6 +292,16 @@ def _resolve_mesh(mesh: Any) -> DeviceMesh:
     return mesh
 
 
+def _check_mesh_device(mesh: DeviceMesh) -> None:
+    if mesh.device_type == "meta":
+        raise ValueError(
+            "fully_shard: the mesh is on the meta device, where no collective can run (the parameters' shards "
+            "live on the mesh's device); build the mesh on the device that runs the model (init_device_mesh('cuda', "
+            "...) or 'cpu') and the model on meta instead: with torch.device('meta'): model = Model(), then "
+            "fully_shard, then model.to_empty(device=...) and initialise the weights"
+        )
+
+
 def _resolve_spmd_mesh(mesh: Any, dims: Any) -> tuple[DeviceMesh, SpmdAxes]:
     """``dp_mesh_dims``: check it against the full ``mesh``; the data-parallel sub-mesh (1-D, or
     (replicate, shard) for HSDP) and where its axes sit in the full mesh."""
@@ -281,6 +310,7 @@ def _resolve_spmd_mesh(mesh: Any, dims: Any) -> tuple[DeviceMesh, SpmdAxes]:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError("fully_shard: dp_mesh_dims needs mesh= the whole SPMD DeviceMesh the parameters live on, "
                         f"got {type(mesh).__name__}")
+    _check_mesh_device(mesh)
     names = mesh.mesh_dim_names
     if names is None:
         raise ValueError("fully_shard: dp_mesh_dims names mesh axes, but the mesh has no axis names; build it "

@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from recipes.checkpoint import Checkpointer, UnusableCheckpointError
+from recipes.train import Interrupted
 from tests._dist import run_on_ranks
 from tests.reliability.test_fault import BASE, _plain_setup
 from tests.tools.test_recipe import _train_on_ranks, _without_numpy
@@ -312,3 +313,17 @@ def test_ctrl_c_prints_one_line_with_the_last_checkpoint(tmp_path):
     assert f"checkpoint: saved step {last} to {ckpt / f'step-{last:08d}'}" in stdout
     assert (ckpt / f"step-{last:08d}" / "fsdp2_complete.json").is_file()
     assert "Traceback" not in stdout + stderr
+
+
+def test_ctrl_c_between_a_save_and_its_record_names_the_checkpoint_on_disk(tmp_path):
+    # The save renamed step 4 into place (complete) and the interrupt came before save() returned
+    # to record it: the hint names step 4, which a rerun resumes from, not the step 2 recorded.
+    for step in (2, 4):
+        (tmp_path / f"step-{step:08d}").mkdir()
+        (tmp_path / f"step-{step:08d}" / "fsdp2_complete.json").write_text("{}")
+    (tmp_path / "step-00000006.tmp-abc").mkdir()  # a save still being written: not a checkpoint
+    checkpointer = Checkpointer(tmp_path)
+    checkpointer.last_step = 2
+    assert str(Interrupted(5, checkpointer, 2)) == (
+        f"interrupted during step 5; the last checkpoint is step 4 in {tmp_path}: run the same command to "
+        "resume from it")

@@ -106,6 +106,17 @@ def _case(name: str) -> tuple[nn.Module, Callable[[], Any], type[Exception], str
         fully_shard(tied.b, mesh=_mesh())
         return tied, lambda: fully_shard(tied, mesh=_mesh()), ValueError, \
             r"parameter 'a.in_proj.weight' is already sharded by fully_shard\(MLP\) as 'in_proj.weight'"
+    if name == "child_after_parent":  # torch: TypeError from deep inside (unnamed mesh) or accepted (named)
+        fully_shard(mlp, mesh=_mesh())
+        return mlp, lambda: fully_shard(mlp.in_proj, mesh=_mesh()), ValueError, \
+            r"fully_shard: parameter 'weight' \(of a Linear\) is already sharded by an earlier fully_shard on a " \
+            r"module that contains it. fully_shard goes bottom-up: call fully_shard on the children " \
+            r"\(e.g. each block\) first, then on the parent"
+    if name == "mesh_on_meta":
+        meta_mesh = init_device_mesh("meta", (dist.get_world_size(),))
+        return mlp, lambda: fully_shard(mlp, mesh=meta_mesh), ValueError, \
+            r"fully_shard: the mesh is on the meta device.* build the mesh on the device that runs the model " \
+            r"\(init_device_mesh\('cuda', ...\) or 'cpu'\) and the model on meta instead"
     if name == "params_on_meta_and_cpu":
         with torch.device("meta"):
             mlp.out_proj = nn.Linear(32, 8)
@@ -132,13 +143,13 @@ def _case(name: str) -> tuple[nn.Module, Callable[[], Any], type[Exception], str
 
 # In the other cases only the arguments were bad: the module must still shard and run after.
 _INVALID_MODULE = {"param_shared_between_groups", "param_shared_with_root", "params_on_meta_and_cpu",
-                   "fully_shard_twice", "scalar_param"}
+                   "fully_shard_twice", "scalar_param", "child_after_parent"}
 
 
 def _check_case(name: str) -> None:
     module, call, exc, match = _case(name)
     _expect_rejected(module, call, exc, match,
-                     already_sharded=name in ("fully_shard_twice", "param_shared_with_root"))
+                     already_sharded=name in ("fully_shard_twice", "param_shared_with_root", "child_after_parent"))
     if name not in _INVALID_MODULE:
         x = torch.randn(2, 8)
         expected = module(x)
@@ -147,11 +158,12 @@ def _check_case(name: str) -> None:
 
 
 CASES = [
-    "mesh_is_process_group", "mesh_is_string", "mesh_3d", "mesh_2d_unnamed",
+    "mesh_is_process_group", "mesh_is_string", "mesh_3d", "mesh_2d_unnamed", "mesh_on_meta",
     "reshard_after_forward=3", "reshard_after_forward=0", "reshard_after_forward=-1",
     "reshard_after_forward=yes",
     "param_shared_between_groups", "param_shared_with_root", "params_on_meta_and_cpu", "fully_shard_twice",
     "placement_not_shard", "placement_dim_too_large", "placement_dim_too_negative", "scalar_param",
+    "child_after_parent",
 ]
 
 
@@ -217,7 +229,7 @@ def _exception_types(name: str) -> tuple[type | None, type]:
 # Where torch 2.13 does not raise a deliberate error (docs/comparison.md lists these): it
 # accepts the call, or fails with an AttributeError deep inside.
 _TORCH_ACCEPTS = {"param_shared_between_groups", "param_shared_with_root", "params_on_meta_and_cpu"}
-_TORCH_ATTRIBUTE_ERROR = {"mesh_is_process_group", "mesh_is_string"}
+_TORCH_ATTRIBUTE_ERROR = {"mesh_is_process_group", "mesh_is_string", "mesh_on_meta"}
 
 
 @pytest.mark.parametrize("case", CASES)
