@@ -8,6 +8,8 @@ reference alone where it does not; fsdp2's own behaviour is checked on every ver
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.distributed.fsdp as torch_fsdp
 
@@ -22,3 +24,8 @@ FSDP2_RUNS_UNDER_JVP = TORCH_VERSION >= (2, 13)
 # torch 2.11 fails inside fully_shard with an AttributeError when shard_placement_fn returns a
 # placement other than Shard; 2.13 raises a ValueError naming the problem.
 CHECKS_SHARD_PLACEMENT_TYPE = TORCH_VERSION >= (2, 13)
+# torch 2.13 completes a group of several modules whose forward ran some of them (a chunked loss
+# runs the head of fully_shard([norm, head]) on its own); 2.11 leaves the group half-way.
+COMPLETES_GROUPS_RUN_IN_PART = hasattr(
+    importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_state").FSDPState,
+    "_force_complete_incomplete_states")

@@ -111,6 +111,8 @@ class ParamGroup:
         # is done with the parameters frozen at or since that forward, so the end of backward
         # reduces them (as torch's FSDP2 does).
         self.unhooked_forward = False
+        # fully_shard([a, b]): a forward may run some of the modules only (set by ModuleState).
+        self.several_modules = False
         # Parameters whose local tensor subclass gathers compact data (_extension.py); None if none do.
         self._ext = GroupExtension.of(params, dp, subgroup is not None)
         # How the bytes move (comm/_transport.py): chosen for the group's size and device; a
@@ -559,8 +561,11 @@ class ParamGroup:
         (a frozen LoRA base weight still computes its input's gradient after the adapters'
         gradients are in): the module's inputs' gradients come after every such use.
         ``set_reduce_scatter_unused_params`` groups reduce there too (see ``_state.py``).
+        A group of several modules waits for them as well: a forward may run some of its
+        modules only (a chunked loss runs the head of ``[norm, head]`` on its own), and the
+        others' parameters then get no gradient that would say backward is done.
         """
-        return self.policy.reduce_unused or self.has_frozen
+        return self.policy.reduce_unused or self.has_frozen or self.several_modules
 
     def set_early_release(self, enabled: bool) -> None:
         """``FSDPModule.set_early_release``: the buffer is cut into segments when first allocated."""
@@ -641,8 +646,9 @@ class ParamGroup:
         if not self.backward_started or self.post_backward_done or not self._inputs_done():
             return
         # reduce_unused: parameters that got no gradient on this rank will not get one now:
-        # reduce (zeros for them), at the same point of backward on every rank.
-        if self.policy.reduce_unused or len(self._grads_ready) == self._num_trainable:
+        # reduce (zeros for them), at the same point of backward on every rank. Several
+        # modules: those a forward did not run have no gradient coming.
+        if self.policy.reduce_unused or self.several_modules or len(self._grads_ready) == self._num_trainable:
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -729,8 +735,12 @@ class ParamGroup:
             grad = p.zero_unsharded_grad()
         return grad
 
-    def end_backward(self) -> None:
-        """Called by the root after backward: finish what per-tensor hooks did not."""
+    def end_backward(self, forwards_done: bool = True) -> None:
+        """Called by the root after backward: finish what per-tensor hooks did not.
+
+        ``forwards_done=False``: the backward of a standalone call (``RootContext.local_backward``);
+        the root's forward still waits for its own, so what this group knows of it stays.
+        """
         if self.backward_started and not self.post_backward_done:
             self.post_backward()
         elif self.policy.reshard_after_backward:
@@ -740,7 +750,8 @@ class ParamGroup:
         self._grads_ready.clear()
         if self.early is not None:
             self.early.end_backward()
-        self.unhooked_forward = False
+        if forwards_done:
+            self.unhooked_forward = False
 
     def reset(self) -> None:
         """Return to a clean sharded state after an exception mid-iteration."""

@@ -295,16 +295,21 @@ class FSDPModule:
         if group is not None:
             group.policy.all_reduce_hook = (hook, stream)
 
-    def set_post_optim_event(self, event: torch.Event) -> None:
+    def set_post_optim_event(self, event: torch.Event | None) -> None:
         """Accepted for compatibility; fsdp2 does not need it.
 
         torch lets the root's first all-gather of the next step wait on ``event`` (recorded
         after the optimizer step) instead of on the current stream. fsdp2 always orders
         that all-gather after the current stream, which includes the optimizer step: always
-        correct, possibly later than the event would allow.
+        correct, possibly later than the event would allow. ``None`` is what torch does
+        without an event, and what ``torch.get_device_module("cpu").current_stream()
+        .record_event()`` returns: accepted as in torch.
         """
+        if event is None:
+            return
         if not (callable(getattr(event, "record", None)) and callable(getattr(event, "wait", None))):
-            raise TypeError(f"set_post_optim_event: event must be a torch.Event, got {type(event).__name__}")
+            raise TypeError(
+                f"set_post_optim_event: event must be a torch.Event or None, got {type(event).__name__}")
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Allocate and run this module's all-gather with ``comm`` (not recursive, as in torch).

@@ -52,6 +52,9 @@ class RootContext:
         self.forward_order: list[ParamGroup] = []  # first-call order this iteration
         self.last_forward_order: list[ParamGroup] = []  # the previous iteration's: forward prefetch
         self.callback_queued = False
+        # The queued end-of-backward callback finishes only the groups this backward reached:
+        # only pre-backward hooks of standalone calls fired (see ModuleState._standalone_part).
+        self.local_backward = False
         self.reduce_queue = ReduceQueue()
         self.is_last_backward = True
         self.in_forward = False
@@ -91,6 +94,8 @@ class ModuleState:
         # reshard_after_forward=None: decided at lazy init (root keeps its parameters).
         self.auto_reshard_after_forward = group is not None and group.policy.reshard_after_forward is None
         self.ctx: RootContext | None = None
+        if group is not None:
+            group.several_modules = len(modules) > 1
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[ModuleState] = []
         self.backward_prefetch: list[ModuleState] | None = None  # None or []: implicit
@@ -103,6 +108,8 @@ class ModuleState:
         # Every entry point from user code or the autograd engine runs eagerly under
         # torch.compile (see _compat.run_eagerly): a compiled forward graph-breaks here.
         self._pre_backward_hook = _compat.run_eagerly(self._pre_backward)
+        self._standalone_pre_backward_hook = _compat.run_eagerly(
+            lambda grad: self._pre_backward(grad, standalone=True))
         self._end_of_backward_callback = _compat.run_eagerly(self._end_of_backward)
         self._inputs_grad_ready = None if group is None else _compat.run_eagerly(group.inputs_grad_ready)
         pre_hook = _compat.run_eagerly(self._pre_forward_hook)
@@ -213,12 +220,15 @@ class ModuleState:
             if recompute:
                 group.wait_for_unshard()
             else:
+                # The next modules of a group of several prefetch nothing: the first one did.
+                first_in_pass = self.training_state is not TrainingState.FORWARD
                 self.training_state = TrainingState.FORWARD
                 ctx.prefetched.discard(group)  # in use from now on
                 if group.early is not None:
                     group.early.before_forward()
                 group.unshard(async_op=True)
-                ctx.prefetch(self._forward_prefetch_targets())  # in flight while this group computes
+                if first_in_pass:  # in flight while this group computes
+                    ctx.prefetch(self._forward_prefetch_targets())
                 group.wait_for_unshard()
                 group.refresh_requires_grad()  # frozen or unfrozen since the last forward
                 if group.early is not None and torch.is_grad_enabled():
@@ -232,10 +242,23 @@ class ModuleState:
                 self._modules_to_run.discard(module)
                 if not self._modules_to_run:
                     return self.post_forward(output)
+                if self._standalone_part():
+                    self._modules_to_run.clear()  # each standalone call is a pass of its own
+                    return self.post_forward(output, standalone_part=True)
             return self._cast_output(output)
         return hook
 
-    def post_forward(self, output: Any) -> Any:
+    def _standalone_part(self) -> bool:
+        """Whether a module of this group just ran outside the root's forward, the rest not.
+
+        A chunked loss calls the head of a ``[norm, head]`` group once per chunk after the
+        root's forward skipped it. Nothing would complete such a pass (no root post-forward
+        follows), so the call completes it itself (``standalone_part`` in ``_post_forward``).
+        """
+        ctx = self.ctx
+        return ctx is not None and not ctx.in_forward and not _compat.in_backward()
+
+    def post_forward(self, output: Any, standalone_part: bool = False) -> Any:
         if self.ctx is None:  # forward raised before lazy init finished
             return output
         # Forward hooks registered with always_call also run when forward raised: then
@@ -244,7 +267,7 @@ class ModuleState:
             self._post_forward_after_exception()
             return output
         try:
-            return self._post_forward(output)
+            return self._post_forward(output, standalone_part)
         except BaseException:
             self.ctx.interrupted = True
             raise
@@ -266,18 +289,29 @@ class ModuleState:
             self.ctx.in_forward = False
             self.ctx.interrupted = True
 
-    def _post_forward(self, output: Any) -> Any:
+    def _post_forward(self, output: Any, standalone_part: bool = False) -> Any:
+        """Reshard per policy and hook the outputs for backward; the root also completes
+        the groups its forward ran in part.
+
+        ``standalone_part``: a call outside the root's forward ran some of the group's modules
+        only (``_standalone_part``). As in torch, the group stays gathered for the backward that
+        follows such a call (a chunked loss's next step) and is resharded after it; that
+        backward stops at the call's inputs, so its hook prefetches nothing and its end
+        finishes only the groups it reached (``RootContext.local_backward``).
+        """
         recompute = _compat.in_backward()
         group = self.group
         if group is not None and not recompute:
             grad_outputs = [t for t in iter_tensors(output) if t.requires_grad]
             backward_follows = torch.is_grad_enabled() and bool(grad_outputs)
             with _compat.outside_functorch():
-                self._reshard_after_forward(group, backward_follows)
+                if not (standalone_part and backward_follows):
+                    self._reshard_after_forward(group, backward_follows)
                 if backward_follows and group.early is not None:
                     group.early.forward_done()
             if backward_follows:
-                torch.autograd.graph.register_multi_grad_hook(grad_outputs, self._pre_backward_hook, mode="any")
+                hook = self._standalone_pre_backward_hook if standalone_part else self._pre_backward_hook
+                torch.autograd.graph.register_multi_grad_hook(grad_outputs, hook, mode="any")
             elif torch.is_grad_enabled() and _compat.functorch_active():
                 output = map_tensors(self._hook_output_under_transform, output)
             self.training_state = TrainingState.IDLE
@@ -287,7 +321,23 @@ class ModuleState:
                 for state in self.ctx.states:  # a prefetch this forward never used: free it
                     if state.group is not None and state.group.state is ShardState.GATHERING:
                         state.group.reshard()
+            output = self._complete_partial_passes(output)
         return self._cast_output(output)
+
+    def _complete_partial_passes(self, output: Any) -> Any:
+        """At the root's post-forward: finish each group whose forward ran some of its modules.
+
+        A chunked loss shards ``[norm, head]`` together and runs the head outside the root's
+        forward (``model(x, skip_head=True)``): the head's post-forward hook never completes the
+        group. As torch, the root completes it on its own output: the group reshards per
+        policy, its pre-backward hook goes on the root's outputs and its ``output_dtype``
+        applies to them. Deepest groups first, as their post-forwards would have run.
+        """
+        for state in reversed(self.ctx.states):
+            if state is not self and state._modules_to_run:
+                state._modules_to_run.clear()
+                output = state.post_forward(output)
+        return output
 
     def _hook_output_under_transform(self, t: torch.Tensor) -> torch.Tensor:
         """``torch.func``: a floating output may take part in a backward outside the transform."""
@@ -317,27 +367,36 @@ class ModuleState:
         return map_tensors(lambda t: aliases.get(id(t), t), (args, kwargs))
 
     # ---- backward -----------------------------------------------------------------------
-    def _pre_backward(self, _grad: torch.Tensor) -> None:
+    def _pre_backward(self, _grad: torch.Tensor, standalone: bool = False) -> None:
         _compat.refuse_compiled_autograd()
         ctx = self.ctx
         if not ctx.callback_queued:
             ctx.callback_queued = True
+            ctx.local_backward = standalone
             _compat.queue_end_of_backward_callback(self._end_of_backward_callback)
+        elif not standalone:  # this backward reaches a forward of the root's: finish them all
+            ctx.local_backward = False
         self.training_state = TrainingState.BACKWARD
         group = self.group
         ctx.prefetched.discard(group)
         group.pre_backward()  # first: its wait checks that the ranks run the same schedule
+        if standalone:  # the backward of a standalone call: nothing before it to prefetch or free
+            return
         for early in ctx.early:  # backward moved on: what is final there is reduced (and freed)
             if early.group is not group:
                 early.backward_reached()
         ctx.prefetch(self._backward_prefetch_targets())
 
     def _forward_prefetch_targets(self) -> list[ParamGroup]:
-        """Explicit targets, else the group that ran after this one last iteration."""
+        """Explicit targets, else the group that ran after this one last iteration.
+
+        Not for a call outside the root's forward (a chunked loss's head): the order of the
+        root's forward says nothing of what runs after it.
+        """
         if self.forward_prefetch:
             return [s.group for s in self.forward_prefetch if s.group is not None]
         order = self.ctx.last_forward_order
-        if self.implicit_prefetch and self.group in order:
+        if self.implicit_prefetch and self.ctx.in_forward and self.group in order:
             index = order.index(self.group)
             if index + 1 < len(order):
                 return [order[index + 1]]
@@ -365,12 +424,16 @@ class ModuleState:
     def _end_of_backward(self) -> None:
         ctx = self.ctx
         ctx.callback_queued = False
+        local, ctx.local_backward = ctx.local_backward, False
         try:
             # Last-run groups first: the order backward reached them, the same on every rank.
             for state in reversed(ctx.states):
+                if local and (state.group is None or not state.group.backward_started):
+                    continue  # waits for the backward of the root's forward
                 if state.group is not None:
-                    state.group.end_backward()
+                    state.group.end_backward(forwards_done=not local)
                 state.training_state = TrainingState.IDLE
+                state._modules_to_run.clear()  # e.g. a forward recomputed for part of a group
             if ctx.is_last_backward:
                 ctx.reduce_queue.drain()
             else:  # the finished ones' results are complete before backward returns (CUDA)
@@ -408,6 +471,7 @@ class ModuleState:
         states = self.ctx.states if self.ctx is not None else [self]
         if self.ctx is not None:
             self.ctx.callback_queued = False
+            self.ctx.local_backward = False
             self.ctx.in_forward = False
             self.ctx.interrupted = False
             if discard_reductions:  # the user may have zeroed .grad since: adding to it now would be wrong

@@ -189,7 +189,7 @@ def _deprecated_and_compatibility_setters() -> list[float]:
     with pytest.warns(DeprecationWarning, match="use set_gradient_divide_factor"):
         model.set_reduce_scatter_divide_factor(4.0)
     model.set_post_optim_event(torch.Event("cpu"))  # accepted; fsdp2 orders the gather after the stream
-    with pytest.raises(TypeError, match="set_post_optim_event: event must be a torch.Event, got str"):
+    with pytest.raises(TypeError, match="set_post_optim_event: event must be a torch.Event or None, got str"):
         model.set_post_optim_event("event")
     with pytest.raises(TypeError, match="enable must be a bool, got 1"):
         model.set_force_sum_reduction_for_comms(1)
@@ -198,6 +198,53 @@ def _deprecated_and_compatibility_setters() -> list[float]:
 
 def test_deprecated_divide_factor_alias_and_post_optim_event():
     assert run_on_ranks(_deprecated_and_compatibility_setters, 1) == [[4.0]]
+
+
+def _post_optim_event_from_the_current_stream() -> None:
+    """An optimizer step hook hands the root the current stream's event each step, as torch's
+    docs suggest. On CPU that event is None (what torch does without one): training matches
+    torch's fully_shard and the unsharded reference."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    ref = Transformer()
+    models = {"fsdp2": copy.deepcopy(ref), "torch": copy.deepcopy(ref)}
+    for name, shard in (("fsdp2", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        for block in models[name].layers:
+            shard(block)
+        shard(models[name])
+    events = []
+
+    def hand_over_event(opt, args, kwargs, model) -> None:
+        event = torch.get_device_module("cpu").current_stream().record_event()
+        events.append(event)
+        model.set_post_optim_event(event)
+
+    losses = {}
+    for name, model in (*models.items(), ("ref", ref)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if name != "ref":
+            opt.register_step_post_hook(lambda o, a, k, model=model: hand_over_event(o, a, k, model))
+        losses[name] = []
+        for step in range(3):
+            inputs, targets = make_batch(dist.get_rank(), step)
+            loss = lm_loss(model(inputs), targets)
+            loss.backward()
+            if name == "ref":
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.detach())
+    assert events == [None] * 6
+    for name in ("torch", "ref"):
+        torch.testing.assert_close(losses["fsdp2"], losses[name], msg=lambda m: f"{name}: {m}")
+    for (name, p), ours in zip(ref.named_parameters(), models["fsdp2"].parameters()):
+        torch.testing.assert_close(full(ours), p.detach(), msg=lambda m: f"{name}: {m}")
+
+
+def test_post_optim_event_none_from_a_cpu_stream_trains_as_torch_and_reference():
+    run_on_ranks(_post_optim_event_from_the_current_stream, 2)
 
 
 def _all_reduce_hook_over_replicas(impl: str, transport: str = "auto") -> list[list[int]]:
