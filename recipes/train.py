@@ -26,16 +26,18 @@ starts a fresh run from saved weights (safetensors or a DCP checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
-from typing import NamedTuple, NoReturn
+from typing import Iterator, NamedTuple, NoReturn
 
 if __package__ in (None, ""):  # run as a script (torchrun recipes/train.py): make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -154,6 +156,28 @@ class _RecipeFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         prefix = "warning: " if record.levelno >= logging.WARNING else ""
         return prefix + record.getMessage()
+
+
+@contextlib.contextmanager
+def ctrl_c_after() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) until the block is done, then raise ``KeyboardInterrupt``.
+
+    Around a checkpoint save: interrupted inside, DCP's collectives turn the interrupt into a
+    ``CheckpointException`` traceback and leave the save half-written; held, the save completes
+    (every rank gets the signal from torchrun, so every rank finishes it) and the run stops with
+    its one line, naming that checkpoint.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 class Interrupted(Exception):
@@ -448,7 +472,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
                 progress.log(step, result, guard.total, record=recorded, val_loss=val_loss)
             guard.check(step)
             if checkpointer is not None and (step == t.steps or (ckpt.every and step % ckpt.every == 0)):
-                checkpointer.save(step, model, optimizer, scheduler, extra={"skips": guard.state_dict()})
+                with ctrl_c_after():  # a save Ctrl-C lands in finishes first (DCP would wrap it in its error)
+                    checkpointer.save(step, model, optimizer, scheduler, extra={"skips": guard.state_dict()})
     except KeyboardInterrupt:
         raise Interrupted(step, checkpointer, ckpt.every) from None
     finally:
