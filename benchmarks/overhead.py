@@ -196,7 +196,7 @@ def profile_fsdp2(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tenso
     return [["function", "calls/step", "own ms/step", "cumulative ms/step"], *rows[:25]]
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=8, help="ranks the fake process group pretends to have")
     parser.add_argument("--groups", type=int, default=32, help="blocks, each one fully_shard group")
@@ -211,6 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="append the JSON lines to this file too")
     parser.add_argument("--plot", metavar="PNG", help="draw the lines of the given files instead of measuring")
     parser.add_argument("files", nargs="*", help="with --plot: JSON lines written by --out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.plot:
         return plot([json.loads(line) for path in args.files for line in open(path) if line.strip()], args.plot)

@@ -95,7 +95,7 @@ def measure(impl: str, base: GPT, mesh, cfg) -> dict:
     return result
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     d = PRESETS["17M"]
     for name in ("dim", "layers", "heads", "vocab", "seq", "batch"):
@@ -103,8 +103,12 @@ def main() -> None:
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--launches", type=int, default=1, help="repeat the whole measurement (fresh models)")
     p.add_argument("--json", default=None, help="append one JSON line per launch to this file")
-    args = p.parse_args()
-    cfg = type(d)(args.dim, args.layers, args.heads, args.vocab, args.seq, args.batch)
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    cfg = type(PRESETS["17M"])(args.dim, args.layers, args.heads, args.vocab, args.seq, args.batch)
     impls = [i for i in args.impls.split(",") if i]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

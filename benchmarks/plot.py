@@ -44,11 +44,15 @@ def load(path: str) -> dict[tuple[str, int], dict[int, dict[str, list[float]]]]:
     return series
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results", help="JSON lines written by step_time.py --out")
     p.add_argument("output", help="image file to write (.png, .svg, .pdf)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -322,7 +322,7 @@ def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
 
 
 # ---- entry point ------------------------------------------------------------------------
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     d = PRESETS["17M"]
     p.add_argument("--dim", type=int, default=d.dim)
@@ -351,7 +351,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cpu: gloo; cuda: NCCL, one GPU per rank (an error without CUDA); auto: cuda when present")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.impls = [i for i in args.impls.split(",") if i]
     unknown = [i for i in args.impls if i not in IMPLS + EXTRA_IMPLS]
     if unknown or not args.impls or len(set(args.impls)) != len(args.impls):

@@ -76,11 +76,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(__doc__ + "\nEvery key, as --section.key=value (the value this command line would use), "
                       "its type and what it does:\n" + describe(config))
             return
-        config = parse_args(argv)
-        p = config.parallelism
-        dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, int(os.environ.get("WORLD_SIZE", "1")))
-        check_layout(dims, config)
-        check_run(config)
+        config, dims = check_command(argv, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, ValueError) as e:  # before any process starts a collective
         fail(f"error: {e}", rank0)
     if rank0 and (problem := restart_store_problem()):
@@ -107,6 +103,18 @@ def main(argv: list[str] | None = None) -> None:
         if rank0:
             print(e if isinstance(e, Interrupted) else "interrupted before training started", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+
+
+def check_command(argv: list[str], world_size: int) -> tuple[JobConfig, ParallelDims]:
+    """Everything a command line is checked for before any process group starts: its keys and
+    values, the layout on ``world_size`` ranks, and what training will need (``check_run``).
+    Raises ConfigError or ValueError (tests/tools/test_doc_commands.py runs the docs' commands through it)."""
+    config = parse_args(argv)
+    p = config.parallelism
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size)
+    check_layout(dims, config)
+    check_run(config)
+    return config, dims
 
 
 def check_run(config: JobConfig) -> None:
