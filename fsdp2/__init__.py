@@ -1,5 +1,6 @@
 """fsdp2: fully sharded data parallelism on DTensor, a drop-in for ``torch.distributed.fsdp.fully_shard``."""
 
+import importlib
 import warnings
 
 with warnings.catch_warnings():
@@ -18,7 +19,6 @@ from .runtime._module import FSDPModule, UnshardHandle, register_fsdp_forward_me
 from .diagnostics._trace import record_schedule
 from ._wrap import fully_shard_auto
 from .patch import patch_torch
-from .memory import MemoryTracker, estimate_memory
 
 __all__ = [
     "fully_shard",
@@ -41,3 +41,21 @@ __all__ = [
 ]
 
 __version__ = "0.1.0.dev0"
+
+# Loaded on first use, not by `import fsdp2`: the memory tools (the planner builds models under
+# fake tensors), the Llama model with its tensor-parallel styles, the checkpoint helpers.
+_ON_FIRST_USE = {"MemoryTracker": "memory", "estimate_memory": "memory"}
+_SUBPACKAGES = ("memory", "models", "checkpoint", "plan")
+
+
+def __getattr__(name: str):
+    if name in _ON_FIRST_USE or name in _SUBPACKAGES:
+        module = importlib.import_module(f".{_ON_FIRST_USE.get(name, name)}", __name__)
+        value = module if name in _SUBPACKAGES else getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_ON_FIRST_USE) | set(_SUBPACKAGES))

@@ -146,6 +146,33 @@ def test_package_never_imports_torch_fsdp():
     assert offenders == []
 
 
+def test_import_loads_the_core_only_and_the_tools_on_first_use():
+    """``import fsdp2`` loads the runtime, not the planner, the Llama model (with torch's
+    tensor-parallel styles) or the checkpoint helpers; their names still work from the package."""
+    import subprocess
+    import sys
+
+    tools = ("fsdp2.memory", "fsdp2.models", "fsdp2.checkpoint", "fsdp2.plan", "torch.distributed.tensor.parallel")
+    code = f"""
+import sys
+import fsdp2
+loaded = sorted(m for m in sys.modules if m.startswith({tools!r}))
+assert not loaded, loaded
+from fsdp2 import MemoryTracker, estimate_memory
+assert MemoryTracker.__module__ == "fsdp2.memory._tracker" and callable(estimate_memory)
+assert fsdp2.memory.MemoryTracker is MemoryTracker and fsdp2.checkpoint.save
+assert "estimate_memory" in dir(fsdp2)
+try:
+    fsdp2.no_such_name
+except AttributeError as e:
+    assert "no_such_name" in str(e)
+else:
+    raise AssertionError("no AttributeError")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+
+
 # ---- behaviour on a live world -------------------------------------------------------------
 def _module_identity(impl_name):
     impl = importlib.import_module(impl_name)
