@@ -94,6 +94,12 @@ def references(t: torch.Tensor) -> tuple[int, int, int]:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata), t._use_count(), sys.getrefcount(t) - 1
 
 
+def dtensor_local(dtensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local data itself: no autograd node, no copy (``to_local()`` records a
+    differentiable view, which a per-step pointer check or an in-place ``.grad`` add must not)."""
+    return dtensor._local_tensor
+
+
 def set_dtensor_local(dtensor: torch.Tensor, local: torch.Tensor) -> None:
     """Point an existing DTensor (e.g. a registered parameter) at new local data.
 

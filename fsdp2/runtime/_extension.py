@@ -84,7 +84,7 @@ def check_params(found: Sequence[tuple[torch.nn.Parameter, Any, str]], dims: Seq
     ``found``: (parameter, its places, FQN) per parameter; ``dims``: each one's shard dim.
     """
     for (param, _locations, fqn), dim in zip(found, dims):
-        local = param._local_tensor if isinstance(param, DTensor) else param
+        local = _compat.dtensor_local(param) if isinstance(param, DTensor) else param
         if has_extension(local, fqn):
             _check_one(local, fqn, isinstance(param, DTensor), dim, reshard_after_forward)
 
@@ -123,7 +123,7 @@ def refresh_params(params: Sequence[ShardedParam], reshard_after_forward: bool |
     """
     found = []
     for p in params:
-        local = p.sharded._local_tensor
+        local = _compat.dtensor_local(p.sharded)
         if has_extension(local, p.fqn) != (p.ext is not None):
             found.append((p, local))
     for p, local in found:
@@ -168,7 +168,7 @@ class ParamExtension:
                        device: torch.device) -> list[torch.Tensor]:
         """Run the subclass's pre-all-gather on the sharded local tensor; check and keep its inputs."""
         p = self.param
-        local = p.sharded._local_tensor
+        local = _compat.dtensor_local(p.sharded)
         if local.device != device:  # CPU offload: the hook sees the tensor on the compute device
             local = local.to(device, non_blocking=True)
         hook = getattr(local, PRE)
@@ -215,7 +215,7 @@ class ParamExtension:
     def post_all_gather(self, on_grad_ready: Callable[[ShardedParam], None]) -> None:
         """Rebuild the unsharded tensor from ``outputs``: created the first time, refreshed with ``out=`` after."""
         p = self.param
-        local = p.sharded._local_tensor
+        local = _compat.dtensor_local(p.sharded)
         hook = getattr(local, POST)
         metadata, self.metadata, self.inputs = self.metadata, None, []
         with torch.no_grad():

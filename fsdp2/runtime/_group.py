@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _compat
 from .._common import ShardState
 from ..diagnostics import _checks, _debug, _trace
 from ..comm._collectives import ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceTarget
@@ -216,7 +217,7 @@ class ParamGroup:
         self._packed_slots = plan.slots(packed)
         for p, slot in zip(self.params, self._packed_slots):
             p.adopt_padded_local(slot)
-        self._packed_ptrs = [p.sharded._local_tensor.data_ptr() for p in self.params]
+        self._packed_ptrs = [_compat.dtensor_local(p.sharded).data_ptr() for p in self.params]
         self._packed = packed
 
     def _shards(self, plan: GatherPlan) -> list[torch.Tensor]:
@@ -226,13 +227,13 @@ class ParamGroup:
         if self._packed is not None:
             # One pointer per parameter per all-gather: the DTensors' local data still starts at
             # its slot unless something rebound it (param.data = ..., swap_tensors): pack again.
-            ptrs = [p.sharded._local_tensor.data_ptr() for p in self.params]
+            ptrs = [_compat.dtensor_local(p.sharded).data_ptr() for p in self.params]
             if ptrs != self._packed_ptrs:
                 for p, slot, ptr, packed_ptr in zip(self.params, self._packed_slots, ptrs, self._packed_ptrs):
                     if ptr != packed_ptr:
                         p.repad_from_local()
                         p.adopt_padded_local(slot)
-                self._packed_ptrs = [p.sharded._local_tensor.data_ptr() for p in self.params]
+                self._packed_ptrs = [_compat.dtensor_local(p.sharded).data_ptr() for p in self.params]
         return [p.padded_local for p in self.params]
 
     # ---- what the transport asks for (comm/_transport.GatherSource) --------------------------

@@ -232,9 +232,9 @@ class ShardedParam:
                 f"fsdp2 shards it {self._layout_str(self.placements, self.spmd_mesh, self.global_shape)}: {fix}"
             )
         box = [stop - start for start, stop in self.local_box()]
-        if list(new._local_tensor.shape) != box:
+        if list(_compat.dtensor_local(new).shape) != box:
             raise ValueError(
-                f"fsdp2: {what} holds a local tensor of shape {tuple(new._local_tensor.shape)} on this rank, "
+                f"fsdp2: {what} holds a local tensor of shape {tuple(_compat.dtensor_local(new).shape)} on this rank, "
                 f"where its layout puts {tuple(box)}; {fix}"
             )
 
@@ -256,7 +256,7 @@ class ShardedParam:
         ``check_replacement`` first.
         """
         current = self.registered()
-        local, padded = current._local_tensor, self.padded_local
+        local, padded = _compat.dtensor_local(current), self.padded_local
         device = local.device
         if move and current is not self.sharded and not local.is_meta:  # (a conversion's device stays)
             device = torch.device("cpu") if self.offload_to_cpu else self._home_device
@@ -335,7 +335,7 @@ class ShardedParam:
 
     def repad_from_local(self) -> None:
         """Rebuild the padded shard from the DTensor's current local tensor."""
-        local = self.sharded._local_tensor
+        local = _compat.dtensor_local(self.sharded)
         padded = torch.zeros(self.layout.local_shape, dtype=local.dtype, device=local.device)
         with torch.no_grad():
             padded.narrow(self.layout.dim, 0, self.layout.rows(self.rank)).copy_(local)
@@ -493,7 +493,7 @@ class ShardedParam:
             self.sharded.grad = _compat.dtensor_like(self.sharded, local)
         else:
             with torch.no_grad():
-                grad._local_tensor.add_(local.to(padded.device) if move else local)
+                _compat.dtensor_local(grad).add_(local.to(padded.device) if move else local)
 
 
 def raise_if_on_meta(params: list[ShardedParam], name_of: Callable[[ShardedParam], str]) -> None:
