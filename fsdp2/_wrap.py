@@ -254,22 +254,14 @@ def _dry_run(plan: _Plan, kwargs: dict[str, Any]) -> None:
     """The checks ``fully_shard`` makes, on every planned group, before anything is changed."""
     defaults = {n: p.default for n, p in inspect.signature(fully_shard).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    args = {**defaults, **kwargs}
     order = [*plan.order, ""]  # the order of the calls, so the first error is the one they would raise
     for name in order:
-        _fs._check_modules(plan.modules[name] if name else plan.root)
-    spmd = None
-    if args["dp_mesh_dims"] is None:
-        mesh = _fs._resolve_mesh(args["mesh"])
-    else:
-        mesh, spmd = _fs._resolve_spmd_mesh(args["mesh"], args["dp_mesh_dims"])
-    reshard = _fs._check_reshard_after_forward(args["reshard_after_forward"], mesh)
-    _fs._check_policies(args["mp_policy"], args["offload_policy"], args["ignored_params"],
-                        args["shard_placement_fn"])
+        _fs.check_modules(plan.modules[name] if name else plan.root)
+    args = _fs.check_arguments(**{**defaults, **kwargs})
     for found in (plan.groups[name] for name in order):
         for param, _locations, p_fqn in found:
             owner = param.__dict__.get(_fs._SHARDED_BY_ATTR)
             if owner is not None:
                 raise ValueError(f"fully_shard_auto: parameter {p_fqn!r} is already sharded by {owner}; pass it "
                                  "in ignored_params or shard the model that owns it together with this one")
-        _fs.check_group(found, mesh, spmd, reshard, args["shard_placement_fn"])
+        _fs.check_group(found, args)

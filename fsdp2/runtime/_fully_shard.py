@@ -6,7 +6,7 @@ user's module exactly as it was.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import torch
 import torch.distributed as dist
@@ -81,19 +81,17 @@ def fully_shard(
         TypeError / ValueError: for bad arguments, naming the fix; the module
         is left unchanged.
     """
-    modules = _check_modules(module)
-    spmd = None
-    if dp_mesh_dims is None:
-        mesh = _resolve_mesh(mesh)
-    else:
-        mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims)
-    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
-    mp_policy, offload_policy = _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
-    found = _collect_params(modules, ignored_params or set())
+    modules = check_modules(module)
+    args = check_arguments(mesh=mesh, reshard_after_forward=reshard_after_forward,
+                           shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
+                           ignored_params=ignored_params, dp_mesh_dims=dp_mesh_dims)
+    found = _collect_params(modules, args.ignored_params)
     _check_order(found)
-    dims = check_group(found, mesh, spmd, reshard_after_forward, shard_placement_fn)
+    dims = check_group(found, args)
 
-    dp = DataParallelMesh.of(mesh, spmd)
+    mesh, reshard_after_forward = args.mesh, args.reshard_after_forward
+    mp_policy, offload_policy = args.mp_policy, args.offload_policy
+    dp = DataParallelMesh.of(mesh, args.spmd)
     subgroup = None
     if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
         subgroup = SubGroup(dp, reshard_after_forward)
@@ -209,24 +207,49 @@ def _replicated(module: nn.Module) -> bool:
 
 
 # ---- validation -------------------------------------------------------------------------
-def check_group(found: list[Found], mesh: DeviceMesh, spmd: SpmdAxes | None,
-                reshard_after_forward: bool | int | None,
-                shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None) -> list[int]:
-    """Every check on the parameters one ``fully_shard`` call would take; their shard dims.
+# fully_shard checks its modules (check_modules), its arguments (check_arguments) and the
+# parameters it takes (check_group), in that order, before changing anything;
+# fully_shard_auto's dry run makes the same three checks on every group it plans.
+class Arguments(NamedTuple):
+    """``fully_shard``'s keyword arguments once checked: what each group of a call shares."""
 
-    ``fully_shard_auto`` runs it on each planned group before the first call.
-    """
-    dims = _placement_dims(found, shard_placement_fn)
-    _check_devices(found, mesh)
-    if spmd is None:
-        _check_tensor_parallel(found, mesh, reshard_after_forward)
+    mesh: DeviceMesh
+    spmd: SpmdAxes | None  # the axes of an SPMD mesh (dp_mesh_dims), None for a data-parallel mesh
+    reshard_after_forward: bool | int | None
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    ignored_params: set[nn.Parameter]
+
+
+def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Any, mp_policy: Any,
+                    offload_policy: Any, ignored_params: Any, dp_mesh_dims: Any) -> Arguments:
+    """``fully_shard``'s keyword arguments checked, and resolved (the default mesh, torch's
+    policies as fsdp2's); TypeError / ValueError naming the fix otherwise."""
+    spmd = None
+    if dp_mesh_dims is None:
+        mesh = _resolve_mesh(mesh)
     else:
-        _check_spmd_params(found, spmd, reshard_after_forward)
-    _extension.check_params(found, dims, reshard_after_forward)
+        mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
+    mp_policy, offload_policy = _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
+    return Arguments(mesh, spmd, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
+                     ignored_params or set())
+
+
+def check_group(found: list[Found], args: Arguments) -> list[int]:
+    """Every check on the parameters one ``fully_shard`` call would take; their shard dims."""
+    dims = _placement_dims(found, args.shard_placement_fn)
+    _check_devices(found, args.mesh)
+    if args.spmd is None:
+        _check_tensor_parallel(found, args.mesh, args.reshard_after_forward)
+    else:
+        _check_spmd_params(found, args.spmd, args.reshard_after_forward)
+    _extension.check_params(found, dims, args.reshard_after_forward)
     return dims
 
 
-def _check_modules(module: Any) -> list[nn.Module]:
+def check_modules(module: Any) -> list[nn.Module]:
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(

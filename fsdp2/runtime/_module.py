@@ -496,24 +496,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        state._recover_if_interrupted()
-        if not state._modules_to_run:
-            state._modules_to_run.add(module)
-        try:
-            args, kwargs = state.pre_forward(args, kwargs)
-            output = method(*args, **kwargs)
-        except Exception:
-            # As forward hooks with always_call do: free the parameters, mark the iteration.
-            if module in state._modules_to_run:
-                state._modules_to_run.discard(module)
-                if not state._modules_to_run:
-                    state.post_forward(None)
-            raise
-        if module in state._modules_to_run:
-            state._modules_to_run.discard(module)
-            if not state._modules_to_run:
-                return state.post_forward(output)
-        return output
+        return state.run_forward_method(module, method, args, kwargs)
 
     setattr(module, method_name, wrapped)
 

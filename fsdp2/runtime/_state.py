@@ -190,6 +190,28 @@ class ModuleState:
             self._modules_to_run.update(self.modules)
         return self.pre_forward(args, kwargs)
 
+    def run_forward_method(self, module: nn.Module, method: Callable, args: tuple, kwargs: dict) -> Any:
+        """Call ``module.<method>`` (``register_fsdp_forward_method``) between this group's
+        pre- and post-forward, as ``forward`` is."""
+        self._recover_if_interrupted()  # first: a reset clears _modules_to_run
+        if not self._modules_to_run:
+            self._modules_to_run.add(module)
+        try:
+            args, kwargs = self.pre_forward(args, kwargs)
+            output = method(*args, **kwargs)
+        except Exception:
+            # As forward hooks with always_call do: free the parameters, mark the iteration.
+            self._forward_method_done(module, None)
+            raise
+        return self._forward_method_done(module, output)
+
+    def _forward_method_done(self, module: nn.Module, output: Any) -> Any:
+        if module in self._modules_to_run:
+            self._modules_to_run.discard(module)
+            if not self._modules_to_run:
+                return self.post_forward(output)
+        return output
+
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         recompute = _compat.in_backward()  # a forward re-run by backward (activation checkpointing)
         with _compat.outside_functorch():  # torch.func.jvp: gather plain tensors, not the transform's
