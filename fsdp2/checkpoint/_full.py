@@ -10,7 +10,6 @@ ever holds a full copy of the model.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -21,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _compat
+from .._format import chunk_rows
 from ..runtime._param import ShardedParam
 from .._common import get_state
 from ._meta import materialize
@@ -103,7 +103,7 @@ class _Gatherer:
             return value.full_tensor()
         axis, placement = cut[0], value.placements[cut[0]]
         world, dim, n = mesh.size(axis), placement.dim, value.shape[placement.dim]
-        chunk = math.ceil(n / world)
+        chunk = chunk_rows(n, world)
         local = value.to_local()
         padded_shape = list(value.shape)
         padded_shape[dim] = chunk
@@ -278,7 +278,7 @@ def _box_1d(target: DTensor) -> list[tuple[int, int]]:
     placement = target.placements[0]
     if isinstance(placement, Shard):
         n = target.shape[placement.dim]
-        chunk = math.ceil(n / target.device_mesh.size())
+        chunk = chunk_rows(n, target.device_mesh.size())
         start = min(target.device_mesh.get_local_rank() * chunk, n)
         box[placement.dim] = (start, min(start + chunk, n))
     return box

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
+from .._format import HEADER, aligned
 from ..diagnostics import _checks, _debug, _trace
 from ._streams import Completion, streams_for
 
@@ -38,24 +39,17 @@ if TYPE_CHECKING:
     from ._transport import Transport
 
 __all__ = [
-    "ALIGN", "GatherPlan", "GatherTargets", "AllGatherInFlight", "ReduceTarget", "ReduceScatterInFlight",
+    "GatherPlan", "GatherTargets", "AllGatherInFlight", "ReduceTarget", "ReduceScatterInFlight",
     "reduce_op", "packed_offsets", "finish_reduce_scatter", "ReducedGrads", "show_flat_all_gather",
     "show_flat_reduce_scatter",
 ]
-
-
-ALIGN = 16  # bytes; a multiple of every dtype's itemsize
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def packed_offsets(sizes: Sequence[int], align: bool) -> tuple[list[int], int]:
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
-        total += _aligned(size) if align else size
+        total += aligned(size) if align else size
     return offsets, total
 
 
@@ -72,7 +66,7 @@ class GatherPlan:
     def build(cls, layouts: Sequence[ShardLayout], dtypes: Sequence[torch.dtype]) -> GatherPlan:
         sizes = [lay.local_numel * dt.itemsize for lay, dt in zip(layouts, dtypes)]
         offsets, total = packed_offsets(sizes, align=True)
-        return cls(tuple(layouts), tuple(dtypes), tuple(_checks.HEADER + o for o in offsets), _checks.HEADER + total)
+        return cls(tuple(layouts), tuple(dtypes), tuple(HEADER + o for o in offsets), HEADER + total)
 
     @property
     def world(self) -> int:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import _compat
 from ..diagnostics import _debug
-from ..diagnostics._checks import HEADER
+from .._format import HEADER
 from ._collectives import (AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight, ReduceTarget,
                            packed_offsets, reduce_op)
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter

@@ -44,11 +44,10 @@ if TYPE_CHECKING:  # for annotations only: the checks sit below the runtime and 
     from ..runtime._state import ModuleState, RootContext
 
 __all__ = [
-    "HEADER", "Diagnostics", "check_rank_agreement", "before_all_gather", "wait_all_gather", "reduce_header",
+    "Diagnostics", "check_rank_agreement", "before_all_gather", "wait_all_gather", "reduce_header",
     "check_reduce_headers", "record_nonfinite", "raise_if_nonfinite",
 ]
 
-HEADER = 16  # bytes at the start of each rank's all-gather slice (keeps 16-byte alignment)
 _MAGIC = 0x46534432  # "FSD2": a header written this iteration, not stale bytes
 _MAGIC_REDUCE = 0x46534452  # "FSDR": a reduce-scatter's header
 

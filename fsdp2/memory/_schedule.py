@@ -16,13 +16,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..comm._transport import BufferNeeds, GroupBytes, Transport, choose_transport
-from ..diagnostics._checks import HEADER
+from .._format import HEADER, aligned, chunk_rows
 
 if TYPE_CHECKING:
     from ._planner import _Timeline
-
-ALIGN = 16
-
 
 @dataclass
 class _Group(GroupBytes):
@@ -45,21 +42,17 @@ class _Group(GroupBytes):
         return HEADER + self.slice if self.packed and shard > 1 and self.entries else self.sharded
 
 
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 def _add_param(group: _Group, p: torch.Tensor, shard: int, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype) -> None:
     # A tensor-parallel parameter: fsdp2 shards this rank's TP shard.
     shape = list(p.to_local().shape if isinstance(p, DTensor) else p.shape)
     rows = shape[0] if shape else 1
     rest = math.prod(shape[1:]) if len(shape) > 1 else 1
-    chunk = math.ceil(rows / shard)
+    chunk = chunk_rows(rows, shard)
     pdtype = param_dtype if p.dtype.is_floating_point else p.dtype
     group.sharded += chunk * rest * p.dtype.itemsize
-    group.unsharded += _aligned(chunk * shard * rest * pdtype.itemsize)
-    group.slice += _aligned(chunk * rest * pdtype.itemsize)
+    group.unsharded += aligned(chunk * shard * rest * pdtype.itemsize)
+    group.slice += aligned(chunk * rest * pdtype.itemsize)
     reduced = chunk * shard * rest * (reduce_dtype if p.dtype.is_floating_point else p.dtype).itemsize
     group.reduce += reduced
     # fp16 reduces pre-divide their copy (fsdp2/comm/_collectives.py::reduce_op).

@@ -22,11 +22,11 @@ import torch.distributed as dist
 from .. import _compat
 from .._common import ShardState
 from ..diagnostics import _checks, _debug, _trace
-from ..comm._collectives import ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceTarget
+from ..comm._collectives import AllGatherInFlight, GatherPlan, GatherTargets, ReduceTarget
 from ..comm._transport import Transport, choose_transport, flat_transport
 from . import _extension
 from ._extension import GroupExtension
-from ..diagnostics._checks import HEADER
+from .._format import ALIGN, HEADER, aligned
 from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, process_group_comms
 from ._mesh import DataParallelMesh, SubGroup
 from ._param import ShardedParam, raise_if_on_meta
@@ -287,7 +287,7 @@ class ParamGroup:
             total = 0
             for size in sizes[lo:hi]:
                 starts.append(total)
-                total += (size + ALIGN - 1) // ALIGN * ALIGN
+                total += aligned(size)
             totals.append(max(total, ALIGN))
         return starts, sizes, totals
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+
+from .._format import chunk_rows
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -30,7 +32,7 @@ class ShardLayout:
 
     @classmethod
     def even(cls, shape: torch.Size, dim: int, world: int) -> ShardLayout:
-        return cls(shape, dim, world, math.ceil(shape[dim] / world))
+        return cls(shape, dim, world, chunk_rows(shape[dim], world))
 
     def with_world(self, world: int) -> ShardLayout:
         """The same padded tensor cut into ``world`` chunks (``world`` divides ours)."""

@@ -9,7 +9,6 @@ narrows the padding away and reports the true global shape.
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Callable
 
@@ -20,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from .. import _compat
+from .._format import chunk_rows
 from . import _extension
 from ._layout import ShardLayout, contiguous_stride
 from ._mesh import DataParallelMesh, tp_mesh_of
@@ -199,7 +199,7 @@ class ShardedParam:
             for axis, placement in enumerate(tp_placements):
                 if isinstance(placement, Shard):
                     start, stop = box[placement.dim]
-                    chunk = math.ceil((stop - start) / tp_mesh.size(axis))
+                    chunk = chunk_rows(stop - start, tp_mesh.size(axis))
                     start = min(start + tp_mesh.get_local_rank(axis) * chunk, stop)
                     box[placement.dim] = (start, min(start + chunk, stop))
         layout = self.layout

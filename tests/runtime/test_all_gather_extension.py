@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
-from fsdp2.diagnostics._checks import HEADER
+from fsdp2._format import HEADER
 from tests._dist import environ, run_on_ranks
 from tests._int8 import Int8Rows, Int8RowsV1
 from tests._parity import average_grads, full

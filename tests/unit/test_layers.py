@@ -16,7 +16,7 @@ PACKAGE = pathlib.Path(fsdp2.__file__).parent
 
 # Bottom to top. A module may import modules of its own layer or of layers below it.
 LAYERS = [
-    ("leaf", ["fsdp2._common", "fsdp2._compat", "fsdp2._errors", "fsdp2._wire", "fsdp2._api"]),
+    ("leaf", ["fsdp2._common", "fsdp2._compat", "fsdp2._errors", "fsdp2._format", "fsdp2._wire", "fsdp2._api"]),
     ("diagnostics", ["fsdp2.diagnostics"]),
     ("transport", ["fsdp2.comm"]),
     ("runtime", ["fsdp2.runtime"]),

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from . import _cma, _lease, _pipes
-from ...diagnostics._checks import HEADER
+from ..._format import HEADER
 
 # What messages go over: a process group, or the pipes connecting its ranks on one host.
 Link = Union[dist.ProcessGroup, _pipes.Pipes]

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ...diagnostics import _debug
-from ...diagnostics._checks import HEADER
 from ... import _compat
-from .._collectives import (ALIGN, AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight,
+from ..._format import HEADER, aligned
+from .._collectives import (AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight,
                            ReduceTarget, reduce_op, show_flat_all_gather, show_flat_reduce_scatter)
 from .._streams import Completion
 from .._transport import (CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupBytes, Transport, cpu_transport,
@@ -111,7 +111,7 @@ class ExchangeTransport(Transport):
         reads = reads and self.may_read and world > 1
         headers = (world + 1) * HEADER
         descriptor = 8 * (1 + 2 * len(sizes.entries))  # _cma.describe: pid, then address and size per tensor
-        small_gathered = sum(_aligned(g) for g, _, _ in sizes.entries if g < _exchange.SMALL)
+        small_gathered = sum(aligned(g) for g, _, _ in sizes.entries if g < _exchange.SMALL)
         if reads:  # a descriptor sent and one received per peer, a 1-byte acknowledgement each and one to send
             gather = headers + world * descriptor + world
         else:
@@ -147,10 +147,6 @@ def probe_reads(pg: dist.ProcessGroup, must_read: bool | None = None) -> bool:
             "restrictions, or a seccomp filter); use 'auto' to fall back to messages"
         )
     return False
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _sendable(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor], dtype: torch.dtype, world: int,
