@@ -188,14 +188,14 @@ def before_all_gather(group: ParamGroup, plan: GatherPlan, pg: dist.ProcessGroup
         index = root.diag.index.get(id(group), -1) if root is not None and root.diag is not None else -1
         # Native-endian int32s, read back as such; frombuffer is ~3x cheaper than torch.tensor.
         header = torch.frombuffer(bytearray(struct.pack("=4i", _MAGIC, iteration, index, phase)), dtype=torch.uint8)
-    group._header_pg = pg if check else None
     _debug.log_collective("all_gather", group.label, pg, f"{plan.slice_bytes} bytes per rank",
                           torch.uint8, root)
     return header
 
 
-def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight) -> None:
-    """Wait for ``group``'s all-gather (errors name it) and compare the ranks' headers.
+def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight, pg: dist.ProcessGroup | None) -> None:
+    """Wait for ``group``'s all-gather (errors name it) and compare the ranks' headers over
+    ``pg`` (None: headers unchecked, ``before_all_gather`` returned none).
 
     When the headers travel ahead of the data (the exchange), they are compared first.
     """
@@ -203,13 +203,14 @@ def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight) -> None:
     sizes = f"{plan.world} ranks x {plan.slice_bytes} bytes"
     if gather.headers_done is not None:
         _debug.wait(gather.headers_done, "all_gather", group.label, sizes, group.root)
-        _check_all_gather_headers(group, gather.headers)
+        _check_all_gather_headers(group, gather.headers, pg)
+        _debug.wait(gather.done, "all_gather", group.label, sizes, group.root)
+        return
     _debug.wait(gather.done, "all_gather", group.label, sizes, group.root)
-    _check_all_gather_headers(group, gather.headers)
+    _check_all_gather_headers(group, gather.headers, pg)
 
 
-def _check_all_gather_headers(group: ParamGroup, headers: torch.Tensor) -> None:
-    pg, group._header_pg = group._header_pg, None  # checked once, even if the check raises
+def _check_all_gather_headers(group: ParamGroup, headers: torch.Tensor, pg: dist.ProcessGroup | None) -> None:
     if pg is None:
         return
     rows = headers.contiguous().view(torch.int32).cpu().tolist()  # (world, 4); a device sync on CUDA

@@ -84,6 +84,7 @@ class ParamGroup:
         self._gather: AllGatherInFlight | None = None
         self._unreleased: AllGatherInFlight | None = None  # a read all-gather the peers may still read from
         self._partial_send: torch.Tensor | None = None
+        self._header_pg: dist.ProcessGroup | None = None  # the all-gather in flight's, when its headers are checked
         # The unsharded buffer: one storage per segment, parameters ``bounds[k]:bounds[k + 1]``
         # in segment ``k``; several only for early frees (_segment_bounds_for).
         self._buffers: list[torch.Tensor] = []
@@ -470,6 +471,7 @@ class ParamGroup:
         _trace.emit("unshard", self.label)
         with _trace.profiled(f"fsdp2::all_gather {self.label}"), _trace.issuing("all_gather", self.label):
             header = _checks.before_all_gather(self, plan, group)
+            self._header_pg = group if header is not None else None  # the ranks' headers are compared over it
             self._gather = self.gather_transport.start_all_gather(self, plan, group, header, explicit)
         self._partial_send = None
         self.state = ShardState.GATHERING
@@ -486,7 +488,8 @@ class ParamGroup:
             return
         gather = self._gather
         with _trace.profiled(f"fsdp2::all_gather_wait {self.label}"):
-            _checks.wait_all_gather(self, gather)  # errors name the group; compares the ranks' headers
+            pg, self._header_pg = self._header_pg, None  # checked once, even if the check raises
+            _checks.wait_all_gather(self, gather, pg)  # errors name the group; compares the ranks' headers
             self._alloc_unsharded()
             gather.transport.finish_all_gather(gather, self._targets(gather.plan))
             if self._ext is not None:  # rebuild the subclasses' unsharded tensors from what arrived
