@@ -115,13 +115,13 @@ def dtensor_like(dtensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
     ``local`` must have the local shape and dtype of ``dtensor``. Reuses the
     existing sharding spec, which skips ``DTensor.from_local``'s autograd
-    function and spec construction (~0.1 ms each): gradients of every
-    parameter are wrapped this way every step.
+    function and spec construction: gradients of every parameter are wrapped
+    this way every step (costs: docs/performance.md, "Small costs behind the code").
 
     Calls ``DTensor.__new__`` alone (torch 2.13: the C constructor
     ``Tensor._dtensor__new__``, which sets ``_spec`` and ``_local_tensor``):
     ``DTensor.__init__`` does nothing but pass through a Dynamo-disable and an
-    export-tracing wrapper, ~4 us a call, and this runs eagerly in fsdp2's hooks.
+    export-tracing wrapper, and this runs eagerly in fsdp2's hooks.
     """
     return DTensor.__new__(DTensor, local, dtensor._spec, requires_grad=False)
 
@@ -399,15 +399,16 @@ def process_group_timeout(pg) -> float:
 def profiler_enabled() -> bool:
     """Whether torch's profiler is recording on this thread (``torch.autograd._profiler_enabled``).
 
-    fsdp2 names its collectives in the profile (``record_function``), which costs ~7 us a
-    range even when nothing records: a few hundred ranges a step for a 32-block model.
+    fsdp2 names its collectives in the profile (``record_function``), which costs time for
+    each range even when nothing records: a few hundred ranges a step for a 32-block model.
     """
     return torch.autograd._profiler_enabled()
 
 
 def dispatch_modes_active() -> bool:
     """Whether a ``TorchDispatchMode`` (``CommDebugMode``, a memory tracker...) is active on this
-    thread: the length of the mode stack, a private C query (torch 2.0 to 2.14), ~0.4 us."""
+    thread: the length of the mode stack, a private C query (torch 2.0 to 2.14), cheap enough
+    for every collective."""
     return torch._C._len_torch_dispatch_stack() > 0
 
 

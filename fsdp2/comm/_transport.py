@@ -37,10 +37,9 @@ __all__ = ["CPU_COLLECTIVES_ENV", "EXCHANGE_MIN_BYTES", "BufferNeeds", "GatherSo
 CPU_COLLECTIVES_ENV = "FSDP2_CPU_COLLECTIVES"
 CPU_TRANSPORTS = ("auto", "read", "exchange", "flat")
 # Below this many unsharded bytes a group's exchange costs more than gloo's flat collective:
-# each point-to-point message costs ~0.2 ms to post on gloo, whatever its size, while the
-# flat collective's extra copies and slower transfer grow with the bytes. Measured on the
-# 2-core development machine, 2 ranks, one unshard + reshard: 0.5 MiB flat 1.7 ms, exchange
-# 2.4 ms; 2 MiB flat 3.4 ms, exchange 2.9 ms; 18 MiB flat 27 ms, exchange 10 ms.
+# each point-to-point message costs a fixed time to post on gloo, whatever its size, while
+# the flat collective's extra copies and slower transfer grow with the bytes; the two cross
+# between 0.5 and 2 MiB (docs/performance.md, "Small costs behind the code").
 EXCHANGE_MIN_BYTES = 2**20
 
 

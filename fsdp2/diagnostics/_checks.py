@@ -186,7 +186,7 @@ def before_all_gather(group: ParamGroup, plan: GatherPlan, pg: dist.ProcessGroup
     header = None
     if check:
         index = root.diag.index.get(id(group), -1) if root is not None and root.diag is not None else -1
-        # Native-endian int32s, read back as such; frombuffer is ~3x cheaper than torch.tensor.
+        # Native-endian int32s, read back as such; frombuffer is cheaper than torch.tensor.
         header = torch.frombuffer(bytearray(struct.pack("=4i", _MAGIC, iteration, index, phase)), dtype=torch.uint8)
     _debug.log_collective("all_gather", group.label, pg, f"{plan.slice_bytes} bytes per rank",
                           torch.uint8, root)

@@ -4,9 +4,8 @@ Ranks on one Linux host can read each other's memory with ``process_vm_readv``
 ("cross-memory attach", the way MPI libraries move large messages within a
 node): one copy by the reader, straight from the peer's tensor into its own, and
 no work at all for the peer. Loopback TCP, which gloo uses, costs a copy into the
-kernel, a copy out of it and the protocol on both sides: measured on the 2-core
-development machine, 34 MB in 5-9 ms of the reader's CPU against about 33 ms of
-both ranks' CPU over gloo.
+kernel, a copy out of it and the protocol on both sides (the CPU each costs per MB:
+docs/performance.md, "What bounds it here").
 
 The peer still says *where* to read and *when*: ``_exchange.py`` sends a small
 descriptor (``describe``) over the process group once the data is in place, and

@@ -1,12 +1,10 @@
 """All-gather and reduce-scatter as point-to-point exchanges: the CPU (gloo) transport.
 
-gloo's flat collectives are slow for what fsdp2 needs. Measured on a 2-core machine
-(2 ranks, 68 MB): ``all_gather_into_tensor`` 90 ms and ``reduce_scatter_tensor``
-130 ms (it is an all-reduce underneath), against about 35 ms for the same bytes
-moved with ``isend``/``irecv``; and while compute runs beside them, the flat
-collectives slowed it by 130-160 ms where the exchanges cost 10-20 ms. The flat
-collectives also need a rank-major buffer that fsdp2 must copy into (reduce-scatter)
-or out of (all-gather) on the critical path.
+gloo's flat collectives are slow for what fsdp2 needs: ``reduce_scatter_tensor`` is an
+all-reduce underneath, both take longer than the same bytes moved with
+``isend``/``irecv``, and they slow the compute beside them more (measured:
+docs/performance.md, "What bounds it here"). They also need a rank-major buffer that
+fsdp2 must copy into (reduce-scatter) or out of (all-gather) on the critical path.
 
 So on CPU each rank exchanges chunks with every peer directly, one message per
 parameter, each one from where it lives to where it is needed:

@@ -6,8 +6,7 @@ and the one-byte acknowledgement once they are read; about 120 messages per step
 6-block model on 2 ranks. Over gloo each costs far more than its size: posting one takes
 the pair's lock, which gloo's I/O thread holds while it works, and a receive completes
 only once that thread has run, which, with every core computing, waits for a time slice.
-Measured on the 2-core development machine (17M model, 2 ranks, two fsdp2 models in one
-launch, docs/performance.md): steps 0.83-0.98x as long with these messages on pipes.
+Steps are shorter with these messages on pipes (docs/performance.md, "What bounds it here").
 
 Ranks whose reads were probed (``_cma.probe``) connect (:func:`connect`, collective):
 each rank makes one named pipe (FIFO) per peer to receive from, in a private directory

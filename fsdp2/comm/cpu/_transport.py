@@ -99,8 +99,8 @@ class ExchangeTransport(Transport):
 
     def reduce_scatters_in_flight(self, world: int) -> int:
         """Two: each exchange waits for the peers to reach the same group's reduction; one more
-        in flight absorbs their skew (measured, 17M model on 2 ranks: steps 1-5% faster in 5
-        launches of 5) for one more group's gradients alive. One at world size 1."""
+        in flight absorbs their skew (faster steps, docs/performance.md "What bounds it here")
+        for one more group's gradients alive. One at world size 1."""
         return 2 if world > 1 else 1
 
     def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:
