@@ -175,6 +175,36 @@ def test_dim0_smaller_than_world_leaves_empty_shards():
     assert [s["0.weight"] for s in sizes] == [(2, 7), (2, 7), (1, 7), (0, 7)]
 
 
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    # channels_last: the conv weights are non-contiguous parameters (torch's fully_shard refuses
+    # them with NotImplementedError; fsdp2 shards their values, docs/comparison.md).
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    model.to(memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous()
+    return model
+
+
+def _image_batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    return torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 2, generator=g)
+
+
+def _non_contiguous():
+    def shard(model):
+        fully_shard(model[0], mesh=_mesh())
+        fully_shard(model, mesh=_mesh())
+
+    cap = _Captured(_conv_net, shard)
+    losses = train_parity(cap.build, cap.shard, batch=_image_batch, loss_fn=F.mse_loss)
+    return losses, tuple(cap.model[0].weight.to_local().shape)
+
+
+def test_non_contiguous_parameters_are_sharded_by_value_and_match_reference():
+    (losses, shard_shape), _ = run_on_ranks(_non_contiguous, 2)
+    assert shard_shape == (4, 3, 3, 3) and len(losses) == 3
+
+
 # ---- 4. shard_placement_fn ----------------------------------------------------------------
 def _shard_dim1(param):
     return Shard(1) if param.ndim == 2 else None
