@@ -116,6 +116,7 @@ def fully_shard(
         if device.type != "cpu":
             _move_buffers(modules, device)
         state = ModuleState(tuple(modules), group, mp_policy)
+        state.shared_with_other_groups = shared_with_other_groups(found)
         marked = _mark_managed(_managed_modules(modules, ignored_params))
         # Seen by torch's composable APIs: replicate() then leaves these modules' parameters alone.
         registered = [_compat.register_composable(m, "fully_shard") for m in modules]
@@ -429,7 +430,9 @@ def _collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> lis
     """The parameters these modules own, each with every (module, name) that holds it.
 
     Skips subtrees already given to ``fully_shard``; a parameter reached both
-    here and through such a subtree is shared between two groups: rejected.
+    here and through such a subtree (its sharded form, held here too) is rejected. One whose
+    original an earlier ``fully_shard`` replaced is taken, as torch's FSDP2 takes it: the
+    root's lazy init refuses it (``shared_with_other_groups``).
     """
     claimed: dict[int, str] = {}
     found: dict[int, Found] = {}
@@ -458,7 +461,7 @@ def _collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> lis
     for m in modules:
         visit(m, "", True)
     for param, _locations, fqn in found.values():
-        owner = claimed.get(id(param)) or param.__dict__.get(_SHARDED_BY_ATTR)
+        owner = claimed.get(id(param))
         if owner is not None:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is already sharded by {owner}; a parameter shared by two "
@@ -467,6 +470,13 @@ def _collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> lis
                 "in ignored_params"
             )
     return list(found.values())
+
+
+def shared_with_other_groups(found: list[Found]) -> list[tuple[str, str]]:
+    """(fqn, the earlier call) of each parameter an earlier ``fully_shard`` already sharded: a
+    parameter shared by modules sharded separately (tied embedding and output weights)."""
+    return [(fqn, param.__dict__[_SHARDED_BY_ATTR]) for param, _locations, fqn in found
+            if _SHARDED_BY_ATTR in param.__dict__]
 
 
 def _placement_dims(found: list[Found], placement_fn: Callable | None) -> list[int]:

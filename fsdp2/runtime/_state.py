@@ -104,6 +104,9 @@ class ModuleState:
         self.implicit_prefetch = True
         self.prefetch_limit: int | None = None  # the root's becomes its RootContext's
         self._modules_to_run: set[nn.Module] = set()
+        # Parameters an earlier fully_shard had sharded already, (fqn, that call): the root's
+        # lazy init refuses them, as torch's FSDP2 does (set by fully_shard).
+        self.shared_with_other_groups: list[tuple[str, str]] = []
         self._handles: list[Any] = []
         # Every entry point from user code or the autograd engine runs eagerly under
         # torch.compile (see _compat.run_eagerly): a compiled forward graph-breaks here.
@@ -138,6 +141,16 @@ class ModuleState:
             state = get_state(module)
             if state is not None and state not in states:
                 states.append(state)
+        for state in states:
+            for fqn, owner in state.shared_with_other_groups:
+                prefix = names.get(state.modules[0]) or ""
+                name = f"{prefix}.{fqn}" if prefix else fqn
+                raise ValueError(
+                    f"fully_shard: parameter {name!r} is shared with a parameter "
+                    f"already managed by another fully_shard group ({owner}): one parameter cannot be sharded "
+                    "in two groups. Apply fully_shard to a common parent of both modules that use it (e.g. "
+                    "keep tied embedding and output weights in the root group), or pass it in ignored_params"
+                )
         for state in states:
             # A sub-module initialised on its own (e.g. its unshard() was called first) is
             # adopted as long as it is not in the middle of an iteration.

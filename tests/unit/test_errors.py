@@ -57,15 +57,6 @@ def _mesh() -> DeviceMesh:
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-class TiedPair(nn.Module):
-    """Two MLPs whose first layers share one weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = MLP(8), MLP(8)
-        self.b.in_proj.weight = self.a.in_proj.weight
-
-
 class WithScalar(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -96,16 +87,6 @@ def _case(name: str) -> tuple[nn.Module, Callable[[], Any], type[Exception], str
                 rf"reshard_after_forward={value} must divide the mesh size 2; use one of \[1, 2\] or a bool"
         return mlp, lambda: shard(reshard_after_forward=value), TypeError, \
             r"reshard_after_forward must be None, a bool or an int, got 'yes'"
-    if name == "param_shared_between_groups":
-        tied = TiedPair()
-        fully_shard(tied.a, mesh=_mesh())
-        return tied.b, lambda: fully_shard(tied.b, mesh=_mesh()), ValueError, \
-            r"parameter 'in_proj.weight' is already sharded .* Apply fully_shard to a common parent"
-    if name == "param_shared_with_root":  # e.g. tied embedding and output head
-        tied = TiedPair()
-        fully_shard(tied.b, mesh=_mesh())
-        return tied, lambda: fully_shard(tied, mesh=_mesh()), ValueError, \
-            r"parameter 'a.in_proj.weight' is already sharded by fully_shard\(MLP\) as 'in_proj.weight'"
     if name == "child_after_parent":  # torch: TypeError from deep inside (unnamed mesh) or accepted (named)
         fully_shard(mlp, mesh=_mesh())
         return mlp, lambda: fully_shard(mlp.in_proj, mesh=_mesh()), ValueError, \
@@ -142,14 +123,13 @@ def _case(name: str) -> tuple[nn.Module, Callable[[], Any], type[Exception], str
 
 
 # In the other cases only the arguments were bad: the module must still shard and run after.
-_INVALID_MODULE = {"param_shared_between_groups", "param_shared_with_root", "params_on_meta_and_cpu",
-                   "fully_shard_twice", "scalar_param", "child_after_parent"}
+_INVALID_MODULE = {"params_on_meta_and_cpu", "fully_shard_twice", "scalar_param", "child_after_parent"}
 
 
 def _check_case(name: str) -> None:
     module, call, exc, match = _case(name)
     _expect_rejected(module, call, exc, match,
-                     already_sharded=name in ("fully_shard_twice", "param_shared_with_root", "child_after_parent"))
+                     already_sharded=name in ("fully_shard_twice", "child_after_parent"))
     if name not in _INVALID_MODULE:
         x = torch.randn(2, 8)
         expected = module(x)
@@ -161,7 +141,7 @@ CASES = [
     "mesh_is_process_group", "mesh_is_string", "mesh_3d", "mesh_2d_unnamed", "mesh_on_meta",
     "reshard_after_forward=3", "reshard_after_forward=0", "reshard_after_forward=-1",
     "reshard_after_forward=yes",
-    "param_shared_between_groups", "param_shared_with_root", "params_on_meta_and_cpu", "fully_shard_twice",
+    "params_on_meta_and_cpu", "fully_shard_twice",
     "placement_not_shard", "placement_dim_too_large", "placement_dim_too_negative", "scalar_param",
     "child_after_parent",
 ]
@@ -228,7 +208,7 @@ def _exception_types(name: str) -> tuple[type | None, type]:
 
 # Where torch 2.13 does not raise a deliberate error (docs/comparison.md lists these): it
 # accepts the call, or fails with an AttributeError deep inside.
-_TORCH_ACCEPTS = {"param_shared_between_groups", "param_shared_with_root", "params_on_meta_and_cpu"}
+_TORCH_ACCEPTS = {"params_on_meta_and_cpu"}
 _TORCH_ATTRIBUTE_ERROR = {"mesh_is_process_group", "mesh_is_string", "mesh_on_meta"}
 
 
@@ -241,6 +221,62 @@ def test_what_torch_raises_is_caught_by_the_same_except_clause(case):
         assert theirs is AttributeError
     else:
         assert issubclass(ours, theirs), f"torch raises {theirs.__name__}, fsdp2 {ours.__name__}"
+
+
+# ---- a parameter in two groups: refused at the first forward, as torch does ---------------
+class TiedLM(nn.Module):
+    """Tied embedding and output weights: one parameter used by two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(17, 16)
+        self.head = nn.Linear(16, 17, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def _shared_between_groups(impl: Callable, attempts: int) -> list[str]:
+    """Shard the two users separately (``between``: each in a group of its own, then the root;
+    ``with_root``: the head alone, the embedding left to the root); both calls are accepted and
+    the first forward raises, and each of the next ``attempts - 1`` the same (torch's second
+    forward gets past its check and fails elsewhere)."""
+    outcomes = []
+    for layout in ("between", "with_root"):
+        model = TiedLM()
+        if layout == "between":
+            impl(model.embed, mesh=_mesh())
+        impl(model.head, mesh=_mesh())
+        impl(model, mesh=_mesh())  # accepted
+        ids = torch.randint(0, 17, (2, 8))
+        messages = []
+        for _attempt in range(attempts):
+            with pytest.raises(ValueError) as raised:
+                model(ids)
+            messages.append(str(raised.value))
+        assert all(m == messages[0] for m in messages)
+        outcomes.append(messages[0])
+    return outcomes
+
+
+def _shared_both_impls():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    return _shared_between_groups(fully_shard, 3), _shared_between_groups(torch_fully_shard, 1)
+
+
+def test_a_parameter_shared_by_two_groups_is_refused_at_the_first_forward_as_torch_does():
+    ours, theirs = run_on_ranks(_shared_both_impls, 2)[0]
+    assert all("already managed by another" in m for m in theirs)  # torch raises ValueError there too
+    between, with_root = ours
+    assert between == (
+        "fully_shard: parameter 'head.weight' is shared with a parameter already managed by another fully_shard "
+        "group (fully_shard(Embedding) as 'weight'): one parameter cannot be sharded in two groups. Apply "
+        "fully_shard to a common parent of both modules that use it (e.g. keep tied embedding and output weights "
+        "in the root group), or pass it in ignored_params")
+    assert with_root.startswith("fully_shard: parameter 'embed.weight' is shared with a parameter already managed "
+                                "by another fully_shard group (fully_shard(Linear) as 'weight')")
 
 
 def test_a_container_without_forward_is_refused():
