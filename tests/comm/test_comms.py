@@ -230,6 +230,7 @@ def _custom_comms_on_4_ranks(layout: str) -> list[object]:
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "reshard_to_pairs"])
+@pytest.mark.slow
 def test_custom_comms_with_hsdp_and_int_reshard_after_forward(layout):
     assert run_on_ranks(_custom_comms_on_4_ranks, 4, layout) == [["ok"]] * 4
 

@@ -82,6 +82,7 @@ LAYOUTS = {  # (rank function, world size, its arguments)
 
 @pytest.mark.parametrize("transport", ["read", "exchange", "flat"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.slow
 def test_both_transports_train_to_the_reference(layout, transport):
     fn, world, args = LAYOUTS[layout]
     results = run_on_ranks(_under, world, transport, fn, *args)

@@ -236,6 +236,7 @@ def _results(tmp: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("launcher", ["subprocess", "multiprocessing"])
+@pytest.mark.slow
 def test_a_rank_that_exits_early_stays_readable_until_its_peer_has_read(launcher, tmp_path):
     codes, errs, _ = _launch("exit", launcher, tmp_path)
     assert codes == [0, 0], errs
@@ -244,6 +245,7 @@ def test_a_rank_that_exits_early_stays_readable_until_its_peer_has_read(launcher
     assert rank1 == {"pid": rank1["pid"], "right": True}, rank1  # no error: rank 0 was still there
 
 
+@pytest.mark.slow
 def test_a_rank_whose_peer_died_unread_exits_at_once_and_says_so(tmp_path):
     codes, errs, took = _launch("peer_dies", "subprocess", tmp_path)
     assert codes[0] == 0 and codes[1] == -9, errs
@@ -376,6 +378,7 @@ _DECLARE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_declaration_reaches_the_kernel():
     # Where Yama runs, prctl(PR_SET_PTRACER) takes the pid and 0 withdraws it; elsewhere the
     # kernel refuses the option, and the refusal is reported, not hidden.
@@ -461,6 +464,7 @@ _WITHOUT_FCNTL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_fsdp2_imports_and_trains_without_fcntl(tmp_path):
     done = subprocess.run([sys.executable, "-c", _WITHOUT_FCNTL, str(tmp_path / "init")], cwd=REPO_ROOT,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,

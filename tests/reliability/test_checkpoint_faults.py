@@ -241,6 +241,7 @@ def test_mistyped_checkpoint_dir_names_the_close_match(tmp_path, caplog):
 
 
 # ---- a missing dependency, before the first step ------------------------------------------------
+@pytest.mark.slow
 def test_checkpointing_without_numpy_stops_before_the_first_step(tmp_path):
     env = _without_numpy(tmp_path)
     proc = subprocess.run([sys.executable, str(TRAIN), *ARGS, "--checkpoint-dir", str(tmp_path / "ckpt")],
@@ -259,6 +260,7 @@ def _export(source: Path, out: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
+@pytest.mark.slow
 def test_export_of_a_run_directory_takes_the_newest_sound_checkpoint(sound, tmp_path):
     from safetensors.torch import load_file
 
@@ -291,6 +293,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_one_line_with_the_last_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",

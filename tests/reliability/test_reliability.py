@@ -295,6 +295,7 @@ def test_debug_mode_logs_every_collective():
                                 r"during backward of iteration 0", m) for m in scatters), scatters
 
 
+@pytest.mark.slow
 def test_fsdp2_debug_environment_variable_turns_debug_on_at_import():
     code = ("import logging, fsdp2, fsdp2.diagnostics._debug as d; "
             "assert d.enabled() and logging.getLogger('fsdp2').getEffectiveLevel() == logging.DEBUG; "

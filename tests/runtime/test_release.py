@@ -70,12 +70,14 @@ def _transformer_parity_and_releases(transport: str, early: bool) -> list[tuple[
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.slow
 def test_root_kept_whole_by_default(transport: str) -> None:
     seen = run_on_ranks(_transformer_parity_and_releases, 2, transport, False)[0]
     assert seen == [("forward", False, False, False, False), ("backward", False, False, False)] * 4
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.slow
 def test_root_parts_freed_early_with_parity(transport: str) -> None:
     seen = run_on_ranks(_transformer_parity_and_releases, 2, transport, True)[0]
     forwards = [s[1:] for s in seen if s[0] == "forward"]
@@ -229,6 +231,7 @@ def _checkpointed(transport: str, reentrant: bool) -> list[bool]:
 
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.slow
 def test_checkpointed_root_module_is_gathered_again(transport: str, reentrant: bool) -> None:
     # Freed after forward (nothing saved), gathered again when backward re-runs it.
     assert run_on_ranks(_checkpointed, 2, transport, reentrant)[0] == [True] * 3
@@ -266,6 +269,7 @@ def _shared_twice(transport: str, early: bool) -> None:
 
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.slow
 def test_gradient_arriving_twice_disables_early_release(transport: str, early: bool) -> None:
     run_on_ranks(_shared_twice, 2, transport, early)
 
@@ -337,6 +341,7 @@ def _retain_graph_and_two_forwards(transport: str, early: bool) -> None:
 
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.slow
 def test_retain_graph_and_two_forwards(transport: str, early: bool) -> None:
     run_on_ranks(_retain_graph_and_two_forwards, 2, transport, early)
 

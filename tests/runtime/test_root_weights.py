@@ -128,6 +128,7 @@ def _train_three_ways(case: str, transport: str, steps: int = 4) -> None:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_root_weights_read_after_forward_and_in_backward(case: str, transport: str) -> None:
     run_on_ranks(_train_three_ways, 2, case, transport)
 
@@ -209,6 +210,7 @@ def _train_with_early_release(case: str, transport: str, steps: int = 4) -> str:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.slow
 def test_early_release_keeps_what_autograd_saved_and_fails_reads_through_modules(transport: str) -> None:
     assert run_on_ranks(_train_with_early_release, 2, "detach", transport) == ["trained"] * 2
     # The limits set_early_release documents: the embedding is freed after forward, and the

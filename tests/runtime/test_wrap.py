@@ -258,6 +258,7 @@ def _parity(arch: str) -> dict:
 
 
 @pytest.mark.parametrize("arch", ["tied", "untied"])
+@pytest.mark.slow
 def test_training_matches_fully_shard_by_hand_and_torch(arch):
     for r in run_on_ranks(_parity, 2, arch):
         assert torch.equal(r["losses"]["auto"], r["losses"]["fsdp2"]), r["losses"]

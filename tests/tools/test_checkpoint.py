@@ -127,6 +127,7 @@ def _load_and_compare(path: str, impl: str, want: dict[str, torch.Tensor]) -> No
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the 1-process load, on purpose
+@pytest.mark.slow
 def test_dcp_checkpoint_saved_on_2_ranks_loads_on_4_and_on_1(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = run_on_ranks(_save_and_resume, 2, path, "fsdp2")[0]
@@ -368,6 +369,7 @@ def test_load_full_lists_missing_unexpected_and_mismatched_keys(tmp_path):
     run_on_ranks(_load_full_errors, 2, str(tmp_path / "bad.safetensors"))
 
 
+@pytest.mark.slow
 def test_command_line_export_consolidates_without_a_process_group(tmp_path):
     from safetensors.torch import load_file
 

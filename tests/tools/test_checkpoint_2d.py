@@ -156,6 +156,7 @@ def _save_load_resume(tmp: str, layout: str) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.slow
 def test_save_load_resume_is_bit_identical(tmp_path, layout):
     run_on_ranks(_save_load_resume, 4, str(tmp_path), layout)
 

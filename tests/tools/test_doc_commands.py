@@ -310,7 +310,9 @@ def test_the_docs_show_commands_and_every_one_has_a_rule():
     assert {_rule(c) for c in COMMANDS} == set(RULES), "a rule claims no command: remove it"
 
 
-@pytest.mark.parametrize("cmd", [c for c in COMMANDS if _rule(c) is not None], ids=lambda c: f"{c.where}")
+# The planner's runs take seconds each: slow (tests/tools/test_plan_cli.py covers the planner in the quick run).
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=pytest.mark.slow) if _rule(c) == "plan" else c
+                                 for c in COMMANDS if _rule(c) is not None], ids=lambda c: f"{c.where}")
 def test_doc_command(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _match, check = RULES[_rule(cmd)]
     if check in (check_pip, check_pytest):

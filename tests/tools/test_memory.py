@@ -127,6 +127,7 @@ def _track_recipe_on(transport: str, case: dict):
 
 @pytest.mark.parametrize("early_release", [False, True])
 @pytest.mark.parametrize("transport", ["read", "exchange"])
+@pytest.mark.slow
 def test_planner_matches_tracker_byte_for_byte_on_each_cpu_transport(transport, early_release):
     # Every group an exchange (the recipe's small model has groups under 1 MiB): reads keep
     # descriptors and acknowledgements, messages pack the small chunks. The root kept whole
@@ -148,6 +149,7 @@ def test_planner_matches_tracker_byte_for_byte_on_each_cpu_transport(transport, 
     (2, "fsdp", "bf16", True, True), (4, "fsdp", "fp32", False, False),
     (4, "hsdp", "fp32", True, True), (4, "tp", "fp32", False, False), (4, "tp", "bf16", True, False),
 ])
+@pytest.mark.slow
 def test_planner_matches_tracker_on_recipe_model(world, layout, param_dtype, reshard, ac):
     # The planner runs here, in pytest's process (no process group: tp simulates one); the
     # tracker in the ranks. hsdp: 2 replicas x 2 shards; tp: 2 shards x tensor parallel 2.
@@ -212,6 +214,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_plan_cli_405b_says_whether_it_fits():
     # (Its run time, ~5 s of CPU for the 405B config, is reported in docs/memory.md, not asserted.)
     out = _plan("--config", "llama3_405b", "--world", "64", "--tp", "8", "--gpu-memory", "80GiB")
@@ -220,6 +223,7 @@ def test_plan_cli_405b_says_whether_it_fits():
         assert text in out.stdout
 
 
+@pytest.mark.slow
 def test_plan_cli_errors():
     out = _plan("--config", "llama3_7b", "--world", "8")
     assert out.returncode == 2 and "invalid choice: 'llama3_7b'" in out.stderr

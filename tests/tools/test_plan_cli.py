@@ -174,6 +174,7 @@ def test_tied_embeddings_in_bf16_are_planned():
 
 
 # ---- suggestions ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_layout_that_does_not_fit_gets_the_nearest_that_do_and_they_fit(capsys):
     base = [*SMALL, "--world", "2", "--no-reserve"]
     peak = _needed(_plan(capsys, *base))

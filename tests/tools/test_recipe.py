@@ -538,6 +538,7 @@ def _without_numpy(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("command", [[str(TRAIN), "--help"], ["-m", "fsdp2.plan", "--help"],
                                      ["-m", "fsdp2.checkpoint", "--help"]])
+@pytest.mark.slow
 def test_no_numpy_warning_without_numpy(tmp_path, command):
     # torch warns "Failed to initialize NumPy" at import without numpy; neither needs numpy.
     proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=REPO,
