@@ -168,7 +168,8 @@ class _RecipeFormatter(logging.Formatter):
 
 @contextlib.contextmanager
 def ctrl_c_after() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) until the block is done, then raise ``KeyboardInterrupt``.
+    """Hold Ctrl-C (SIGINT) until the block is done, then deliver it as the process would have
+    (``KeyboardInterrupt`` under Python's default handler; nothing where SIGINT is ignored).
 
     Around a checkpoint save: interrupted inside, DCP's collectives turn the interrupt into a
     ``CheckpointException`` traceback and leave the save half-written; held, the save completes
@@ -185,7 +186,7 @@ def ctrl_c_after() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
     if caught:
-        raise KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)  # to the handler (or disposition) the block held it from
 
 
 class Interrupted(Exception):
