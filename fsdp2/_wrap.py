@@ -77,13 +77,13 @@ def fully_shard_auto(
     if not specs and predicate is None:
         raise ValueError("fully_shard_auto: pass classes= (e.g. the decoder layer class) or predicate=; "
                          "to shard the root alone call fully_shard(module)")
-    plan = _plan(module, specs, predicate, fully_shard_kwargs.get("ignored_params") or set())
-    _dry_run(plan, fully_shard_kwargs)
-    for name, sub in plan.skipped:
+    grouping = _grouping(module, specs, predicate, fully_shard_kwargs.get("ignored_params") or set())
+    _dry_run(grouping, fully_shard_kwargs)
+    for name, sub in grouping.skipped:
         logger.info("fully_shard_auto: %r (%s) is not sharded on its own: %s", name,
-                    type(sub).__name__, plan.reasons[id(sub)])
-    for name in plan.order:
-        fully_shard(plan.modules[name], **fully_shard_kwargs)
+                    type(sub).__name__, grouping.reasons[id(sub)])
+    for name in grouping.order:
+        fully_shard(grouping.modules[name], **fully_shard_kwargs)
     fully_shard(module, **fully_shard_kwargs)
     return module
 
@@ -123,9 +123,9 @@ def _class_matches(module: nn.Module, spec: ClassSpec) -> bool:
     return any(spec in (c.__name__, f"{c.__module__}.{c.__qualname__}") for c in type(module).__mro__)
 
 
-# ---- planning ----------------------------------------------------------------------------
+# ---- grouping ----------------------------------------------------------------------------
 @dataclass
-class _Plan:
+class _Grouping:
     """Which submodules become groups, in the order to shard them (inner before outer)."""
 
     root: nn.Module
@@ -176,37 +176,37 @@ def _candidates(root: nn.Module, specs: list[ClassSpec], predicate: Predicate | 
     return found
 
 
-def _plan(root: nn.Module, specs: list[ClassSpec], predicate: Predicate | None, ignored: set) -> _Plan:
+def _grouping(root: nn.Module, specs: list[ClassSpec], predicate: Predicate | None, ignored: set) -> _Grouping:
     for name, sub in [("", root), *_post_order(root)]:
         if get_state(sub) is not None:
             raise ValueError(f"fully_shard_auto: {name or 'the root'} ({type(sub).__name__}) is already sharded; "
                              "call fully_shard_auto on a model with no fully_shard applied, or shard it by hand")
-    plan = _Plan(root, _candidates(root, specs, predicate))
+    grouping = _Grouping(root, _candidates(root, specs, predicate))
     while True:
-        plan.groups = _own_params(plan, ignored)
-        holders = _shared(plan.groups)
+        grouping.groups = _own_params(grouping, ignored)
+        holders = _shared(grouping.groups)
         if not holders:
             break
         for holders_of_p in holders:
             names = [g for g, _ in holders_of_p]
-            owner = _owner(plan, names)
+            owner = _owner(grouping, names)
             for name, p_fqn in holders_of_p:
-                if name != owner and name in plan.modules:
-                    sub = plan.modules.pop(name)
-                    plan.skipped.append((name, sub))
+                if name != owner and name in grouping.modules:
+                    sub = grouping.modules.pop(name)
+                    grouping.skipped.append((name, sub))
                     others = ", ".join(f"{repr(g) if g else 'the root'} (as {f!r})"
                                        for g, f in holders_of_p if g != name)
-                    plan.reasons[id(sub)] = (f"it shares parameter {p_fqn!r} with {others}, so that parameter "
+                    grouping.reasons[id(sub)] = (f"it shares parameter {p_fqn!r} with {others}, so that parameter "
                                              f"goes to the group of {repr(owner) if owner else 'the root'}")
-    plan.order = [name for name, _ in _post_order(root) if name in plan.modules]
-    return plan
+    grouping.order = [name for name, _ in _post_order(root) if name in grouping.modules]
+    return grouping
 
 
-def _own_params(plan: _Plan, ignored: set) -> dict[str, list[_fs.Found]]:
+def _own_params(grouping: _Grouping, ignored: set) -> dict[str, list[_fs.Found]]:
     """Each group's parameters: under its module, not under an inner candidate."""
-    by_id = {id(m): n for n, m in plan.modules.items()}
+    by_id = {id(m): n for n, m in grouping.modules.items()}
     groups: dict[str, list[_fs.Found]] = {}
-    for gname, gmod in [("", plan.root), *plan.modules.items()]:
+    for gname, gmod in [("", grouping.root), *grouping.modules.items()]:
         found: dict[int, _fs.Found] = {}
 
         def visit(module: nn.Module, prefix: str) -> None:
@@ -235,7 +235,7 @@ def _shared(groups: dict[str, list[_fs.Found]]) -> list[list[tuple[str, str]]]:
     return [holders for holders in reach.values() if len(holders) > 1]
 
 
-def _owner(plan: _Plan, names: list[str]) -> str:
+def _owner(grouping: _Grouping, names: list[str]) -> str:
     """The innermost remaining candidate containing the groups' lowest common ancestor, or the root."""
     paths = [n.split(".") if n else [] for n in names]
     common: list[str] = []
@@ -245,20 +245,20 @@ def _owner(plan: _Plan, names: list[str]) -> str:
         common.append(parts[0])
     for depth in range(len(common), 0, -1):
         name = ".".join(common[:depth])
-        if name in plan.modules:
+        if name in grouping.modules:
             return name
     return ""
 
 
-def _dry_run(plan: _Plan, kwargs: dict[str, Any]) -> None:
+def _dry_run(grouping: _Grouping, kwargs: dict[str, Any]) -> None:
     """The checks ``fully_shard`` makes, on every planned group, before anything is changed."""
     defaults = {n: p.default for n, p in inspect.signature(fully_shard).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    order = [*plan.order, ""]  # the order of the calls, so the first error is the one they would raise
+    order = [*grouping.order, ""]  # the order of the calls, so the first error is the one they would raise
     for name in order:
-        _fs.check_modules(plan.modules[name] if name else plan.root)
+        _fs.check_modules(grouping.modules[name] if name else grouping.root)
     args = _fs.check_arguments(**{**defaults, **kwargs})
-    for found in (plan.groups[name] for name in order):
+    for found in (grouping.groups[name] for name in order):
         for param, _locations, p_fqn in found:
             owner = param.__dict__.get(_fs._SHARDED_BY_ATTR)
             if owner is not None:
