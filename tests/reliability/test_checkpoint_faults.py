@@ -300,7 +300,10 @@ def test_ctrl_c_prints_one_line_with_the_last_checkpoint(tmp_path):
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     cmd = [sys.executable, str(TRAIN), *BASE, "--training.steps=100000", "--checkpoint-every", "2",
            "--checkpoint-dir", str(ckpt)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    # As from a terminal: Ctrl-C's default disposition (a shell's background job, CI's included,
+    # would hand the run SIGINT ignored, which the recipe respects).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (ckpt / "step-00000004" / "fsdp2_complete.json").is_file():
