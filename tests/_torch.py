@@ -29,3 +29,8 @@ CHECKS_SHARD_PLACEMENT_TYPE = TORCH_VERSION >= (2, 13)
 COMPLETES_GROUPS_RUN_IN_PART = hasattr(
     importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_state").FSDPState,
     "_force_complete_incomplete_states")
+# torch 2.13 refuses, at the first forward, a parameter that separate fully_shard calls sharded
+# twice (tied weights in two groups); 2.11 trains the two copies apart, silently.
+REFUSES_PARAMS_IN_TWO_GROUPS = hasattr(
+    importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_state").FSDPState,
+    "_validate_no_duplicate_params")
