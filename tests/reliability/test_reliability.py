@@ -198,6 +198,32 @@ def _aligned_schedules(layout: str) -> int:
     return step
 
 
+@pytest.mark.parametrize("world", [4, 64])  # compared row by row, and with tensor ops
+def test_the_header_check_finds_the_odd_rank_at_any_world_size(world):
+    from types import SimpleNamespace
+
+    from fsdp2._compat import fake_process_group
+    from fsdp2.diagnostics import _checks
+
+    magic, odd = 0x46534432, world - 2
+    group = SimpleNamespace(root=None)  # no root yet: groups are named by their index
+
+    def check(odd_row: list[int]) -> None:
+        rows = [[magic, 5, 3, 0] for _ in range(world)]
+        rows[odd] = odd_row
+        _checks._check_all_gather_headers(group, torch.tensor(rows, dtype=torch.int32).view(torch.uint8),
+                                          dist.group.WORLD)
+
+    with fake_process_group(world):
+        with pytest.raises(RuntimeError, match=rf"rank {odd} is gathering group #4 in forward of iteration 5 "
+                                               r"while rank 0 is gathering group #3 in forward"):
+            check([magic, 5, 4, 0])  # another group
+        with pytest.raises(RuntimeError, match=rf"rank {odd} is gathering group #3 in backward"):
+            check([magic, 5, 3, 1])  # the same group in backward
+        check([magic, 7, 3, 2])  # an explicit unshard pairs with forward, in any iteration
+        check([0, 0, 4, 1])  # stale bytes (no header this time): not compared
+
+
 @pytest.mark.parametrize("layout", ["partial", "hsdp", "one_rank"])
 def test_headers_agree_on_every_all_gather_path(layout):
     assert run_on_ranks(_aligned_schedules, 4, layout) == [1] * 4
