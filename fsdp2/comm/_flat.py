@@ -28,7 +28,7 @@ from ._transport import BufferNeeds, GatherSource, GroupBytes, Transport
 if TYPE_CHECKING:
     from ..runtime._param import ShardedParam
 
-__all__ = ["FlatTransport"]
+__all__ = ["FlatTransport", "send_aliases_shards"]
 
 
 class FlatTransport(Transport):
@@ -73,6 +73,28 @@ class FlatTransport(Transport):
 
     def __repr__(self) -> str:
         return f"FlatTransport({self.all_gather!r}, {self.reduce_scatter!r})"
+
+
+def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
+    """Whether a flat all-gather may send the packed shards themselves instead of a copy.
+
+    The collective reads its input after ``unshard`` returned: on CPU on gloo's thread, on
+    CUDA on the all-gather stream. Whatever writes the sharded parameters in that window
+    (``optimizer.step()`` between ``unshard(async_op=True)`` and the wait) races with it.
+
+    * CPU, unshards the schedule issues (forward, prefetch, backward): only module code runs
+      before the wait, which reads parameters but does not write another group's shards, so
+      the shards are sent as they are (no copy-in).
+    * CPU, the user's ``FSDPModule.unshard(async_op=True)`` (``explicit``): any code may run
+      before the wait: a copy, made synchronously at issue time.
+    * Accelerators (NCCL): always a copy, on the copy-in stream, so the collective never
+      reads memory the compute stream may write (an explicit unshard also makes the
+      compute stream wait for that copy before anything later runs on it).
+
+    The exchange transport (CPU) copies the shards into the unsharded buffer at issue time
+    and sends from there: it never aliases them either way.
+    """
+    return device.type == "cpu" and not explicit
 
 
 def _start_all_gather(

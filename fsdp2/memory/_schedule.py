@@ -245,7 +245,7 @@ class _Schedule:
         return needs.reduce_sent, needs.reduce_received
 
     def post_backward(self, name: str, drop_grads: Callable[[], None]) -> None:
-        """As ``ParamGroup._reduce_gradients``: reshard, then reduce what is left (the root's
+        """As ``runtime/_reduction.reduce_gradients``: reshard, then reduce what is left (the root's
         gradients not reduced by ``release_finished``)."""
         self.reduced.add(name)
         self.reshard(name)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .. import _compat
 from .._common import ShardState
 from ..diagnostics import _checks, _debug, _trace
-from ..comm._collectives import AllGatherInFlight, GatherPlan, GatherTargets, ReduceTarget
+from ..comm._collectives import AllGatherInFlight, GatherPlan, GatherTargets
 from ..comm._transport import Transport, choose_transport, flat_transport
 from . import _extension
 from ._extension import GroupExtension
@@ -33,32 +33,12 @@ from ._param import ShardedParam, raise_if_on_meta
 from ._policy import GroupPolicy
 from ._release import EarlyRelease, segment_bounds
 from ._reduce_queue import ReduceQueue
+from ..comm._flat import send_aliases_shards
 from ..comm._streams import Completion, streams_for
+from . import _reduction
 
 
-__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup", "send_aliases_shards"]
-
-
-def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
-    """Whether a flat all-gather may send the packed shards themselves instead of a copy.
-
-    The collective reads its input after ``unshard`` returned: on CPU on gloo's thread, on
-    CUDA on the all-gather stream. Whatever writes the sharded parameters in that window
-    (``optimizer.step()`` between ``unshard(async_op=True)`` and the wait) races with it.
-
-    * CPU, unshards the schedule issues (forward, prefetch, backward): only module code runs
-      before the wait, which reads parameters but does not write another group's shards, so
-      the shards are sent as they are (no copy-in).
-    * CPU, the user's ``FSDPModule.unshard(async_op=True)`` (``explicit``): any code may run
-      before the wait: a copy, made synchronously at issue time.
-    * Accelerators (NCCL): always a copy, on the copy-in stream, so the collective never
-      reads memory the compute stream may write (an explicit unshard also makes the
-      compute stream wait for that copy before anything later runs on it).
-
-    The exchange transport (CPU) copies the shards into the unsharded buffer at issue time
-    and sends from there: it never aliases them either way.
-    """
-    return device.type == "cpu" and not explicit
+__all__ = ["ShardState", "ParamGroup", "ReduceQueue", "SubGroup"]
 
 
 class ParamGroup:
@@ -594,7 +574,7 @@ class ParamGroup:
 
     def reduce_gradients(self, params: list[ShardedParam], label: str) -> None:
         """Reduce ``params``' gradients now (part of the group's), as the group's reduction does."""
-        self._reduce_gradients(params, label)
+        _reduction.reduce_gradients(self, params, label)
 
     def segments(self) -> list[list[ShardedParam]]:
         """The parameters of each segment of the unsharded buffer, in order."""
@@ -659,11 +639,11 @@ class ParamGroup:
         """Reduce-scatter the group's gradients (or keep them, when not syncing); reshard.
 
         The unsharded parameters are freed before the reduce-scatter's buffers are allocated
-        (``_reduce_gradients``): the gradients, not the parameters, are what it reads.
+        (``_reduction.reduce_gradients``): the gradients, not the parameters, are what it reads.
         """
         self.post_backward_done = True
         if self.policy.requires_gradient_sync:
-            self._reduce_gradients()
+            _reduction.reduce_gradients(self)
         else:
             for p in self.params:
                 if p.requires_grad:
@@ -671,73 +651,10 @@ class ParamGroup:
         if self.policy.reshard_after_backward:
             self.reshard()
 
-    def _reduce_gradients(self, params: list[ShardedParam] | None = None, label: str | None = None) -> None:
-        """Reduce the gradients of ``params`` (all of the group's by default, resharding it first
-        where it reshards after backward; ``EarlyRelease`` passes the final ones)."""
-        whole = params is None
-        params, label = (self.params if whole else params), (label or self.label)
-        if self._aliases and self.policy.all_reduce_hook is None:  # one rank: the gradient is the reduced gradient
-            _trace.emit("reduce_scatter", self.label)
-            factor = self.policy.divide_factor
-            for p in params:
-                grad = self._gradient_to_reduce(p)
-                if grad is not None:
-                    grad = grad if factor in (None, 1) else grad / factor
-                    p.add_sharded_grad(grad.view(p.layout.local_shape))
-                    if self.policy.check_finite:
-                        _checks.record_nonfinite(self.root, [p], [grad])
-                    p.run_sharded_grad_hooks()
-            return
-        buckets: dict[torch.dtype, tuple[list[ShardedParam], list[torch.Tensor]]] = {}
-        for p in params:
-            grad = self._gradient_to_reduce(p)
-            if grad is not None:
-                bucket, grads = buckets.setdefault(p.reduce_dtype, ([], []))
-                bucket.append(p)
-                grads.append(grad)
-        grad = grads = params = None  # the buckets' lists are the only references left (see below)
-        if not buckets:
-            return
-        dp, policy, transport = self.dp, self.policy, self.reduce_transport
-        target = ReduceTarget(
-            group=policy.reduce_group or self.process_group, world=self.world,
-            replicate_group=dp.replicate_group, replicate_world=dp.replicate_size,
-            all_reduce=policy.requires_all_reduce, partial=self._partial_reduce,
-            divide_factor=float(policy.divide_factor if policy.divide_factor is not None else dp.world),
-            label=label, root=self.root, check_finite=policy.check_finite, force_sum=policy.force_sum,
-            hook=policy.all_reduce_hook,
-        )
-        if whole and policy.reshard_after_backward:  # the parameters' memory first, then the buffers'
-            self.reshard()
-        limit = policy.max_reduce_buffers or transport.reduce_scatters_in_flight(self.world)
-        self.reduce_queue.make_room(limit)
-        _trace.emit("reduce_scatter", self.label)
-        with _trace.profiled(f"fsdp2::reduce_scatter {label}"), _trace.issuing("reduce_scatter", label):
-            # The flat transport empties each ``grads`` list once copied in: the unsharded
-            # gradients are freed before the output is allocated.
-            inflight = [
-                transport.start_reduce_scatter(
-                    params, grads, dtype, target, self.device,
-                    _checks.reduce_header(self, params) if transport.reduce_headers else None)
-                for dtype, (params, grads) in buckets.items()
-            ]
-        del buckets
-        self.reduce_queue.submit(inflight, limit)
-
     def _name_of(self, p: ShardedParam) -> str:
         """``p``'s FQN under the root (as the rank checks name it), once lazy init knows it."""
         diag = self.root.diag if self.root is not None else None
         return diag.param_names.get(id(p), p.fqn) if diag is not None else p.fqn
-
-    def _gradient_to_reduce(self, p: ShardedParam) -> torch.Tensor | None:
-        """``p``'s unsharded gradient (cleared on the parameter); zeros where it got none and
-        the group reduces unused parameters; None otherwise.
-
-        A parameter frozen since an unsynced backward still reduces the gradient it kept."""
-        grad = p.take_unsharded_grad()
-        if grad is None and self.policy.reduce_unused and p.requires_grad:
-            grad = p.zero_unsharded_grad()
-        return grad
 
     def end_backward(self, forwards_done: bool = True) -> None:
         """Called by the root after backward: finish what per-tensor hooks did not.

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp2
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
-from fsdp2.runtime._group import send_aliases_shards
+from fsdp2.comm._flat import send_aliases_shards
 from fsdp2.comm._streams import Completion
 from tests._dist import environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
