@@ -282,7 +282,8 @@ def run_config(cfg: ModelConfig, impls: list[str], steps: int, warmup: int,
                 losses[impl] = train_step(models[impl], opts[impl], inputs, targets)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-                step_peak[impl] = max(step_peak[impl], torch.cuda.max_memory_allocated() - held)
+                if rnd >= warmup:  # a warm-up step also pays one-time costs (cuBLAS's workspace, AdamW's state)
+                    step_peak[impl] = max(step_peak[impl], torch.cuda.max_memory_allocated() - held)
             elapsed = time.perf_counter() - start
             if rnd >= warmup:
                 times[impl].append(elapsed)
