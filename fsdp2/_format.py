@@ -11,11 +11,23 @@ planner counts them and the diagnostics read them back: they all import the rule
 * ``chunk_rows(n, world)``: cutting ``n`` rows over ``world`` ranks gives each rank
   ``ceil(n / world)`` rows, the last ranks fewer or none (``torch.chunk``'s rule, DTensor's
   ``Shard``); shards are padded to that many rows.
+* ``Chunking``: how one tensor is cut into those padded chunks, one per rank (the data layout
+  of docs/design.md).
+* ``GatherFormat``: the byte layout of one group's all-gather slice (header, then each entry
+  at its aligned offset) and its views; ``packed_offsets``: where entries start when packed.
 """
 
 from __future__ import annotations
 
-__all__ = ["ALIGN", "HEADER", "aligned", "chunk_rows"]
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+__all__ = ["ALIGN", "HEADER", "Chunking", "GatherFormat", "aligned", "chunk_rows", "contiguous_stride",
+           "packed_offsets"]
 
 ALIGN = 16
 HEADER = 16
@@ -29,3 +41,131 @@ def aligned(nbytes: int) -> int:
 def chunk_rows(n: int, world: int) -> int:
     """Rows per rank when ``n`` rows are cut over ``world`` ranks: ``ceil(n / world)``."""
     return -(-n // world)
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How a tensor of ``shape`` is cut into ``world`` padded chunks along ``dim``."""
+
+    shape: torch.Size
+    dim: int
+    world: int
+    chunk: int
+
+    @classmethod
+    def even(cls, shape: torch.Size, dim: int, world: int) -> Chunking:
+        return cls(shape, dim, world, chunk_rows(shape[dim], world))
+
+    def with_world(self, world: int) -> Chunking:
+        """The same padded tensor cut into ``world`` chunks (``world`` divides ours)."""
+        return Chunking(self.shape, self.dim, world, self.chunk * self.world // world)
+
+    # Read for every parameter at every all-gather and reduce-scatter: computed once.
+    @cached_property
+    def padded_shape(self) -> torch.Size:
+        return self._resize_dim(self.chunk * self.world)
+
+    @cached_property
+    def local_shape(self) -> torch.Size:
+        return self._resize_dim(self.chunk)
+
+    @cached_property
+    def local_stride(self) -> tuple[int, ...]:
+        """The contiguous stride of ``local_shape``."""
+        return contiguous_stride(self.local_shape)
+
+    @cached_property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def rows(self, rank: int) -> int:
+        """How many true (unpadded) rows along ``dim`` rank ``rank`` owns."""
+        return max(0, min(self.chunk, self.shape[self.dim] - rank * self.chunk))
+
+    def chunks_view(self, padded_full: torch.Tensor) -> torch.Tensor:
+        """View a padded full tensor as ``(world, *local_shape)``, chunk ``r`` at index ``r``."""
+        if padded_full.is_contiguous():  # the usual case, in one op (this runs per parameter per step)
+            size, stride = self._chunks_spec
+            return padded_full.as_strided(size, stride, padded_full.storage_offset())
+        return padded_full.unflatten(self.dim, (self.world, self.chunk)).movedim(self.dim, 0)
+
+    @cached_property
+    def _chunks_spec(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Size and stride of ``chunks_view`` of a contiguous padded full tensor."""
+        stride = contiguous_stride(self.padded_shape)
+        return (self.world, *self.local_shape), (self.chunk * stride[self.dim], *stride)
+
+    def _resize_dim(self, size: int) -> torch.Size:
+        shape = list(self.shape)
+        shape[self.dim] = size
+        return torch.Size(shape)
+
+
+def packed_offsets(sizes: Sequence[int], align: bool) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += aligned(size) if align else size
+    return offsets, total
+
+
+@dataclass(frozen=True)
+class GatherFormat:
+    """Byte layout of one all-gather of a group over ``world`` ranks."""
+
+    layouts: tuple[Chunking, ...]
+    dtypes: tuple[torch.dtype, ...]
+    offsets: tuple[int, ...]  # of each parameter inside a rank's slice, after the header
+    slice_bytes: int
+
+    @classmethod
+    def build(cls, layouts: Sequence[Chunking], dtypes: Sequence[torch.dtype]) -> GatherFormat:
+        sizes = [lay.local_numel * dt.itemsize for lay, dt in zip(layouts, dtypes)]
+        offsets, total = packed_offsets(sizes, align=True)
+        return cls(tuple(layouts), tuple(dtypes), tuple(HEADER + o for o in offsets), HEADER + total)
+
+    @property
+    def world(self) -> int:
+        return self.layouts[0].world
+
+    def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s place in a rank's slice ``buffer``, typed and shaped ``local_shape``."""
+        return self.slots(buffer)[i]
+
+    def slots(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's place in a rank's slice ``buffer`` (``slice_bytes`` bytes)."""
+        return self._views(buffer, 1)
+
+    def rank_major(self, output: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's chunks in a flat all-gather ``output``, each ``(world, *local_shape)``."""
+        return self._views(output, self.world)
+
+    def _views(self, buffer: torch.Tensor, ranks: int) -> list[torch.Tensor]:
+        # One typed view of the bytes per dtype, then one as_strided per parameter: the views
+        # are made for every parameter at every collective, so they take as few ops as can be.
+        typed = {dtype: buffer.view(dtype) for dtype in self._dtype_set}
+        views = []
+        for dtype, shape, stride, offset in self._specs:
+            base = typed[dtype]
+            size, strides = ((ranks, *shape), (self.slice_bytes // dtype.itemsize, *stride)) if ranks > 1 \
+                else (shape, stride)
+            views.append(base.as_strided(size, strides, base.storage_offset() + offset))
+        return views
+
+    @cached_property
+    def _specs(self) -> tuple[tuple[torch.dtype, torch.Size, tuple[int, ...], int], ...]:
+        """(dtype, local shape, its contiguous stride, offset in elements of dtype) per parameter."""
+        return tuple((dtype, lay.local_shape, lay.local_stride, off // dtype.itemsize)
+                     for lay, dtype, off in zip(self.layouts, self.dtypes, self.offsets))
+
+    @cached_property
+    def _dtype_set(self) -> frozenset[torch.dtype]:
+        return frozenset(self.dtypes)

@@ -18,15 +18,14 @@ import torch.distributed as dist
 
 from .. import _compat
 from ..diagnostics import _debug
-from .._format import HEADER
-from ._collectives import (AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight, ReduceTarget,
-                           packed_offsets, reduce_op)
+from .._format import HEADER, GatherFormat, packed_offsets
+from ._collectives import AllGatherInFlight, GatherTargets, ReduceScatterInFlight, ReduceTarget, reduce_op
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
 from ._streams import Completion, streams_for
 from ._transport import BufferNeeds, GatherSource, GroupBytes, Transport
 
 if TYPE_CHECKING:
-    from ..runtime._param import ShardedParam
+    from .._format import Chunking
 
 __all__ = ["FlatTransport", "send_aliases_shards"]
 
@@ -40,7 +39,7 @@ class FlatTransport(Transport):
         self.all_gather = all_gather or DEFAULT_ALL_GATHER
         self.reduce_scatter = reduce_scatter or DEFAULT_REDUCE_SCATTER
 
-    def start_all_gather(self, source: GatherSource, plan: GatherPlan, pg: dist.ProcessGroup,
+    def start_all_gather(self, source: GatherSource, plan: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
         send, copied = source.send_slice(plan, explicit)
         if explicit and copied is not None:  # CUDA: later work on the compute stream waits for the copy
@@ -50,10 +49,10 @@ class FlatTransport(Transport):
     def finish_all_gather(self, inflight: AllGatherInFlight, targets: GatherTargets) -> None:
         _copy_out(inflight, targets)
 
-    def start_reduce_scatter(self, params: Sequence[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype,
+    def start_reduce_scatter(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
                              target: ReduceTarget, device: torch.device,
                              header: torch.Tensor | None) -> ReduceScatterInFlight:
-        return _start_reduce_scatter(self.reduce_scatter, params, grads, dtype, target, device)
+        return _start_reduce_scatter(self.reduce_scatter, layouts, grads, dtype, target, device)
 
     def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:
         """A send slice (none where the shards are packed) and a rank-major output of ``world``
@@ -98,7 +97,7 @@ def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
 
 
 def _start_all_gather(
-    transport: FlatTransport, send: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup, device: torch.device,
+    transport: FlatTransport, send: torch.Tensor, plan: GatherFormat, group: dist.ProcessGroup, device: torch.device,
     copied: Completion | None, header: torch.Tensor | None,
 ) -> AllGatherInFlight:
     """Issue the flat all-gather of ``send`` (after ``copied``, the copy-in that filled it, if any).
@@ -139,7 +138,7 @@ def _copy_out(inflight: AllGatherInFlight, targets: GatherTargets) -> None:
 
 
 def _start_reduce_scatter(
-    comm: ReduceScatter, params: Sequence[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype,
+    comm: ReduceScatter, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
     target: ReduceTarget, device: torch.device,
 ) -> ReduceScatterInFlight:
     """Copy the full gradients ``grads`` into a rank-major buffer and reduce-scatter it with ``comm``.
@@ -148,7 +147,7 @@ def _start_reduce_scatter(
     reference, they are freed before the output is allocated.
     """
     world, group = target.world, target.group
-    offs, total = packed_offsets([p.layout.local_numel for p in params], align=False)
+    offs, total = packed_offsets([lay.local_numel for lay in layouts], align=False)
     op, pre, post = reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
     if world > 1:
         _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
@@ -156,7 +155,7 @@ def _start_reduce_scatter(
     streams = streams_for(device)
     with streams.side("reduce_scatter"):
         send = comm.allocate((world * total,), dtype=dtype, device=device)
-        _copy_rank_major(send.view(world, total), params, grads, offs)
+        _copy_rank_major(send.view(world, total), layouts, grads, offs)
         held_grads = tuple(grads) if streams.cuda else ()
         grads.clear()  # the caller's list: the gradients are freed before the output exists
         if pre is not None and pre != 1:
@@ -170,21 +169,20 @@ def _start_reduce_scatter(
     # CUDA: the copy-in ran on the reduce-scatter stream; hold the full gradients until the
     # compute stream waited on it. CPU: copied already, freed (``grads`` emptied) above.
     held = (send, *held_grads)
-    return ReduceScatterInFlight(done, tuple(params), tuple(offs), op, post, target, output, held)
+    return ReduceScatterInFlight(done, tuple(layouts), tuple(offs), op, post, target, output, held)
 
 
-def _copy_rank_major(by_rank: torch.Tensor, params: Sequence[ShardedParam], grads: Sequence[torch.Tensor],
+def _copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: Sequence[torch.Tensor],
                      offsets: Sequence[int]) -> None:
     """Copy each full gradient's chunk ``r`` into row ``r`` of ``by_rank`` (world, total)."""
     world = by_rank.shape[0]
-    if all(p.layout.dim == 0 and p.layout.local_numel for p in params):  # the usual case: one op
+    if all(lay.dim == 0 and lay.local_numel for lay in layouts):  # the usual case: one op
         with torch.no_grad():
             _compat.chunk_cat(list(grads), world, by_rank)
         return
     targets, sources = [], []  # even shards: one foreach copy for all of them
     with torch.no_grad():
-        for p, grad, off in zip(params, grads, offsets):
-            lay = p.layout
+        for lay, grad, off in zip(layouts, grads, offsets):
             dst = by_rank.as_strided((world, *lay.local_shape), (by_rank.stride(0), *lay.local_stride),
                                      by_rank.storage_offset() + off)
             if lay.shape[lay.dim] == lay.chunk * world:

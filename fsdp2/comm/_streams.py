@@ -23,7 +23,7 @@ Blocks allocated on the compute stream and read by a side stream (unsharded
 gradients read by the reduce-scatter's copy-in) are kept alive by the in-flight
 record until the compute stream has waited on the side stream's completion; the
 reduce-scatter output the all-reduce stream works on, and the partial sums (HSDP
-without all-reduce) it adds in, by ``ReducedGrads`` until the end of backward.
+without all-reduce) it adds in, by ``runtime/_reduction.ReducedGrads`` until the end of backward.
 
 Not yet run on a GPU (none was available); ``tests/comm/test_cuda.py`` checks the CUDA
 side, under ``TORCH_CUDA_SANITIZER=1``.

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from ..runtime._param import ShardedParam
-    from ._collectives import AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight, ReduceTarget
+    from .._format import Chunking, GatherFormat
+    from ._collectives import AllGatherInFlight, GatherTargets, ReduceScatterInFlight, ReduceTarget
     from ._comm import AllGather, ReduceScatter
     from ._streams import Completion
 
@@ -49,15 +49,15 @@ class GatherSource(Protocol):
     device: torch.device
     label: str
 
-    def send_slice(self, plan: GatherPlan, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
+    def send_slice(self, plan: GatherFormat, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
         """This rank's slice of the flat all-gather (header room first) and the copy that filled it."""
         ...
 
-    def entries(self, plan: GatherPlan) -> list[torch.Tensor]:
+    def entries(self, plan: GatherFormat) -> list[torch.Tensor]:
         """This rank's part of each entry of ``plan``, where it lives now."""
         ...
 
-    def targets(self, plan: GatherPlan) -> GatherTargets:
+    def targets(self, plan: GatherFormat) -> GatherTargets:
         """Where the gathered entries go: the unsharded buffer (allocated by this call)."""
         ...
 
@@ -113,7 +113,7 @@ class Transport(ABC):
         ``pg`` is there): find out what the ranks can do for each other."""
 
     @abstractmethod
-    def start_all_gather(self, source: GatherSource, plan: GatherPlan, pg: dist.ProcessGroup,
+    def start_all_gather(self, source: GatherSource, plan: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
         """Issue the all-gather of ``source``'s entries over ``pg``; ``header``: this rank's schedule
         header (None: not checked); ``explicit``: the user's ``unshard(async_op=True)``."""
@@ -123,11 +123,12 @@ class Transport(ABC):
         """After the wait: the gathered entries in place in ``targets``."""
 
     @abstractmethod
-    def start_reduce_scatter(self, params: Sequence[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype,
+    def start_reduce_scatter(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
                              target: ReduceTarget, device: torch.device,
                              header: torch.Tensor | None) -> ReduceScatterInFlight:
-        """Issue the reduce-scatter of the full gradients ``grads`` in ``dtype``. The transport
-        empties ``grads`` where it no longer needs them (so they can be freed early)."""
+        """Issue the reduce-scatter of the full gradients ``grads`` (cut as ``layouts``) in
+        ``dtype``. The transport empties ``grads`` where it no longer needs them (so they can be
+        freed early)."""
 
     @abstractmethod
     def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:

@@ -38,7 +38,8 @@ from .. import _compat, _wire
 from .._compat import root_mesh
 
 if TYPE_CHECKING:  # for annotations only: the checks sit below the runtime and the transport
-    from ..comm._collectives import AllGatherInFlight, GatherPlan, ReduceTarget
+    from .._format import GatherFormat
+    from ..comm._collectives import AllGatherInFlight, ReduceTarget
     from ..runtime._group import ParamGroup
     from ..runtime._param import ShardedParam
     from ..runtime._state import ModuleState, RootContext
@@ -180,7 +181,7 @@ def _first_difference(all_lines: list[list[str]], pg: dist.ProcessGroup) -> str:
 
 
 # ---- all-gather headers ---------------------------------------------------------------
-def before_all_gather(group: ParamGroup, plan: GatherPlan, pg: dist.ProcessGroup) -> torch.Tensor | None:
+def before_all_gather(group: ParamGroup, plan: GatherFormat, pg: dist.ProcessGroup) -> torch.Tensor | None:
     """This rank's 16-byte header for the coming all-gather (None when unchecked); logs in debug mode."""
     root = group.root
     iteration = root.iteration if root is not None else -1

@@ -14,7 +14,7 @@ that FSDP calls around its all-gather:
   refreshes it in place, the outputs being the same tensors (same storage) as before.
 
 How it fits fsdp2's layout: each input is one more entry of the group's all-gather,
-laid out as a dim-0 sharded tensor of its own (``ShardLayout`` with the input's shape as
+laid out as a dim-0 sharded tensor of its own (``Chunking`` with the input's shape as
 the local shape), so the byte slice, the unsharded buffer and every transport (flat,
 exchange, reads) carry it like any parameter. Each input's gathered output is a tensor of
 its own at storage offset 0, as torch's all-gather outputs are (a rebuild may pair outputs,
@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 # Module imports both ways (_param builds a ParamExtension): names are looked up at call time.
-from . import _layout
+from .. import _format
 from .. import _compat, _wire
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ class ParamExtension:
         shape = p.layout.shape
         with torch.no_grad():
             result = hook(mesh) if self.arity == 1 else \
-                hook(mesh, shape, _layout.contiguous_stride(shape), module, mp_policy)
+                hook(mesh, shape, _format.contiguous_stride(shape), module, mp_policy)
         inputs, self.metadata = self._check_pre(result, device)
         specs = tuple((_entry_shape(t), t.dtype) for t in inputs)
         if self.specs is None:
@@ -228,7 +228,7 @@ class ParamExtension:
         tensor, inner = self._check_post(result)
         shape = p.layout.shape
         if tensor.shape != shape:  # the padded rows (uneven sharding) are not part of the parameter
-            tensor = torch.as_strided(tensor, shape, _layout.contiguous_stride(shape), 0)
+            tensor = torch.as_strided(tensor, shape, _format.contiguous_stride(shape), 0)
         gathered = {t.untyped_storage().data_ptr() for t in self.outputs}  # freed and re-allocated by the group
         self.to_free = [(t, t.untyped_storage().nbytes()) for t in inner
                         if t.untyped_storage().data_ptr() not in gathered]
@@ -329,7 +329,7 @@ class GroupExtension:
                     )
         self.agreed = True
 
-    def entries(self, world: int) -> tuple[list[_layout.ShardLayout], list[torch.dtype]]:
+    def entries(self, world: int) -> tuple[list[_format.Chunking], list[torch.dtype]]:
         """The layouts and dtypes of the all-gather's entries over ``world`` ranks."""
         layouts, dtypes = [], []
         for p in self.params:
@@ -338,7 +338,7 @@ class GroupExtension:
                 dtypes.append(p.param_dtype)
                 continue
             for shape, dtype in p.ext.specs:
-                layouts.append(_layout.ShardLayout(torch.Size([world * shape[0], *shape[1:]]), 0, world, shape[0]))
+                layouts.append(_format.Chunking(torch.Size([world * shape[0], *shape[1:]]), 0, world, shape[0]))
                 dtypes.append(dtype)
         return layouts, dtypes
 

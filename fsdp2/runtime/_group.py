@@ -22,11 +22,11 @@ import torch.distributed as dist
 from .. import _compat
 from .._common import ShardState
 from ..diagnostics import _checks, _debug, _trace
-from ..comm._collectives import AllGatherInFlight, GatherPlan, GatherTargets
+from ..comm._collectives import AllGatherInFlight, GatherTargets
 from ..comm._transport import Transport, choose_transport, flat_transport
 from . import _extension
 from ._extension import GroupExtension
-from .._format import ALIGN, HEADER, aligned
+from .._format import ALIGN, HEADER, GatherFormat, aligned
 from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, process_group_comms
 from ._mesh import DataParallelMesh, SubGroup
 from ._param import ShardedParam, raise_if_on_meta
@@ -73,7 +73,7 @@ class ParamGroup:
         self.early: EarlyRelease | None = None
         self._regions: list[torch.Tensor] = []
         self._chunk_views: dict[int, GatherTargets] = {}  # world -> the regions as (world, *local_shape)
-        self._plans: dict[int, GatherPlan] = {}
+        self._plans: dict[int, GatherFormat] = {}
         # The shards packed back to back in the all-gather's send layout (None when a
         # cast or a device move makes a copy-in necessary anyway): see _pack_shards.
         self._packed: torch.Tensor | None = None
@@ -107,14 +107,14 @@ class ParamGroup:
         self._pack_shards()
 
     # ---- layout -------------------------------------------------------------------------
-    def _plan(self, world: int) -> GatherPlan:
+    def _plan(self, world: int) -> GatherFormat:
         if world not in self._plans:
             if self._ext is not None:  # one entry per extension input (known once its hook ran)
                 layouts, dtypes = self._ext.entries(world)
             else:
                 layouts = [p.layout.with_world(world) for p in self.params]
                 dtypes = [p.param_dtype for p in self.params]
-            self._plans[world] = GatherPlan.build(layouts, dtypes)
+            self._plans[world] = GatherFormat.build(layouts, dtypes)
         return self._plans[world]
 
     def adopt_registered(self, move: bool, where: str) -> None:
@@ -201,7 +201,7 @@ class ParamGroup:
         self._packed_ptrs = [_compat.dtensor_local(p.sharded).data_ptr() for p in self.params]
         self._packed = packed
 
-    def _shards(self, plan: GatherPlan) -> list[torch.Tensor]:
+    def _shards(self, plan: GatherFormat) -> list[torch.Tensor]:
         """Each parameter's padded shard, repacked first where the local data was rebound."""
         if self._ext is not None:  # each all-gather entry: shards and the extension hooks' inputs
             return self._ext.sources
@@ -218,19 +218,19 @@ class ParamGroup:
         return [p.padded_local for p in self.params]
 
     # ---- what the transport asks for (comm/_transport.GatherSource) --------------------------
-    def entries(self, plan: GatherPlan) -> list[torch.Tensor]:
+    def entries(self, plan: GatherFormat) -> list[torch.Tensor]:
         """This rank's part of each all-gather entry: the shards, or after a reshard to a
         subgroup the 1/k kept (``reshard_to_subgroup``)."""
         if self.state is ShardState.PARTIAL:
             return plan.slots(self._partial_send)
         return self._shards(plan)
 
-    def targets(self, plan: GatherPlan) -> GatherTargets:
+    def targets(self, plan: GatherFormat) -> GatherTargets:
         """The unsharded buffer (allocated now) as the all-gather's targets."""
         self._alloc_unsharded()
         return self._targets(plan)
 
-    def send_slice(self, plan: GatherPlan, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
+    def send_slice(self, plan: GatherFormat, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
         """This rank's slice for the flat all-gather over ``plan.world`` ranks, and its copy-in.
 
         The packed shards themselves where nothing can write them before the collective has
@@ -317,7 +317,7 @@ class ParamGroup:
         if self._ext is not None:
             self._ext.alloc()
 
-    def _targets(self, plan: GatherPlan) -> GatherTargets:
+    def _targets(self, plan: GatherFormat) -> GatherTargets:
         """The unsharded buffer's regions viewed as ``plan.world`` chunks each, where the
         all-gather puts them. Made once per world: the views outlive the buffer's frees."""
         targets = self._chunk_views.get(plan.world)

@@ -21,10 +21,10 @@ from torch.distributed.tensor.placement_types import Placement
 from .. import _compat
 from .._format import chunk_rows
 from . import _extension
-from ._layout import ShardLayout, contiguous_stride
+from .._format import Chunking, contiguous_stride
 from ._mesh import DataParallelMesh, tp_mesh_of
 
-__all__ = ["ShardLayout", "ShardedParam", "contiguous_stride", "raise_if_on_meta"]
+__all__ = ["ShardedParam", "raise_if_on_meta"]
 
 
 class ShardedParam:
@@ -71,7 +71,7 @@ class ShardedParam:
         else:
             local = param
         self.spmd_mesh, self.placements = self._spmd_layout(dim)
-        self.layout = ShardLayout.even(local.shape, dim, dp.shard_size)
+        self.layout = Chunking.even(local.shape, dim, dp.shard_size)
         # A local tensor subclass that gathers compact data (``_extension.py``); None for the rest.
         self.ext: _extension.ParamExtension | None = None
         if _extension.has_extension(local, fqn):  # checked by fully_shard (_extension.check_params)

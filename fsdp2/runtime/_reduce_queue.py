@@ -1,7 +1,7 @@
 """Reduce-scatters in flight, shared by the groups of one root, and how many may be.
 
 Split from ``_group.py``: the group issues its reduce-scatters and hands them here; the
-queue finishes them (``_collectives.finish_reduce_scatter``) when room is needed and at the
+queue finishes them (``_reduction.finish_reduction``) when room is needed and at the
 end of backward, and keeps what CUDA's all-reduce stream still works on until then.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 import collections
 from typing import Any, Sequence
 
-from ..comm._collectives import ReducedGrads, ReduceScatterInFlight, finish_reduce_scatter
+from ..comm._collectives import ReduceScatterInFlight
+from ._reduction import ReducedGrads, Reduction, finish_reduction
 
 __all__ = ["ReduceQueue"]
 
@@ -26,7 +27,7 @@ class ReduceQueue:
     """
 
     def __init__(self) -> None:
-        self._pending: collections.deque[ReduceScatterInFlight] = collections.deque()
+        self._pending: collections.deque[Reduction] = collections.deque()
         self._reduced: list[ReducedGrads] = []
 
     def make_room(self, limit: int) -> None:
@@ -35,22 +36,22 @@ class ReduceQueue:
         while len(self._pending) >= limit:
             self._finish(self._pending.popleft())
 
-    def submit(self, inflight: Sequence[ReduceScatterInFlight], limit: int) -> None:
+    def submit(self, inflight: Sequence[Reduction], limit: int) -> None:
         """Queue ``inflight``; then finish the oldest until at most ``limit`` are left in flight
         (more than one only where a group reduces several dtypes)."""
         self._pending.extend(inflight)
         while len(self._pending) > limit:
             self._finish(self._pending.popleft())
 
-    def _finish(self, inflight: ReduceScatterInFlight) -> None:
-        reduced = finish_reduce_scatter(inflight)
+    def _finish(self, reduction: Reduction) -> None:
+        reduced = finish_reduction(reduction)
         if reduced.outstanding:  # CUDA: the all-reduce stream may still use what it keeps
             self._reduced.append(reduced)
 
     def in_flight(self, group: Any) -> list[ReduceScatterInFlight]:
         """The reduce-scatters of ``group`` still in flight (for the memory tracker)."""
         mine = {id(p) for p in group.params}
-        return [r for r in self._pending if r.params and id(r.params[0]) in mine]
+        return [r.inflight for r in self._pending if r.params and id(r.params[0]) in mine]
 
     def drain(self) -> None:
         while self._pending:
@@ -66,6 +67,6 @@ class ReduceQueue:
     def discard(self) -> None:
         """Wait for the reduce-scatters in flight (their buffers must outlive them) but drop the results."""
         while self._pending:
-            self._pending.popleft().done.wait()
+            self._pending.popleft().inflight.done.wait()
         while self._reduced:  # the all-reduce stream's work: waited, its offloaded gradients dropped
             self._reduced.pop(0).done.wait()

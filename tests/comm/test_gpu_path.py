@@ -152,8 +152,9 @@ def _partial_sums_kept_by_the_stage_that_reads_them() -> list[object]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2._common import get_state
-    from fsdp2.comm._collectives import ReduceTarget, finish_reduce_scatter
+    from fsdp2.comm._collectives import ReduceTarget
     from fsdp2.comm._transport import flat_transport
+    from fsdp2.runtime._reduction import Reduction, finish_reduction
 
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("partial_rep", "partial_shard"))
     model = fsdp2.fully_shard(torch.nn.Linear(8, 4), mesh=mesh)
@@ -163,8 +164,9 @@ def _partial_sums_kept_by_the_stage_that_reads_them() -> list[object]:
 
     def reduce(value: float):
         grads = [torch.full(p.layout.padded_shape, value) for p in params]
-        return finish_reduce_scatter(
-            flat_transport().start_reduce_scatter(params, grads, torch.float32, target, torch.device("cpu"), None))
+        inflight = flat_transport().start_reduce_scatter([p.layout for p in params], grads, torch.float32, target,
+                                                         torch.device("cpu"), None)
+        return finish_reduction(Reduction(inflight, tuple(params)))
 
     first = reduce(1.0)  # all-reduce off: the sum waits in target.partial
     kept = target.partial[torch.float32]

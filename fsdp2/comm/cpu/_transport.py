@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from ...diagnostics import _debug
 from ... import _compat
-from ..._format import HEADER, aligned
-from .._collectives import (AllGatherInFlight, GatherPlan, GatherTargets, ReduceScatterInFlight,
+from ..._format import HEADER, GatherFormat, aligned
+from .._collectives import (AllGatherInFlight, GatherTargets, ReduceScatterInFlight,
                            ReduceTarget, reduce_op, show_flat_all_gather, show_flat_reduce_scatter)
 from .._streams import Completion
 from .._transport import (CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupBytes, Transport, cpu_transport,
@@ -25,7 +25,7 @@ from .._transport import (CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupB
 from . import _cma, _exchange, _pipes
 
 if TYPE_CHECKING:
-    from ...runtime._param import ShardedParam
+    from ..._format import Chunking
 
 __all__ = ["ExchangeTransport", "exchange_transport", "probe_reads"]
 
@@ -55,7 +55,7 @@ class ExchangeTransport(Transport):
         """Whether the exchanges over ``pg`` read the peers' memory (once probed)."""
         return self.may_read and _cma.usable(pg)
 
-    def start_all_gather(self, source: GatherSource, plan: GatherPlan, pg: dist.ProcessGroup,
+    def start_all_gather(self, source: GatherSource, plan: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
         """Straight into the unsharded buffer: this rank's entries are copied into their own
         chunks and sent from there (never aliasing the shards), the peers' received in place.
@@ -74,27 +74,27 @@ class ExchangeTransport(Transport):
     def finish_all_gather(self, inflight: AllGatherInFlight, targets: GatherTargets) -> None:
         inflight.exchange.finish()
 
-    def start_reduce_scatter(self, params: Sequence[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype,
+    def start_reduce_scatter(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
                              target: ReduceTarget, device: torch.device,
                              header: torch.Tensor | None) -> ReduceScatterInFlight:
         """Send each gradient's chunks from where they are: copies only to cast, pad or pre-divide."""
         world = target.world
         if world == 1:
-            return self._local.start_reduce_scatter(params, grads, dtype, target, device, header)
+            return self._local.start_reduce_scatter(layouts, grads, dtype, target, device, header)
         op, pre, post = reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
-        numel = sum(p.layout.local_numel for p in params)
+        numel = sum(lay.local_numel for lay in layouts)
         _debug.log_collective("reduce_scatter", target.label, target.group, f"{world} x {numel} elements", dtype,
                               target.root)
         show_flat_reduce_scatter(numel, world, dtype, op, target.group)  # what a dispatch mode sees
-        full, copies = _sendable(params, grads, dtype, world, pre)
+        full, copies = _sendable(layouts, grads, dtype, world, pre)
         if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division
             post = float(world) * (post or 1.0)
         if header is None:
             header = torch.zeros(HEADER, dtype=torch.uint8)
-        chunks = [p.layout.chunks_view(t) for p, t in zip(params, full)]
+        chunks = [lay.chunks_view(t) for lay, t in zip(layouts, full)]
         rs = _exchange.start_reduce_scatter(chunks, full, copies, dtype, header, target.group,
                                             key=f"reduce_scatter {target.label} {dtype}", read=self.reads(target.group))
-        return ReduceScatterInFlight(Completion(work=rs.exchange), tuple(params), rs.offsets, op, post, target,
+        return ReduceScatterInFlight(Completion(work=rs.exchange), tuple(layouts), rs.offsets, op, post, target,
                                      exchange=rs)
 
     def reduce_scatters_in_flight(self, world: int) -> int:
@@ -149,15 +149,14 @@ def probe_reads(pg: dist.ProcessGroup, must_read: bool | None = None) -> bool:
     return False
 
 
-def _sendable(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor], dtype: torch.dtype, world: int,
+def _sendable(layouts: Sequence[Chunking], grads: Sequence[torch.Tensor], dtype: torch.dtype, world: int,
               pre: float | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The gradients as the exchange sends them (contiguous, ``dtype``, padded, pre-divided),
     and which of them are copies made here."""
     predivide = pre is not None and pre != 1
     full, copies = [], []
     with torch.no_grad():
-        for p, grad in zip(params, grads):
-            lay = p.layout
+        for lay, grad in zip(layouts, grads):
             even = lay.shape[lay.dim] == lay.chunk * world
             if grad.dtype == dtype and grad.is_contiguous() and even and not predivide:
                 full.append(grad)
