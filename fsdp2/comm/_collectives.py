@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
-from ..diagnostics import _checks, _debug, _trace
+from ..diagnostics import _debug, _trace
 from ._streams import Completion
 
 if TYPE_CHECKING:
@@ -44,33 +44,37 @@ __all__ = [
 ]
 
 
-class AllGatherInFlight(NamedTuple):
+class AllGatherInFlight:
     """An all-gather issued but maybe not finished; ``transport.finish_all_gather`` finishes it.
 
-    Flat: ``output`` receives every rank's slice (rank-major), copied out at the end.
-    Exchange: the chunks land in the unsharded buffer itself; ``exchange`` has the rest
-    (``headers_done``: the headers arrive first, checked before the rest).
-    Every tensor here must outlive ``done``.
+    What every transport's record has; each transport's subclass keeps its own buffers and
+    what its finish reads (``_flat.FlatAllGather``, ``cpu/_transport.ExchangeAllGatherInFlight``).
+    Every tensor it holds must outlive ``done``.
     """
 
-    done: Completion
-    plan: GatherFormat
-    headers: torch.Tensor | None  # (world, HEADER) bytes: the ranks' schedule headers, once done; None: unchecked
-    transport: Transport
-    send: torch.Tensor | None = None
-    output: torch.Tensor | None = None
-    exchange: Any = None  # the CPU transport's in-flight exchange (cpu/_exchange.ExchangeAllGather)
-    headers_done: Completion | None = None
-    # What must finish, once ``done``, before the unsharded buffer is freed or refilled (the
-    # peers of a read exchange read this rank's chunks out of it, maybe after this rank's own
-    # wait returned): ``wait()`` it, keeping every tensor here alive. None: ``done`` is all.
-    release: Any = None
+    __slots__ = ("done", "plan", "headers", "transport")
+
+    def __init__(self, done: Completion, plan: GatherFormat, headers: torch.Tensor | None,
+                 transport: Transport) -> None:
+        self.done = done
+        self.plan = plan
+        self.headers = headers  # (world, HEADER) bytes: the ranks' schedule headers, once done; None: unchecked
+        self.transport = transport
+
+    def headers_done(self) -> Completion | None:
+        """Where the headers arrive ahead of the data: their own completion (checked before the
+        rest is waited for). None: they come with the data."""
+        return None
+
+    def release(self) -> Completion | None:
+        """What must finish, once ``done``, before the unsharded buffer is freed or refilled
+        (peers that read this rank's chunks out of it, maybe after this rank's own wait
+        returned); this record must stay alive until then. None: ``done`` is all."""
+        return None
 
     def buffers(self) -> list[torch.Tensor]:
         """The communication memory it holds (send buffers included, even when they are the shards)."""
-        if self.exchange is not None:
-            return self.exchange.buffers()
-        return [t for t in (self.send, self.output) if t is not None]
+        raise NotImplementedError
 
 
 class GatherTargets:
@@ -137,32 +141,33 @@ class ReduceTarget:
     force_sum: bool = False  # SUM then divide, never the backend's AVG (set_force_sum_reduction_for_comms)
 
 
-class ReduceScatterInFlight(NamedTuple):
+class ReduceScatterInFlight:
     """One dtype bucket's reduce-scatter: :func:`wait_reduce_scatter`, then
     :func:`reduce_across_replicas`, give this rank's reduced entries.
 
-    Flat: ``output`` is this rank's reduced chunk once ``done``; ``held`` keeps the send
-    buffer and, on CUDA, the unsharded gradients copied into it (the copy runs on the
-    reduce-scatter stream while the compute stream could otherwise reuse their memory).
-    Exchange: ``exchange`` sums the chunks received at the end and holds the gradients
-    it sends from.
+    What every transport's record has; each transport's subclass keeps the buffers it sends
+    from and receives into (``_flat.FlatReduceScatter``, ``cpu/_transport.ExchangeReduceScatterInFlight``).
     """
 
-    done: Completion
-    layouts: tuple[Chunking, ...]
-    offsets: tuple[int, ...]
-    op: dist.ReduceOp
-    post_divide: float | None
-    target: ReduceTarget
-    output: torch.Tensor | None = None
-    held: tuple[torch.Tensor, ...] = ()
-    exchange: Any = None  # the CPU transport's in-flight exchange (cpu/_exchange.ExchangeReduceScatter)
+    __slots__ = ("done", "layouts", "offsets", "op", "post_divide", "target")
+
+    def __init__(self, done: Completion, layouts: tuple[Chunking, ...], offsets: tuple[int, ...], op: dist.ReduceOp,
+                 post_divide: float | None, target: ReduceTarget) -> None:
+        self.done = done
+        self.layouts = layouts
+        self.offsets = offsets  # of each entry in the reduced row, in elements
+        self.op = op
+        self.post_divide = post_divide
+        self.target = target
+
+    def wait(self, sizes: str) -> torch.Tensor:
+        """Wait (CUDA: the compute stream waits) and return this rank's reduced row; ``sizes``
+        names the collective in errors."""
+        raise NotImplementedError
 
     def buffers(self) -> list[torch.Tensor]:
         """The communication memory it holds (not the unsharded gradients it reads)."""
-        if self.exchange is not None:
-            return self.exchange.buffers()
-        return [self.held[0], self.output]
+        raise NotImplementedError
 
     def shards(self, out: torch.Tensor) -> list[torch.Tensor]:
         """Each entry's reduced chunk in ``out``, shaped as its local shard."""
@@ -222,15 +227,8 @@ def show_flat_reduce_scatter(numel: int, world: int, dtype: torch.dtype, op: dis
 
 def wait_reduce_scatter(inflight: ReduceScatterInFlight) -> torch.Tensor:
     """Wait for the reduce-scatter (CUDA: the compute stream waits) and return this rank's
-    reduced row. Exchange: the ranks' headers are compared first (data that does not match
-    may never come)."""
-    target = inflight.target
-    sizes = f"{target.world} x {sum(lay.local_numel for lay in inflight.layouts)} elements"
-    if inflight.exchange is not None:
-        _debug.wait(inflight.exchange.header_exchange, "reduce_scatter", target.label, sizes, target.root)
-        _checks.check_reduce_headers(target, inflight.exchange.headers)
-    _debug.wait(inflight.done, "reduce_scatter", target.label, sizes, target.root)
-    return inflight.exchange.reduced() if inflight.exchange is not None else inflight.output
+    reduced row; errors name the group and the sizes."""
+    return inflight.wait(f"{inflight.target.world} x {sum(lay.local_numel for lay in inflight.layouts)} elements")
 
 
 class AcrossReplicas(NamedTuple):

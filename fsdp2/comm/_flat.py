@@ -27,7 +27,47 @@ from ._transport import BufferNeeds, GatherSource, GroupBytes, Transport
 if TYPE_CHECKING:
     from .._format import Chunking
 
-__all__ = ["FlatTransport", "send_aliases_shards"]
+__all__ = ["FlatAllGather", "FlatReduceScatter", "FlatTransport", "send_aliases_shards"]
+
+
+class FlatAllGather(AllGatherInFlight):
+    """A flat all-gather in flight: ``output`` receives every rank's ``send`` slice (rank-major),
+    copied out into the unsharded buffer at the end."""
+
+    __slots__ = ("send", "output")
+
+    def __init__(self, done: Completion, plan: GatherFormat, headers: torch.Tensor | None, transport: Transport,
+                 send: torch.Tensor, output: torch.Tensor) -> None:
+        super().__init__(done, plan, headers, transport)
+        self.send = send
+        self.output = output
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.send, self.output]
+
+
+class FlatReduceScatter(ReduceScatterInFlight):
+    """A flat reduce-scatter in flight: ``output`` is this rank's reduced row once ``done``;
+    ``held`` keeps the send buffer and, on CUDA, the unsharded gradients copied into it (the
+    copy runs on the reduce-scatter stream while the compute stream could otherwise reuse
+    their memory)."""
+
+    __slots__ = ("output", "held")
+
+    def __init__(self, done: Completion, layouts: tuple[Chunking, ...], offsets: tuple[int, ...], op: dist.ReduceOp,
+                 post_divide: float | None, target: ReduceTarget, output: torch.Tensor,
+                 held: tuple[torch.Tensor, ...]) -> None:
+        super().__init__(done, layouts, offsets, op, post_divide, target)
+        self.output = output
+        self.held = held
+
+    def wait(self, sizes: str) -> torch.Tensor:
+        target = self.target
+        _debug.wait(self.done, "reduce_scatter", target.label, sizes, target.root)
+        return self.output
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.held[0], self.output]
 
 
 class FlatTransport(Transport):
@@ -41,7 +81,7 @@ class FlatTransport(Transport):
 
     def start_all_gather(self, source: GatherSource, plan: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
-        send, copied = source.send_slice(plan, explicit)
+        send, copied = _send_slice(source, plan, explicit)
         if explicit and copied is not None:  # CUDA: later work on the compute stream waits for the copy
             copied.wait()
         return _start_all_gather(self, send, plan, pg, source.device, copied, header)
@@ -96,6 +136,28 @@ def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
     return device.type == "cpu" and not explicit
 
 
+def _send_slice(source: GatherSource, plan: GatherFormat, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
+    """This rank's slice of the flat all-gather and the copy that filled it (None: no copy).
+
+    The source's laid-out slice itself where nothing can write it before the collective has
+    read it (only the group writes it, or ``send_aliases_shards``), else a copy made at issue
+    time: of the laid-out slice in one op, or of each entry.
+    """
+    laid_out, private = source.laid_out(plan)
+    if laid_out is not None and (private or send_aliases_shards(source.device, explicit)):
+        return laid_out, None
+    streams = streams_for(source.device)
+    with streams.side("copy_in"):
+        send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=source.device)
+        with torch.no_grad():
+            if laid_out is not None:  # one copy (the header is stamped apart)
+                send[HEADER:].copy_(laid_out[HEADER:], non_blocking=True)
+            else:
+                torch._foreach_copy_(plan.slots(send), source.entries(plan), non_blocking=True)
+        copied = streams.issued(None)
+    return send, copied
+
+
 def _start_all_gather(
     transport: FlatTransport, send: torch.Tensor, plan: GatherFormat, group: dist.ProcessGroup, device: torch.device,
     copied: Completion | None, header: torch.Tensor | None,
@@ -109,7 +171,7 @@ def _start_all_gather(
     if header is not None:
         send[:HEADER].copy_(header, non_blocking=True)
     if plan.world == 1:  # nothing to gather: the send buffer is the result
-        return AllGatherInFlight(copied or Completion(), plan, send[None, :HEADER], transport, send, send)
+        return FlatAllGather(copied or Completion(), plan, send[None, :HEADER], transport, send, send)
     with streams.side("all_gather"):
         streams.after(copied)
         comm = transport.all_gather
@@ -118,10 +180,10 @@ def _start_all_gather(
         done = streams.issued(work)
     # Read only where a header was sent (CPU, debug): the GPU path makes no views for them.
     headers = output.view(plan.world, plan.slice_bytes)[:, :HEADER] if header is not None else None
-    return AllGatherInFlight(done, plan, headers, transport, send, output)
+    return FlatAllGather(done, plan, headers, transport, send, output)
 
 
-def _copy_out(inflight: AllGatherInFlight, targets: GatherTargets) -> None:
+def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:
     """Scatter the rank-major gathered bytes into the parameter-major unsharded buffer.
 
     One op for the whole group: a ``split_with_sizes_copy`` of the output's byte columns
@@ -169,7 +231,7 @@ def _start_reduce_scatter(
     # CUDA: the copy-in ran on the reduce-scatter stream; hold the full gradients until the
     # compute stream waited on it. CPU: copied already, freed (``grads`` emptied) above.
     held = (send, *held_grads)
-    return ReduceScatterInFlight(done, tuple(layouts), tuple(offs), op, post, target, output, held)
+    return FlatReduceScatter(done, tuple(layouts), tuple(offs), op, post, target, output, held)
 
 
 def _copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: Sequence[torch.Tensor],

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from .._format import Chunking, GatherFormat
     from ._collectives import AllGatherInFlight, GatherTargets, ReduceScatterInFlight, ReduceTarget
     from ._comm import AllGather, ReduceScatter
-    from ._streams import Completion
 
 __all__ = ["CPU_COLLECTIVES_ENV", "EXCHANGE_MIN_BYTES", "BufferNeeds", "GatherSource", "GroupBytes", "Transport",
            "choose_transport", "cpu_transport", "flat_transport"]
@@ -49,8 +48,9 @@ class GatherSource(Protocol):
     device: torch.device
     label: str
 
-    def send_slice(self, plan: GatherFormat, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
-        """This rank's slice of the flat all-gather (header room first) and the copy that filled it."""
+    def laid_out(self, plan: GatherFormat) -> tuple[torch.Tensor | None, bool]:
+        """This rank's entries already laid out as ``plan``'s slice (header room first), if they
+        are, and whether only the group writes that memory (True: sent as it is by any unshard)."""
         ...
 
     def entries(self, plan: GatherFormat) -> list[torch.Tensor]:

@@ -205,8 +205,9 @@ def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight, pg: dist.Proce
     """
     plan = gather.plan
     sizes = f"{plan.world} ranks x {plan.slice_bytes} bytes"
-    if gather.headers_done is not None:
-        _debug.wait(gather.headers_done, "all_gather", group.label, sizes, group.root)
+    headers_done = gather.headers_done()
+    if headers_done is not None:
+        _debug.wait(headers_done, "all_gather", group.label, sizes, group.root)
         _check_all_gather_headers(group, gather.headers, pg)
         _debug.wait(gather.done, "all_gather", group.label, sizes, group.root)
         return

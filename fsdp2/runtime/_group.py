@@ -26,15 +26,13 @@ from ..comm._collectives import AllGatherInFlight, GatherTargets
 from ..comm._transport import Transport, choose_transport, flat_transport
 from . import _extension
 from ._extension import GroupExtension
-from .._format import ALIGN, HEADER, GatherFormat, aligned
+from .._format import ALIGN, GatherFormat, aligned
 from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, process_group_comms
 from ._mesh import DataParallelMesh, SubGroup
 from ._param import ShardedParam, raise_if_on_meta
 from ._policy import GroupPolicy
 from ._release import EarlyRelease, segment_bounds
 from ._reduce_queue import ReduceQueue
-from ..comm._flat import send_aliases_shards
-from ..comm._streams import Completion, streams_for
 from . import _reduction
 
 
@@ -230,27 +228,15 @@ class ParamGroup:
         self._alloc_unsharded()
         return self._targets(plan)
 
-    def send_slice(self, plan: GatherFormat, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
-        """This rank's slice for the flat all-gather over ``plan.world`` ranks, and its copy-in.
-
-        The packed shards themselves where nothing can write them before the collective has
-        read them (``send_aliases_shards``), else a copy made at issue time.
-        """
+    def laid_out(self, plan: GatherFormat) -> tuple[torch.Tensor | None, bool]:
+        """This rank's entries already laid out as ``plan``'s slice, if they are: after a reshard
+        to a subgroup the 1/k kept (only the group writes it: ``True``), else the packed shards
+        (``_pack_shards``; the optimizer writes them: ``False``)."""
         if self.state is ShardState.PARTIAL:
-            return self._partial_send, None
-        shards = self._shards(plan)
-        if self._packed is not None and send_aliases_shards(self.device, explicit):
-            return self._packed, None
-        streams = streams_for(self.device)
-        with streams.side("copy_in"):
-            send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
-            with torch.no_grad():
-                if self._packed is not None:  # already laid out: one copy (the header is stamped apart)
-                    send[HEADER:].copy_(self._packed[HEADER:], non_blocking=True)
-                else:
-                    torch._foreach_copy_(plan.slots(send), shards, non_blocking=True)
-            copied = streams.issued(None)
-        return send, copied
+            return self._partial_send, True
+        if self._packed is not None:
+            self._shards(plan)  # packed again first where the local data was rebound
+        return self._packed, False
 
     def _region_sizes(self) -> list[int]:
         """Bytes of each parameter's padded full tensor (each extension input's, for extension groups)."""
@@ -345,7 +331,7 @@ class ParamGroup:
         reading this rank's chunks out of it."""
         gather, self._unreleased = self._unreleased, None
         if gather is not None:
-            _debug.wait(gather.release, "all_gather", self.label,
+            _debug.wait(gather.release(), "all_gather", self.label,
                         f"{gather.plan.world} ranks x {gather.plan.slice_bytes} bytes (the peers' reads)", self.root)
 
     def probe_transport(self) -> None:
@@ -474,7 +460,7 @@ class ParamGroup:
             gather.transport.finish_all_gather(gather, self._targets(gather.plan))
             if self._ext is not None:  # rebuild the subclasses' unsharded tensors from what arrived
                 self._ext.post_all_gather(self._on_grad_ready)
-        if gather.release is not None:
+        if gather.release() is not None:
             self._unreleased = gather
         self._gather = None  # only now: if the copy raised, reset() still finds the collective
         self.refresh_requires_grad()  # a flag set on the sharded form since reaches autograd's
@@ -678,7 +664,7 @@ class ParamGroup:
         """Return to a clean sharded state after an exception mid-iteration."""
         if self._gather is not None:
             self._gather.done.wait()
-            if self._gather.release is not None:
+            if self._gather.release() is not None:
                 self._unreleased = self._gather
             self._gather = None
             self._header_pg = None

@@ -1,8 +1,10 @@
 """The package's layers, as docs/design.md draws them: imports only point down, and there is no cycle.
 
-Only imports that run when a module is imported count: those under ``if TYPE_CHECKING:``
-are annotations, and those inside functions are deferred on purpose (the transport
-interface imports its CPU implementation only when a CPU group picks it).
+For the order and the cycles, only imports that run when a module is imported count: those
+under ``if TYPE_CHECKING:`` are annotations, and those inside functions are deferred on
+purpose (the transport interface imports its CPU implementation only when a CPU group picks
+it). The one-way rule counts annotations too: a lower layer names no upper layer's type, not
+even for annotations (the transport is handed layouts and sources, not the runtime's objects).
 """
 
 from __future__ import annotations
@@ -79,6 +81,55 @@ def _import_time_imports(path: pathlib.Path) -> set[str]:
 
 def _graph() -> dict[str, set[str]]:
     return {_name(p): _import_time_imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _every_import(path: pathlib.Path) -> set[str]:
+    """fsdp2 modules (or packages) ``path`` names anywhere: module level, under TYPE_CHECKING,
+    inside functions."""
+    module = _name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if base.startswith("fsdp2"):
+                found.update(f"{base}.{a.name}" if (PACKAGE.parent / f"{base}.{a.name}".replace(".", "/")).with_suffix(
+                    ".py").exists() else base for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("fsdp2"))
+    found.discard(module)
+    return found
+
+
+# Annotations that still name a layer above: the diagnostics' checks read the runtime's groups
+# and root, and the state lookup returns the runtime's state. This list only shrinks.
+_UPWARD_ANNOTATIONS = {
+    ("fsdp2._common", "fsdp2.runtime._state"),
+    ("fsdp2.diagnostics._checks", "fsdp2.comm._collectives"),
+    ("fsdp2.diagnostics._checks", "fsdp2.runtime._group"),
+    ("fsdp2.diagnostics._checks", "fsdp2.runtime._param"),
+    ("fsdp2.diagnostics._checks", "fsdp2.runtime._state"),
+    ("fsdp2.diagnostics._debug", "fsdp2.comm._streams"),
+}
+
+
+def test_no_lower_layer_names_an_upper_layer_type():
+    """The transport hands back what arrived and never names the runtime's types, even in
+    annotations; deferred imports (inside functions) count too, except the transport's
+    choice of its CPU implementation, which is the same layer."""
+    upward = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _name(path)
+        for imported in _every_import(path):
+            if imported != "fsdp2" and _layer(imported) > _layer(module):
+                upward.add((module, imported))
+    new = sorted(upward - _UPWARD_ANNOTATIONS)
+    assert not new, "lower layers naming upper layers' modules:\n" + "\n".join(f"{a} -> {b}" for a, b in new)
+    gone = sorted(_UPWARD_ANNOTATIONS - upward)
+    assert not gone, f"no longer upward, remove from _UPWARD_ANNOTATIONS: {gone}"
 
 
 def test_imports_only_point_down():

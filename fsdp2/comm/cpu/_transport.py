@@ -9,12 +9,12 @@ the flat transport's path does the (local) work.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ...diagnostics import _debug
+from ...diagnostics import _checks, _debug
 from ... import _compat
 from ..._format import HEADER, GatherFormat, aligned
 from .._collectives import (AllGatherInFlight, GatherTargets, ReduceScatterInFlight,
@@ -27,7 +27,57 @@ from . import _cma, _exchange, _pipes
 if TYPE_CHECKING:
     from ..._format import Chunking
 
-__all__ = ["ExchangeTransport", "exchange_transport", "probe_reads"]
+__all__ = ["ExchangeAllGatherInFlight", "ExchangeReduceScatterInFlight", "ExchangeTransport", "exchange_transport",
+           "probe_reads"]
+
+
+class ExchangeAllGatherInFlight(AllGatherInFlight):
+    """An exchange all-gather in flight: the chunks land in the unsharded buffer itself;
+    ``exchange`` (``_exchange.ExchangeAllGather``) holds the rest. The headers arrive first;
+    a read exchange's peers may read this rank's chunks after its own wait returned
+    (``release``: its lease)."""
+
+    __slots__ = ("exchange", "_headers_done", "_release")
+
+    def __init__(self, plan: GatherFormat, transport: Transport, gather: _exchange.ExchangeAllGather) -> None:
+        super().__init__(Completion(work=gather.exchange), plan, gather.headers, transport)
+        self.exchange = gather
+        self._headers_done = Completion(work=gather.header_exchange)
+        reads = gather.exchange
+        self._release = reads.release if isinstance(reads, _exchange.ReadExchange) and reads.defer else None
+
+    def headers_done(self) -> Completion | None:
+        return self._headers_done
+
+    def release(self) -> Any:
+        return self._release
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.exchange.buffers()
+
+
+class ExchangeReduceScatterInFlight(ReduceScatterInFlight):
+    """An exchange reduce-scatter in flight: ``exchange`` (``_exchange.ExchangeReduceScatter``)
+    sums the chunks received at the end and holds the gradients it sends from. The ranks'
+    headers arrive first and are compared before the data is waited for (data that does not
+    match may never come)."""
+
+    __slots__ = ("exchange",)
+
+    def __init__(self, layouts: tuple[Chunking, ...], op: dist.ReduceOp, post_divide: float | None,
+                 target: ReduceTarget, rs: _exchange.ExchangeReduceScatter) -> None:
+        super().__init__(Completion(work=rs.exchange), layouts, rs.offsets, op, post_divide, target)
+        self.exchange = rs
+
+    def wait(self, sizes: str) -> torch.Tensor:
+        target = self.target
+        _debug.wait(self.exchange.header_exchange, "reduce_scatter", target.label, sizes, target.root)
+        _checks.check_reduce_headers(target, self.exchange.headers)
+        _debug.wait(self.done, "reduce_scatter", target.label, sizes, target.root)
+        return self.exchange.reduced()
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.exchange.buffers()
 
 
 class ExchangeTransport(Transport):
@@ -66,12 +116,9 @@ class ExchangeTransport(Transport):
             header = torch.zeros(HEADER, dtype=torch.uint8)
         gather = _exchange.start_all_gather(source.entries(plan), chunks, header.view(torch.uint8), pg,
                                             key=f"all_gather {source.label} {plan.world}", read=self.reads(pg))
-        reads = gather.exchange
-        release = reads.release if isinstance(reads, _exchange.ReadExchange) and reads.defer else None
-        return AllGatherInFlight(Completion(work=gather.exchange), plan, gather.headers, self, exchange=gather,
-                                 headers_done=Completion(work=gather.header_exchange), release=release)
+        return ExchangeAllGatherInFlight(plan, self, gather)
 
-    def finish_all_gather(self, inflight: AllGatherInFlight, targets: GatherTargets) -> None:
+    def finish_all_gather(self, inflight: ExchangeAllGatherInFlight, targets: GatherTargets) -> None:
         inflight.exchange.finish()
 
     def start_reduce_scatter(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
@@ -94,8 +141,7 @@ class ExchangeTransport(Transport):
         chunks = [lay.chunks_view(t) for lay, t in zip(layouts, full)]
         rs = _exchange.start_reduce_scatter(chunks, full, copies, dtype, header, target.group,
                                             key=f"reduce_scatter {target.label} {dtype}", read=self.reads(target.group))
-        return ReduceScatterInFlight(Completion(work=rs.exchange), tuple(layouts), rs.offsets, op, post, target,
-                                     exchange=rs)
+        return ExchangeReduceScatterInFlight(tuple(layouts), op, post, target, rs)
 
     def reduce_scatters_in_flight(self, world: int) -> int:
         """Two: each exchange waits for the peers to reach the same group's reduction; one more
