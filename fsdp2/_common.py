@@ -1,29 +1,18 @@
-"""The leaf every layer may import: the state attribute and its lookup, the shared enums.
+"""The leaf every layer may import: the state attribute's name, the shared enums.
 
-It imports nothing of fsdp2, so nothing that imports it can close a cycle (the
-runtime's state module and its state-dict hooks both read a module's state here).
+It imports nothing of fsdp2, so nothing that imports it can close a cycle. The typed
+lookup of a module's state is the runtime's (``runtime/_state.get_state``).
 """
 
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import TYPE_CHECKING
 
-import torch.nn as nn
-
-if TYPE_CHECKING:
-    from .runtime._state import ModuleState
-
-__all__ = ["STATE_ATTR", "get_state", "ShardState", "TrainingState"]
+__all__ = ["STATE_ATTR", "ShardState", "TrainingState"]
 
 STATE_ATTR = "_fsdp2_state"
 """Where a sharded module keeps its ``ModuleState``: in ``module.__dict__``, so that the
 lookup skips ``nn.Module.__getattr__`` and nothing registers it as a submodule."""
-
-
-def get_state(module: nn.Module) -> ModuleState | None:
-    """The fsdp2 state of ``module`` (None if ``fully_shard`` was not applied to it)."""
-    return module.__dict__.get(STATE_ATTR)
 
 
 class ShardState(Enum):

@@ -7,7 +7,10 @@ planner counts them and the diagnostics read them back: they all import the rule
   reduce-scatter buffer) starts on a 16-byte boundary, a multiple of every dtype's itemsize;
   ``aligned(n)`` is ``n`` rounded up to it.
 * ``HEADER``: the bytes at the start of each rank's all-gather slice (the rank checks' header,
-  ``diagnostics/_checks.py``); a multiple of ``ALIGN``, so the slots after it stay aligned.
+  ``runtime/_checks.py``); a multiple of ``ALIGN``, so the slots after it stay aligned. A
+  header is four native-endian int32s, the first a magic number: ``ALL_GATHER_MAGIC``
+  (``[magic, iteration, group index, phase]``) or, for the exchange's reduce-scatters,
+  ``REDUCE_MAGIC`` (``[magic, group index, number of parameters, their fingerprint]``).
 * ``chunk_rows(n, world)``: cutting ``n`` rows over ``world`` ranks gives each rank
   ``ceil(n / world)`` rows, the last ranks fewer or none (``torch.chunk``'s rule, DTensor's
   ``Shard``); shards are padded to that many rows.
@@ -26,11 +29,13 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ALIGN", "HEADER", "Chunking", "GatherFormat", "aligned", "chunk_rows", "contiguous_stride",
-           "packed_offsets"]
+__all__ = ["ALIGN", "ALL_GATHER_MAGIC", "HEADER", "REDUCE_MAGIC", "Chunking", "GatherFormat", "aligned", "chunk_rows",
+           "contiguous_stride", "packed_offsets"]
 
 ALIGN = 16
 HEADER = 16
+ALL_GATHER_MAGIC = 0x46534432  # "FSD2": a header written this iteration, not stale bytes
+REDUCE_MAGIC = 0x46534452  # "FSDR": a reduce-scatter's header
 
 
 def aligned(nbytes: int) -> int:

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .runtime import _fully_shard as _fs
 from .runtime._fully_shard import fully_shard
-from ._common import get_state
+from .runtime._state import get_state
 
 __all__ = ["fully_shard_auto"]
 

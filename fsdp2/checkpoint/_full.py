@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import _compat
 from .._format import chunk_rows
 from ..runtime._param import ShardedParam
-from .._common import get_state
+from ..runtime._state import get_state
 from ._meta import materialize
 from ._safetensors import StreamingWriter, import_safetensors
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .._common import get_state
+from ..runtime._state import get_state
 
 __all__ = ["materialize"]
 

@@ -10,7 +10,7 @@ Reduce-scatter does arithmetic, so it runs once per reduce dtype present.
 Layouts (for ``R`` ranks, each contributing a slice of ``S`` bytes):
 
 * send slice and flat all-gather output, rank-major: ``[rank0: hdr p0 p1 ...][rank1: hdr p0 p1 ...]``;
-  ``hdr`` is a 16-byte header naming what the rank gathers (checked in ``diagnostics/_checks.py``;
+  ``hdr`` is a 16-byte header naming what the rank gathers (checked in ``runtime/_checks.py``;
   the exchange sends it as a message of its own)
 * unsharded buffer, parameter-major: ``[p0: padded full][p1: padded full] ...``
   so that each unsharded parameter is a plain view of it.
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
+from .._format import REDUCE_MAGIC
 from ..diagnostics import _debug, _trace
 from ._streams import Completion
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GatherTargets", "AllGatherInFlight", "ReduceTarget", "ReduceScatterInFlight", "AcrossReplicas",
-    "reduce_op", "wait_reduce_scatter", "reduce_across_replicas", "show_flat_all_gather",
+    "reduce_op", "check_reduce_headers", "wait_reduce_scatter", "reduce_across_replicas", "show_flat_all_gather",
     "show_flat_reduce_scatter",
 ]
 
@@ -223,6 +224,29 @@ def show_flat_reduce_scatter(numel: int, world: int, dtype: torch.dtype, op: dis
         meta = torch.device("meta")
         out = torch.empty(numel, dtype=dtype, device=meta)
         _compat.reduce_scatter_flat(out, torch.empty(world * numel, dtype=dtype, device=meta), op=op, group=pg)
+
+
+def check_reduce_headers(target: ReduceTarget, headers: torch.Tensor) -> None:
+    """Raise on every rank whose peers reduce other gradients than it does (before summing them)."""
+    rows = headers.view(torch.int32).tolist()  # (world, 4)
+    if any(row[0] != REDUCE_MAGIC for row in rows) or all(row == rows[0] for row in rows):
+        return
+    ranks = dist.get_process_group_ranks(target.group)
+    odd = next(r for r, row in enumerate(rows) if row != rows[0])
+    if rows[odd][1] != rows[0][1]:
+        raise RuntimeError(
+            f"fsdp2: reduce-scatters of different groups matched up: rank {ranks[odd]} reduces group "
+            f"#{rows[odd][1]} while rank {ranks[0]} reduces group #{rows[0][1]}: ranks ran different "
+            "backwards. Every rank must run the same forwards and backwards in the same order"
+        )
+    raise RuntimeError(
+        f"fsdp2: ranks disagree on which parameters of {target.label} received gradients: rank "
+        f"{ranks[odd]} reduces {rows[odd][2]} of them, rank {ranks[0]} reduces {rows[0][2]}"
+        f"{' (other ones)' if rows[odd][2] == rows[0][2] else ''}. A branch that runs on some ranks "
+        "only leaves its parameters without gradients there: call set_reduce_scatter_unused_params(True) "
+        "on the model (zeros for the gradients a rank did not produce, as DDP's find_unused_parameters), "
+        "or run the branch on every rank: see docs/troubleshooting.md"
+    )
 
 
 def wait_reduce_scatter(inflight: ReduceScatterInFlight) -> torch.Tensor:

@@ -1,1 +1,4 @@
-"""Diagnostics: checks that the ranks agree, debug logging, the schedule trace."""
+"""Diagnostics: reports, not state: debug logging (``_debug``) and the schedule trace (``_trace``).
+
+The checks between ranks read the runtime's groups: they are the runtime's (``runtime/_checks.py``).
+"""

@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .. import _compat
 
-if TYPE_CHECKING:
-    from ..comm._streams import Completion
+
+
+class Waitable(Protocol):
+    """Anything ``wait`` can wait on: a work handle, or a stage's ``Completion`` (``comm/_streams.py``)."""
+
+    def wait(self) -> Any: ...
 
 __all__ = ["enabled", "set_debug", "phase", "describe_iteration", "log_collective", "wait"]
 
@@ -106,7 +110,7 @@ def log_collective(kind: str, label: str, group: dist.ProcessGroup | None, sizes
                       str(dtype).removeprefix("torch."), describe_iteration(root))
 
 
-def wait(work: Completion | dist.Work | None, kind: str, label: str, sizes: str, root: Any) -> None:
+def wait(work: Waitable | None, kind: str, label: str, sizes: str, root: Any) -> None:
     """``work.wait()``; if it raises (a timeout, a peer that died), say what was waited for.
 
     The new error has the original's type where that type takes a message (gloo and

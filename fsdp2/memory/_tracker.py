@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from ..diagnostics import _trace
 from .._compat import in_backward, prepend_post_accumulate_grad_hook
-from .._common import ShardState, get_state
+from .._common import ShardState
+from ..runtime._state import get_state
 from ._live import LiveStorages, plain_tensors, storage_key
 
 if TYPE_CHECKING:

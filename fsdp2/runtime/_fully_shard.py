@@ -23,7 +23,7 @@ from ._mesh import DataParallelMesh, SpmdAxes, tp_mesh_of
 from ._module import FSDPModule
 from ._param import ShardedParam
 from .._errors import FSDPOrderError, FSDPTypeError, FSDPValueError
-from .._common import get_state
+from ._state import get_state
 from ._state import ModuleState
 
 __all__ = ["fully_shard"]

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from .. import _compat
 from .._common import ShardState
-from ..diagnostics import _checks, _debug, _trace
+from ..diagnostics import _debug, _trace
+from . import _checks
 from ..comm._collectives import AllGatherInFlight, GatherTargets
 from ..comm._transport import Transport, choose_transport, flat_transport
 from . import _extension

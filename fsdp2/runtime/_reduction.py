@@ -20,7 +20,8 @@ import torch
 from .. import _compat
 from ..comm._collectives import ReduceScatterInFlight, ReduceTarget, reduce_across_replicas, wait_reduce_scatter
 from ..comm._streams import Completion, streams_for
-from ..diagnostics import _checks, _trace
+from ..diagnostics import _trace
+from . import _checks
 
 if TYPE_CHECKING:
     from ._group import ParamGroup

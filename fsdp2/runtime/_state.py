@@ -26,10 +26,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..diagnostics import _checks
+from . import _checks
 from .. import _compat
 from .._api import MixedPrecisionPolicy
-from .._common import STATE_ATTR, ShardState, TrainingState, get_state
+from .._common import STATE_ATTR, ShardState, TrainingState
 from ._group import ParamGroup, ReduceQueue
 from ._release import EarlyRelease
 from ._param import raise_if_on_meta
@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 
 
+
+
+def get_state(module: nn.Module) -> ModuleState | None:
+    """The fsdp2 state of ``module`` (None if ``fully_shard`` was not applied to it)."""
+    return module.__dict__.get(STATE_ATTR)
 
 
 class RootContext:

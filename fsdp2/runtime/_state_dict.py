@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .. import _compat
-from .._common import STATE_ATTR, get_state
+from .._common import STATE_ATTR
 from ._param import ShardedParam
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def _check_assigned(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
     """``load_state_dict(assign=True)``: every DTensor about to replace a parameter of a group
     under ``module`` is laid out as that parameter (full plain tensors are cut down instead)."""
     for name, sub in module.named_modules(remove_duplicate=False):
-        state = get_state(sub)
+        state = sub.__dict__.get(STATE_ATTR)  # (runtime/_state.get_state: that module imports this one)
         if state is None or state.group is None or sub not in state.modules:
             continue
         for key, param in _param_keys(state, sub, f"{prefix}{name}." if name else prefix):

@@ -14,7 +14,7 @@ import fsdp2
 from fsdp2.comm.cpu import _cma
 from fsdp2.diagnostics import _trace
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests._dist import environ, run_on_ranks
 from tests._models import Transformer
 from tests._parity import train_parity

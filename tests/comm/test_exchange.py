@@ -26,7 +26,7 @@ import fsdp2
 from fsdp2.comm.cpu import _cma, _exchange
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES
 from fsdp2.comm.cpu._transport import probe_reads
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests.parallel import test_2d
 from tests.runtime import test_mixed_precision, test_parity
 from tests._dist import environ, info_records, run_on_ranks

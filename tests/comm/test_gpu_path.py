@@ -151,7 +151,7 @@ def _partial_sums_kept_by_the_stage_that_reads_them() -> list[object]:
     all-reduce off, the second with it on, as a step of gradient accumulation runs them."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2._common import get_state
+    from fsdp2.runtime._state import get_state
     from fsdp2.comm._collectives import ReduceTarget
     from fsdp2.comm._transport import flat_transport
     from fsdp2.runtime._reduction import Reduction, finish_reduction

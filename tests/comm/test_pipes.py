@@ -24,7 +24,7 @@ import fsdp2
 from fsdp2.comm.cpu import _exchange, _pipes
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.comm.cpu._transport import probe_reads
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests._dist import environ, info_records, run_on_ranks
 from tests._models import MLP
 from tests._parity import assert_grads_are_average

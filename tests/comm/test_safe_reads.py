@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp2
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.comm.cpu._transport import probe_reads
 from fsdp2.comm.cpu import _cma, _exchange, _lease, _pipes, _yama

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp2
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests._dist import run_on_ranks
 
 pytest.importorskip("torchtitan")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.comm.cpu._transport import probe_reads
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests._dist import environ, run_on_ranks
 
 pytest.importorskip("transformers")

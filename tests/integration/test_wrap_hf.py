@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests._dist import info_records, run_on_ranks
 
 pytest.importorskip("transformers")

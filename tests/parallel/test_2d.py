@@ -519,7 +519,7 @@ def _collective_counts(layout: str) -> list[str]:
 
 
 def _states(model: nn.Module) -> list[Any]:
-    from fsdp2._common import get_state
+    from fsdp2.runtime._state import get_state
 
     return [get_state(m) for m in model.modules() if get_state(m) is not None]
 

@@ -36,7 +36,7 @@ from fsdp2 import fully_shard, register_fsdp_forward_method
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.diagnostics._debug import set_debug
 from fsdp2._common import ShardState
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import MLP, Block, Transformer, lm_loss, make_batch
 from tests._parity import assert_params_match, average_grads
@@ -203,7 +203,7 @@ def test_the_header_check_finds_the_odd_rank_at_any_world_size(world):
     from types import SimpleNamespace
 
     from fsdp2._compat import fake_process_group
-    from fsdp2.diagnostics import _checks
+    from fsdp2.runtime import _checks
 
     magic, odd = 0x46534432, world - 2
     group = SimpleNamespace(root=None)  # no root yet: groups are named by their index

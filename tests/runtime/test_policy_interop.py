@@ -18,7 +18,7 @@ from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
 
 import fsdp2
 from fsdp2._api import as_mixed_precision_policy, as_offload_policy
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests._dist import run_on_ranks
 from tests._models import MLP, Transformer, train
 from tests._parity import full

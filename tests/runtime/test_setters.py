@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import fsdp2
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests._dist import environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
 from tests._parity import assert_grads_are_average, full, train_parity

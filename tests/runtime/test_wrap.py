@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdp2
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests._dist import info_records, run_on_ranks
 from tests._models import MLP, Block, Transformer, train
 from tests._parity import train_parity

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2._common import get_state
+from fsdp2.runtime._state import get_state
 from tests._dist import run_on_ranks
 from tests._models import Transformer, train
 from tests._parity import train_parity

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ...diagnostics import _checks, _debug
+from ...diagnostics import _debug
 from ... import _compat
 from ..._format import HEADER, GatherFormat, aligned
-from .._collectives import (AllGatherInFlight, GatherTargets, ReduceScatterInFlight,
-                           ReduceTarget, reduce_op, show_flat_all_gather, show_flat_reduce_scatter)
+from .._collectives import (AllGatherInFlight, GatherTargets, ReduceScatterInFlight, ReduceTarget,
+                           check_reduce_headers, reduce_op, show_flat_all_gather, show_flat_reduce_scatter)
 from .._streams import Completion
 from .._transport import (CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupBytes, Transport, cpu_transport,
                           flat_transport)
@@ -72,7 +72,7 @@ class ExchangeReduceScatterInFlight(ReduceScatterInFlight):
     def wait(self, sizes: str) -> torch.Tensor:
         target = self.target
         _debug.wait(self.exchange.header_exchange, "reduce_scatter", target.label, sizes, target.root)
-        _checks.check_reduce_headers(target, self.exchange.headers)
+        check_reduce_headers(target, self.exchange.headers)
         _debug.wait(self.done, "reduce_scatter", target.label, sizes, target.root)
         return self.exchange.reduced()
 

@@ -33,24 +33,23 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _debug
 from .. import _compat, _wire
 from .._compat import root_mesh
+from .._format import ALL_GATHER_MAGIC, REDUCE_MAGIC
+from ..diagnostics import _debug
 
-if TYPE_CHECKING:  # for annotations only: the checks sit below the runtime and the transport
+if TYPE_CHECKING:
     from .._format import GatherFormat
-    from ..comm._collectives import AllGatherInFlight, ReduceTarget
-    from ..runtime._group import ParamGroup
-    from ..runtime._param import ShardedParam
-    from ..runtime._state import ModuleState, RootContext
+    from ..comm._collectives import AllGatherInFlight
+    from ._group import ParamGroup
+    from ._param import ShardedParam
+    from ._state import ModuleState, RootContext
 
 __all__ = [
     "Diagnostics", "check_rank_agreement", "before_all_gather", "wait_all_gather", "reduce_header",
-    "check_reduce_headers", "record_nonfinite", "raise_if_nonfinite",
+    "record_nonfinite", "raise_if_nonfinite",
 ]
 
-_MAGIC = 0x46534432  # "FSD2": a header written this iteration, not stale bytes
-_MAGIC_REDUCE = 0x46534452  # "FSDR": a reduce-scatter's header
 # Up to this many ranks the all-gather headers are compared row by row in Python (cheaper than
 # tensor ops for a few rows); beyond it with tensor ops, so the cost does not grow with the world.
 _COMPARED_IN_PYTHON = 16
@@ -191,7 +190,8 @@ def before_all_gather(group: ParamGroup, plan: GatherFormat, pg: dist.ProcessGro
     if check:
         index = root.diag.index.get(id(group), -1) if root is not None and root.diag is not None else -1
         # Native-endian int32s, read back as such; frombuffer is cheaper than torch.tensor.
-        header = torch.frombuffer(bytearray(struct.pack("=4i", _MAGIC, iteration, index, phase)), dtype=torch.uint8)
+        packed = struct.pack("=4i", ALL_GATHER_MAGIC, iteration, index, phase)
+        header = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
     _debug.log_collective("all_gather", group.label, pg, f"{plan.slice_bytes} bytes per rank",
                           torch.uint8, root)
     return header
@@ -226,7 +226,7 @@ def _check_all_gather_headers(group: ParamGroup, headers: torch.Tensor, pg: dist
         if torch.equal(table[:, 0], first[:, 0]) and torch.equal(table[:, 2:], first[:, 2:]):
             return
     rows = table.tolist()
-    if any(row[0] != _MAGIC for row in rows):
+    if any(row[0] != ALL_GATHER_MAGIC for row in rows):
         return
     keys = [_schedule_key(row) for row in rows]
     if all(key == keys[0] for key in keys):
@@ -273,30 +273,7 @@ def reduce_header(group: ParamGroup, params: Sequence[ShardedParam]) -> torch.Te
     fingerprint = 0
     for p in params:
         fingerprint = (fingerprint * 1_000_003 + positions[id(p)] + 1) % (2**31 - 1)
-    return torch.tensor([_MAGIC_REDUCE, index, len(params), fingerprint], dtype=torch.int32).view(torch.uint8)
-
-
-def check_reduce_headers(target: ReduceTarget, headers: torch.Tensor) -> None:
-    """Raise on every rank whose peers reduce other gradients than it does (before summing them)."""
-    rows = headers.view(torch.int32).tolist()  # (world, 4)
-    if any(row[0] != _MAGIC_REDUCE for row in rows) or all(row == rows[0] for row in rows):
-        return
-    ranks = dist.get_process_group_ranks(target.group)
-    odd = next(r for r, row in enumerate(rows) if row != rows[0])
-    if rows[odd][1] != rows[0][1]:
-        raise RuntimeError(
-            f"fsdp2: reduce-scatters of different groups matched up: rank {ranks[odd]} reduces group "
-            f"#{rows[odd][1]} while rank {ranks[0]} reduces group #{rows[0][1]}: ranks ran different "
-            "backwards. Every rank must run the same forwards and backwards in the same order"
-        )
-    raise RuntimeError(
-        f"fsdp2: ranks disagree on which parameters of {target.label} received gradients: rank "
-        f"{ranks[odd]} reduces {rows[odd][2]} of them, rank {ranks[0]} reduces {rows[0][2]}"
-        f"{' (other ones)' if rows[odd][2] == rows[0][2] else ''}. A branch that runs on some ranks "
-        "only leaves its parameters without gradients there: call set_reduce_scatter_unused_params(True) "
-        "on the model (zeros for the gradients a rank did not produce, as DDP's find_unused_parameters), "
-        "or run the branch on every rank: see docs/troubleshooting.md"
-    )
+    return torch.tensor([REDUCE_MAGIC, index, len(params), fingerprint], dtype=torch.int32).view(torch.uint8)
 
 
 # ---- finite gradients -----------------------------------------------------------------
