@@ -347,7 +347,8 @@ def test_the_probe_reads_nothing_when_the_host_keys_differ():
     for me, (verdict, reads, said) in enumerate(results):
         assert verdict is False and reads == [], results
         assert said == [f"fsdp2: the ranks [0, 1] cannot read each other's memory with process_vm_readv (this "
-                        f"rank is not on the host (or in the PID namespace) of rank {1 - me}: their host keys "
+                        f"rank is not on the host (or in the PID namespace, or the FSDP2_NODE node) of rank {1 - me}: "
+                        "their host keys "
                         "differ); CPU exchanges over this process group send messages instead"], said
 
 

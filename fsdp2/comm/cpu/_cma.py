@@ -13,7 +13,8 @@ the reader answers with an acknowledgement once it has read, after which the
 peer may free or overwrite that memory.
 
 Whether it works is probed once per process group (``probe``): the ranks exchange their
-pids and host keys (boot id, host name, PID namespace); where every key is the same, every
+pids and host keys (boot id, host name, PID namespace, and the node ``FSDP2_NODE`` names, if
+set: ``node``); where every key is the same, every
 rank reads a random token from every peer and checks it, then the ranks agree (the same
 answer on every rank, or the transports would not match). Ranks whose host keys differ read
 nothing at all (a peer's pid would name another process here); where ptrace rules or a
@@ -28,6 +29,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import secrets
 import sys
 from typing import Sequence
@@ -38,9 +40,11 @@ import torch.distributed as dist
 from . import _yama
 from ... import _compat, _wire
 
-__all__ = ["describe", "pids", "probe", "read", "usable"]
+__all__ = ["NODE_ENV", "describe", "node", "pids", "probe", "read", "usable"]
 
 _IOV_MAX = 1024  # iovecs per call on Linux
+NODE_ENV = "FSDP2_NODE"
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a host name's characters, or a number
 logger = logging.getLogger(__name__)
 
 
@@ -151,9 +155,33 @@ def pids(pg: dist.ProcessGroup) -> tuple[int, ...]:
     return entry[2] if entry is not None and entry[0] is pg and entry[1] else ()
 
 
+def node() -> str:
+    """This rank's node as ``FSDP2_NODE`` names it; "" where it is unset (the host alone decides).
+
+    Ranks of one host whose node names differ never read each other: they send messages, as
+    ranks on two machines do, which is how one machine stands in for several in tests
+    (docs/multi-node.md). Opt-in, not torchrun's ``GROUP_RANK``: torchrun sets that on every
+    launch (several agents on one host would lose their reads unasked), and other launchers
+    (``srun`` alone, ``mpirun``, ``mp.spawn``) set nothing like it.
+
+    Raises ``ValueError`` naming the variable and the fix for a value that is not a name
+    (empty, spaces, punctuation): a typo there would silently merge or split nodes.
+    """
+    value = os.environ.get(NODE_ENV)
+    if value is None:
+        return ""
+    if not _NODE_NAME.fullmatch(value):
+        raise ValueError(
+            f"fsdp2: {NODE_ENV}={value!r} is not a node name: use 1 to 64 letters, digits, '.', '_' or '-', "
+            f"starting with a letter or digit, the same on every rank of one node (e.g. {NODE_ENV}=0 for the "
+            f"first launch's ranks, {NODE_ENV}=1 for the second's), or unset it"
+        )
+    return value
+
+
 def _host() -> int:
-    """Names this host and PID namespace (63 bits): ranks with the same name may read each other."""
-    parts = []
+    """Names this host, PID namespace and node (63 bits): ranks with the same name may read each other."""
+    parts = [node()]
     for path in ("/proc/sys/kernel/random/boot_id", "/etc/hostname"):
         try:
             with open(path) as f:
@@ -171,8 +199,9 @@ def _host() -> int:
 def _cannot_read(pg: dist.ProcessGroup, rows: Sequence[torch.Tensor]) -> str:
     """Why this rank must not read its peers, found before any read; "" when it may try.
 
-    A peer whose host key differs is on another host or in another PID namespace: the pid in
-    its row names some other process here (or none), so nothing is read from it at all.
+    A peer whose host key differs is on another host or in another PID namespace (or names
+    another node, ``FSDP2_NODE``): the pid in its row names some other process here (or none,
+    or one that must be treated as remote), so nothing is read from it at all.
     """
     if _readv_fn() is None:
         return "has no process_vm_readv"
@@ -180,7 +209,8 @@ def _cannot_read(pg: dist.ProcessGroup, rows: Sequence[torch.Tensor]) -> str:
     elsewhere = [q for q, row in enumerate(rows) if int(row[_ROW_HOST]) != mine]
     if elsewhere:
         rank = dist.get_global_rank(pg, elsewhere[0])
-        return f"is not on the host (or in the PID namespace) of rank {rank}: their host keys differ"
+        return (f"is not on the host (or in the PID namespace, or the {NODE_ENV} node) of rank {rank}: "
+                "their host keys differ")
     return _let_peers_read(pg, rows)
 
 
@@ -221,12 +251,19 @@ def _probe(pg: dist.ProcessGroup) -> tuple[bool, tuple[int, ...]]:
     """``probe``'s collectives: who is where, whether each rank lets its peers in, the reads, the verdict."""
     ranks = dist.get_process_group_ranks(pg)
     token = torch.tensor([secrets.randbits(63) for _ in range(4)], dtype=torch.int64)
-    mine = torch.cat([describe([token]), token, torch.tensor([os.getppid(), _host()], dtype=torch.int64)])
+    try:
+        host, bad = _host(), ""
+    except ValueError as e:  # raised below on every rank alike, not here alone (the others would hang)
+        host, bad = 0, str(e)
+    mine = torch.cat([describe([token]), token, torch.tensor([os.getppid(), host], dtype=torch.int64)])
     rows = [torch.empty_like(mine) for _ in range(pg.size())]
     dist.all_gather(rows, mine, group=pg)
-    why = _cannot_read(pg, rows)  # every rank sees every host key: all of them stop here alike
+    why = _cannot_read(pg, rows) if not bad else "has a bad node name"  # every rank sees every host key
     # Also the barrier that keeps every read after every rank's Yama declaration.
-    reasons = _wire.all_gather_json(why, pg)
+    reasons, errors = zip(*_wire.all_gather_json([why, bad], pg))
+    if any(errors):
+        bad_rank = next(q for q, e in enumerate(errors) if e)
+        raise ValueError(f"{errors[bad_rank]} (rank {ranks[bad_rank]}'s environment)")
     why = f"this rank {why}" if why else ""
     for peer, row in enumerate(rows):
         if why:
