@@ -50,11 +50,6 @@ __all__ = [
     "record_nonfinite", "raise_if_nonfinite",
 ]
 
-# Up to this many ranks the all-gather headers are compared row by row in Python (cheaper than
-# tensor ops for a few rows); beyond it with tensor ops, so the cost does not grow with the world.
-_COMPARED_IN_PYTHON = 16
-
-
 class Diagnostics:
     """What the checks need to know about one root's model, built at lazy init.
 
@@ -218,14 +213,13 @@ def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight, pg: dist.Proce
 def _check_all_gather_headers(group: ParamGroup, headers: torch.Tensor, pg: dist.ProcessGroup | None) -> None:
     if pg is None:
         return
-    table = headers.contiguous().view(torch.int32).cpu()  # (world, 4); a device sync on CUDA
-    if table.shape[0] > _COMPARED_IN_PYTHON:
-        # Two comparisons, whatever the world size: every rank's magic, group and phase equal
-        # rank 0's (the iteration may differ). Anything else is rare: row by row below.
-        first = table[:1].expand_as(table)
-        if torch.equal(table[:, 0], first[:, 0]) and torch.equal(table[:, 2:], first[:, 2:]):
-            return
-    rows = table.tolist()
+    # The usual case in one comparison, whatever the world size and without a copy: the header's
+    # second 8 bytes (group index and phase) are rank 0's on every rank (the iteration, in the
+    # first 8, may differ). Anything else is rare: row by row below.
+    keys = headers.view(torch.int64)[:, 1]  # (world,), a strided view of the rows
+    if torch.equal(keys, keys[:1].expand(keys.shape[0])):  # on CUDA a device sync (debug mode only)
+        return
+    rows = headers.contiguous().view(torch.int32).cpu().tolist()  # (world, 4)
     if any(row[0] != ALL_GATHER_MAGIC for row in rows):
         return
     keys = [_schedule_key(row) for row in rows]

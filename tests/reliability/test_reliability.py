@@ -198,7 +198,7 @@ def _aligned_schedules(layout: str) -> int:
     return step
 
 
-@pytest.mark.parametrize("world", [4, 64])  # compared row by row, and with tensor ops
+@pytest.mark.parametrize("world", [4, 64])  # one comparison of the rows, then row by row for the message
 def test_the_header_check_finds_the_odd_rank_at_any_world_size(world):
     from types import SimpleNamespace
 
