@@ -53,12 +53,12 @@ class AllGatherInFlight:
     Every tensor it holds must outlive ``done``.
     """
 
-    __slots__ = ("done", "plan", "headers", "transport")
+    __slots__ = ("done", "fmt", "headers", "transport")
 
-    def __init__(self, done: Completion, plan: GatherFormat, headers: torch.Tensor | None,
+    def __init__(self, done: Completion, fmt: GatherFormat, headers: torch.Tensor | None,
                  transport: Transport) -> None:
         self.done = done
-        self.plan = plan
+        self.fmt = fmt
         self.headers = headers  # (world, HEADER) bytes: the ranks' schedule headers, once done; None: unchecked
         self.transport = transport
 
@@ -86,8 +86,8 @@ class GatherTargets:
     (``Chunking.chunks_view``), where the exchange receives and the flat copy-out writes.
     """
 
-    def __init__(self, plan: GatherFormat, chunks: list[torch.Tensor]) -> None:
-        self.plan = plan
+    def __init__(self, fmt: GatherFormat, chunks: list[torch.Tensor]) -> None:
+        self.fmt = fmt
         self.chunks = chunks
 
     @cached_property
@@ -100,14 +100,14 @@ class GatherTargets:
             return self._split()
 
     def _split(self) -> tuple[list[int], list[torch.Tensor]] | None:
-        chunks, plan = self.chunks, self.plan
+        chunks, fmt = self.chunks, self.fmt
         if not all(c.is_contiguous() for c in chunks):
             return None
-        world = plan.world
-        ends = [*plan.offsets[1:], plan.slice_bytes]
+        world = fmt.world
+        ends = [*fmt.offsets[1:], fmt.slice_bytes]
         sizes: list[int] = []
         places: list[torch.Tensor | None] = []  # None: padding, copied to scratch
-        for chunk, start, end in zip(chunks, plan.offsets, ends):
+        for chunk, start, end in zip(chunks, fmt.offsets, ends):
             data = chunk.numel() // world * chunk.element_size()
             sizes.append(data)
             places.append(chunk.view(world, -1).view(torch.uint8))
@@ -203,17 +203,17 @@ def _divide_before(factor: float) -> float:
     return float(next(p for p in powers if factor % p or p * p >= factor))
 
 
-def show_flat_all_gather(plan: GatherFormat, pg: dist.ProcessGroup) -> None:
+def show_flat_all_gather(fmt: GatherFormat, pg: dist.ProcessGroup) -> None:
     """Under a dispatch mode (``CommDebugMode``): the flat all-gather a transport's messages or
     reads stand for, issued on meta tensors of its shapes, so the mode sees the collective
     torch's FSDP2 (and fsdp2's flat transport) issues. Meta tensors move no data: c10d's meta
     kernel returns at once, on this rank alone, whatever the others do. Without a mode, or on
     one rank (no collective there, as with the flat transport and torch), nothing.
     """
-    if plan.world > 1 and _compat.dispatch_modes_active():
+    if fmt.world > 1 and _compat.dispatch_modes_active():
         meta = torch.device("meta")
-        send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=meta)
-        out = torch.empty(plan.world * plan.slice_bytes, dtype=torch.uint8, device=meta)
+        send = torch.empty(fmt.slice_bytes, dtype=torch.uint8, device=meta)
+        out = torch.empty(fmt.world * fmt.slice_bytes, dtype=torch.uint8, device=meta)
         _compat.all_gather_flat(out, send, group=pg)
 
 

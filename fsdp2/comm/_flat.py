@@ -36,9 +36,9 @@ class FlatAllGather(AllGatherInFlight):
 
     __slots__ = ("send", "output")
 
-    def __init__(self, done: Completion, plan: GatherFormat, headers: torch.Tensor | None, transport: Transport,
+    def __init__(self, done: Completion, fmt: GatherFormat, headers: torch.Tensor | None, transport: Transport,
                  send: torch.Tensor, output: torch.Tensor) -> None:
-        super().__init__(done, plan, headers, transport)
+        super().__init__(done, fmt, headers, transport)
         self.send = send
         self.output = output
 
@@ -79,12 +79,12 @@ class FlatTransport(Transport):
         self.all_gather = all_gather or DEFAULT_ALL_GATHER
         self.reduce_scatter = reduce_scatter or DEFAULT_REDUCE_SCATTER
 
-    def start_all_gather(self, source: GatherSource, plan: GatherFormat, pg: dist.ProcessGroup,
+    def start_all_gather(self, source: GatherSource, fmt: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
-        send, copied = _send_slice(source, plan, explicit)
+        send, copied = _send_slice(source, fmt, explicit)
         if explicit and copied is not None:  # CUDA: later work on the compute stream waits for the copy
             copied.wait()
-        return _start_all_gather(self, send, plan, pg, source.device, copied, header)
+        return _start_all_gather(self, send, fmt, pg, source.device, copied, header)
 
     def finish_all_gather(self, inflight: AllGatherInFlight, targets: GatherTargets) -> None:
         _copy_out(inflight, targets)
@@ -136,30 +136,30 @@ def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
     return device.type == "cpu" and not explicit
 
 
-def _send_slice(source: GatherSource, plan: GatherFormat, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
+def _send_slice(source: GatherSource, fmt: GatherFormat, explicit: bool) -> tuple[torch.Tensor, Completion | None]:
     """This rank's slice of the flat all-gather and the copy that filled it (None: no copy).
 
     The source's laid-out slice itself where nothing can write it before the collective has
     read it (only the group writes it, or ``send_aliases_shards``), else a copy made at issue
     time: of the laid-out slice in one op, or of each entry.
     """
-    laid_out, private = source.laid_out(plan)
+    laid_out, private = source.laid_out(fmt)
     if laid_out is not None and (private or send_aliases_shards(source.device, explicit)):
         return laid_out, None
     streams = streams_for(source.device)
     with streams.side("copy_in"):
-        send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=source.device)
+        send = torch.empty(fmt.slice_bytes, dtype=torch.uint8, device=source.device)
         with torch.no_grad():
             if laid_out is not None:  # one copy (the header is stamped apart)
                 send[HEADER:].copy_(laid_out[HEADER:], non_blocking=True)
             else:
-                torch._foreach_copy_(plan.slots(send), source.entries(plan), non_blocking=True)
+                torch._foreach_copy_(fmt.slots(send), source.entries(fmt), non_blocking=True)
         copied = streams.issued(None)
     return send, copied
 
 
 def _start_all_gather(
-    transport: FlatTransport, send: torch.Tensor, plan: GatherFormat, group: dist.ProcessGroup, device: torch.device,
+    transport: FlatTransport, send: torch.Tensor, fmt: GatherFormat, group: dist.ProcessGroup, device: torch.device,
     copied: Completion | None, header: torch.Tensor | None,
 ) -> AllGatherInFlight:
     """Issue the flat all-gather of ``send`` (after ``copied``, the copy-in that filled it, if any).
@@ -170,17 +170,17 @@ def _start_all_gather(
     streams = streams_for(device)
     if header is not None:
         send[:HEADER].copy_(header, non_blocking=True)
-    if plan.world == 1:  # nothing to gather: the send buffer is the result
-        return FlatAllGather(copied or Completion(), plan, send[None, :HEADER], transport, send, send)
+    if fmt.world == 1:  # nothing to gather: the send buffer is the result
+        return FlatAllGather(copied or Completion(), fmt, send[None, :HEADER], transport, send, send)
     with streams.side("all_gather"):
         streams.after(copied)
         comm = transport.all_gather
-        output = comm.allocate((plan.world * plan.slice_bytes,), dtype=torch.uint8, device=device)
+        output = comm.allocate((fmt.world * fmt.slice_bytes,), dtype=torch.uint8, device=device)
         work = comm(output, send, group, async_op=True)
         done = streams.issued(work)
     # Read only where a header was sent (CPU, debug): the GPU path makes no views for them.
-    headers = output.view(plan.world, plan.slice_bytes)[:, :HEADER] if header is not None else None
-    return FlatAllGather(done, plan, headers, transport, send, output)
+    headers = output.view(fmt.world, fmt.slice_bytes)[:, :HEADER] if header is not None else None
+    return FlatAllGather(done, fmt, headers, transport, send, output)
 
 
 def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:
@@ -189,14 +189,14 @@ def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:
     One op for the whole group: a ``split_with_sizes_copy`` of the output's byte columns
     (no view per parameter per step), else one foreach copy of per-entry views.
     """
-    plan = inflight.plan
+    fmt = inflight.fmt
     split = targets.split
     with torch.no_grad():
         if split is not None:
-            rows = inflight.output.view(plan.world, plan.slice_bytes)[:, HEADER:]
+            rows = inflight.output.view(fmt.world, fmt.slice_bytes)[:, HEADER:]
             torch.split_with_sizes_copy(rows, split[0], dim=1, out=split[1])
         else:
-            torch._foreach_copy_(targets.chunks, plan.rank_major(inflight.output))
+            torch._foreach_copy_(targets.chunks, fmt.rank_major(inflight.output))
 
 
 def _start_reduce_scatter(

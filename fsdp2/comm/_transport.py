@@ -48,16 +48,16 @@ class GatherSource(Protocol):
     device: torch.device
     label: str
 
-    def laid_out(self, plan: GatherFormat) -> tuple[torch.Tensor | None, bool]:
-        """This rank's entries already laid out as ``plan``'s slice (header room first), if they
+    def laid_out(self, fmt: GatherFormat) -> tuple[torch.Tensor | None, bool]:
+        """This rank's entries already laid out as ``fmt``'s slice (header room first), if they
         are, and whether only the group writes that memory (True: sent as it is by any unshard)."""
         ...
 
-    def entries(self, plan: GatherFormat) -> list[torch.Tensor]:
-        """This rank's part of each entry of ``plan``, where it lives now."""
+    def entries(self, fmt: GatherFormat) -> list[torch.Tensor]:
+        """This rank's part of each entry of ``fmt``, where it lives now."""
         ...
 
-    def targets(self, plan: GatherFormat) -> GatherTargets:
+    def targets(self, fmt: GatherFormat) -> GatherTargets:
         """Where the gathered entries go: the unsharded buffer (allocated by this call)."""
         ...
 
@@ -113,7 +113,7 @@ class Transport(ABC):
         ``pg`` is there): find out what the ranks can do for each other."""
 
     @abstractmethod
-    def start_all_gather(self, source: GatherSource, plan: GatherFormat, pg: dist.ProcessGroup,
+    def start_all_gather(self, source: GatherSource, fmt: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
         """Issue the all-gather of ``source``'s entries over ``pg``; ``header``: this rank's schedule
         header (None: not checked); ``explicit``: the user's ``unshard(async_op=True)``."""

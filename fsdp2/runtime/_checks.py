@@ -175,19 +175,19 @@ def _first_difference(all_lines: list[list[str]], pg: dist.ProcessGroup) -> str:
 
 
 # ---- all-gather headers ---------------------------------------------------------------
-def before_all_gather(group: ParamGroup, plan: GatherFormat, pg: dist.ProcessGroup) -> torch.Tensor | None:
+def before_all_gather(group: ParamGroup, fmt: GatherFormat, pg: dist.ProcessGroup) -> torch.Tensor | None:
     """This rank's 16-byte header for the coming all-gather (None when unchecked); logs in debug mode."""
     root = group.root
     iteration = root.iteration if root is not None else -1
     phase = _debug.phase(root)
-    check = plan.world > 1 and (group.device.type == "cpu" or _debug.enabled())
+    check = fmt.world > 1 and (group.device.type == "cpu" or _debug.enabled())
     header = None
     if check:
         index = root.diag.index.get(id(group), -1) if root is not None and root.diag is not None else -1
         # Native-endian int32s, read back as such; frombuffer is cheaper than torch.tensor.
         packed = struct.pack("=4i", ALL_GATHER_MAGIC, iteration, index, phase)
         header = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-    _debug.log_collective("all_gather", group.label, pg, f"{plan.slice_bytes} bytes per rank",
+    _debug.log_collective("all_gather", group.label, pg, f"{fmt.slice_bytes} bytes per rank",
                           torch.uint8, root)
     return header
 
@@ -198,8 +198,8 @@ def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight, pg: dist.Proce
 
     When the headers travel ahead of the data (the exchange), they are compared first.
     """
-    plan = gather.plan
-    sizes = f"{plan.world} ranks x {plan.slice_bytes} bytes"
+    fmt = gather.fmt
+    sizes = f"{fmt.world} ranks x {fmt.slice_bytes} bytes"
     headers_done = gather.headers_done()
     if headers_done is not None:
         _debug.wait(headers_done, "all_gather", group.label, sizes, group.root)

@@ -149,7 +149,7 @@ class ParamExtension:
     """One parameter's extension state: the hooks' results between an all-gather and its rebuild.
 
     ``specs`` (shape and dtype of each input, fixed at the first all-gather) lay out the
-    group's plan; ``outputs`` are the persistent tensors the inputs are gathered into (one
+    group's all-gather format; ``outputs`` are the persistent tensors the inputs are gathered into (one
     storage each); ``to_free`` the inner tensors outside them (with their sizes).
     """
 
@@ -361,8 +361,8 @@ class GroupExtension:
                    for lay, dtype, is_input in zip(layouts, dtypes, self._inputs()) if is_input)
 
     def bind(self, buffer: torch.Tensor, param_base: torch.Tensor, starts: Sequence[int], sizes: Sequence[int],
-             plan: Any, on_grad_ready: Callable[[ShardedParam], None]) -> list[torch.Tensor]:
-        """One region per entry of ``plan``, where the all-gather writes it; returns them.
+             fmt: Any, on_grad_ready: Callable[[ShardedParam], None]) -> list[torch.Tensor]:
+        """One region per entry of ``fmt``, where the all-gather writes it; returns them.
 
         A plain parameter's region is its place in the unsharded buffer (at ``starts``) and
         its unsharded view is taken from ``param_base`` (the buffer's ``.data``, without its
@@ -371,7 +371,7 @@ class GroupExtension:
         must sit at equal offsets (``TwoTensor`` checks that). The hooks get their ``.data``,
         which refilling does not bump the version counter of.
         """
-        layouts, dtypes = plan.layouts, plan.dtypes
+        layouts, dtypes = fmt.layouts, fmt.dtypes
         regions: list[torch.Tensor] = []
         self.gathered = []
         for p in self.params:

@@ -58,7 +58,7 @@ class ParamGroup:
         self.reduce_queue = ReduceQueue()  # replaced by the root's shared queue at lazy init
         self.root = None  # the root's RootContext, set at lazy init (iteration, phase, checks)
         self.policy = GroupPolicy()  # written by fully_shard and the FSDPModule setters
-        self._partial_reduce: dict[torch.dtype, torch.Tensor] = {}
+        self.partial_sums: dict[torch.dtype, torch.Tensor] = {}  # HSDP: reduce-scattered sums awaiting all-reduce
         self.state = ShardState.SHARDED
         self._gather: AllGatherInFlight | None = None
         self._unreleased: AllGatherInFlight | None = None  # a read all-gather the peers may still read from
@@ -72,7 +72,7 @@ class ParamGroup:
         self.early: EarlyRelease | None = None
         self._regions: list[torch.Tensor] = []
         self._chunk_views: dict[int, GatherTargets] = {}  # world -> the regions as (world, *local_shape)
-        self._plans: dict[int, GatherFormat] = {}
+        self._formats: dict[int, GatherFormat] = {}
         # The shards packed back to back in the all-gather's send layout (None when a
         # cast or a device move makes a copy-in necessary anyway): see _pack_shards.
         self._packed: torch.Tensor | None = None
@@ -102,19 +102,19 @@ class ParamGroup:
         self.refresh_transports()
         self._probed = False  # probe_transport() ran: at the group's first all-gather
         self.prepared = False  # the parameters assigned since fully_shard were taken (take_assigned)
-        self._aliases = self._aliases_shards()
+        self.shards_are_full = self._shards_are_the_full_tensors()
         self._pack_shards()
 
     # ---- layout -------------------------------------------------------------------------
-    def _plan(self, world: int) -> GatherFormat:
-        if world not in self._plans:
+    def _gather_format(self, world: int) -> GatherFormat:
+        if world not in self._formats:
             if self._ext is not None:  # one entry per extension input (known once its hook ran)
                 layouts, dtypes = self._ext.entries(world)
             else:
                 layouts = [p.layout.with_world(world) for p in self.params]
                 dtypes = [p.param_dtype for p in self.params]
-            self._plans[world] = GatherFormat.build(layouts, dtypes)
-        return self._plans[world]
+            self._formats[world] = GatherFormat.build(layouts, dtypes)
+        return self._formats[world]
 
     def adopt_registered(self, move: bool, where: str) -> None:
         """Take the parameters the modules hold now as the group's sharded ones (torch's
@@ -166,7 +166,7 @@ class ParamGroup:
         parameters were replaced."""
         if self.state is not ShardState.SHARDED:
             raise RuntimeError(f"group {self.label} must be resharded before converting its module")
-        self._plans.clear()
+        self._formats.clear()
         self._buffers, self._regions = [], []
         for p in self.params:  # their views of the old buffers go too
             p.unbind_unsharded()
@@ -177,7 +177,7 @@ class ParamGroup:
         self.transport = choose_transport(self.device, self._unsharded_bytes())  # the dtypes may have changed
         self.refresh_transports()
         self._probed = False  # an exchange group now (the dtypes changed) probes at its next gather
-        self._aliases = self._aliases_shards()
+        self.shards_are_full = self._shards_are_the_full_tensors()
         self._pack_shards()
 
     def _pack_shards(self) -> None:
@@ -192,15 +192,15 @@ class ParamGroup:
             p.param_dtype == p.orig_dtype and p.padded_local.device == self.device for p in self.params
         ) or self.device.type == "meta":
             return
-        plan = self._plan(self.world)
-        packed = torch.zeros(plan.slice_bytes, dtype=torch.uint8, device=self.device)
-        self._packed_slots = plan.slots(packed)
+        fmt = self._gather_format(self.world)
+        packed = torch.zeros(fmt.slice_bytes, dtype=torch.uint8, device=self.device)
+        self._packed_slots = fmt.slots(packed)
         for p, slot in zip(self.params, self._packed_slots):
             p.adopt_padded_local(slot)
         self._packed_ptrs = [_compat.dtensor_local(p.sharded).data_ptr() for p in self.params]
         self._packed = packed
 
-    def _shards(self, plan: GatherFormat) -> list[torch.Tensor]:
+    def _shards(self, fmt: GatherFormat) -> list[torch.Tensor]:
         """Each parameter's padded shard, repacked first where the local data was rebound."""
         if self._ext is not None:  # each all-gather entry: shards and the extension hooks' inputs
             return self._ext.sources
@@ -217,26 +217,26 @@ class ParamGroup:
         return [p.padded_local for p in self.params]
 
     # ---- what the transport asks for (comm/_transport.GatherSource) --------------------------
-    def entries(self, plan: GatherFormat) -> list[torch.Tensor]:
+    def entries(self, fmt: GatherFormat) -> list[torch.Tensor]:
         """This rank's part of each all-gather entry: the shards, or after a reshard to a
         subgroup the 1/k kept (``reshard_to_subgroup``)."""
         if self.state is ShardState.PARTIAL:
-            return plan.slots(self._partial_send)
-        return self._shards(plan)
+            return fmt.slots(self._partial_send)
+        return self._shards(fmt)
 
-    def targets(self, plan: GatherFormat) -> GatherTargets:
+    def targets(self, fmt: GatherFormat) -> GatherTargets:
         """The unsharded buffer (allocated now) as the all-gather's targets."""
         self._alloc_unsharded()
-        return self._targets(plan)
+        return self._targets(fmt)
 
-    def laid_out(self, plan: GatherFormat) -> tuple[torch.Tensor | None, bool]:
-        """This rank's entries already laid out as ``plan``'s slice, if they are: after a reshard
+    def laid_out(self, fmt: GatherFormat) -> tuple[torch.Tensor | None, bool]:
+        """This rank's entries already laid out as ``fmt``'s slice, if they are: after a reshard
         to a subgroup the 1/k kept (only the group writes it: ``True``), else the packed shards
         (``_pack_shards``; the optimizer writes them: ``False``)."""
         if self.state is ShardState.PARTIAL:
             return self._partial_send, True
         if self._packed is not None:
-            self._shards(plan)  # packed again first where the local data was rebound
+            self._shards(fmt)  # packed again first where the local data was rebound
         return self._packed, False
 
     def _region_sizes(self) -> list[int]:
@@ -287,7 +287,7 @@ class ParamGroup:
             # saved these parameters in forward and reads them again in backward.
             if self._ext is not None:  # one region per all-gather entry, one segment
                 buffer = self._buffers[0]
-                self._regions = self._ext.bind(buffer, buffer.data, starts, sizes, self._plan(self.world),
+                self._regions = self._ext.bind(buffer, buffer.data, starts, sizes, self._gather_format(self.world),
                                                self._on_grad_ready)
                 return
             for k, buffer in enumerate(self._buffers):
@@ -304,14 +304,14 @@ class ParamGroup:
         if self._ext is not None:
             self._ext.alloc()
 
-    def _targets(self, plan: GatherFormat) -> GatherTargets:
-        """The unsharded buffer's regions viewed as ``plan.world`` chunks each, where the
+    def _targets(self, fmt: GatherFormat) -> GatherTargets:
+        """The unsharded buffer's regions viewed as ``fmt.world`` chunks each, where the
         all-gather puts them. Made once per world: the views outlive the buffer's frees."""
-        targets = self._chunk_views.get(plan.world)
+        targets = self._chunk_views.get(fmt.world)
         if targets is None:
             with torch.inference_mode(False):  # views written outside inference mode too
-                chunks = [lay.chunks_view(region) for lay, region in zip(plan.layouts, self._regions)]
-            targets = self._chunk_views[plan.world] = GatherTargets(plan, chunks)
+                chunks = [lay.chunks_view(region) for lay, region in zip(fmt.layouts, self._regions)]
+            targets = self._chunk_views[fmt.world] = GatherTargets(fmt, chunks)
         return targets
 
     @staticmethod
@@ -333,7 +333,7 @@ class ParamGroup:
         gather, self._unreleased = self._unreleased, None
         if gather is not None:
             _debug.wait(gather.release(), "all_gather", self.label,
-                        f"{gather.plan.world} ranks x {gather.plan.slice_bytes} bytes (the peers' reads)", self.root)
+                        f"{gather.fmt.world} ranks x {gather.fmt.slice_bytes} bytes (the peers' reads)", self.root)
 
     def probe_transport(self) -> None:
         """Let the transport find out once what the ranks can do for each other (collective).
@@ -380,7 +380,7 @@ class ParamGroup:
         grads = []
         for p in self.params:
             grads += [p.sharded.grad, p.accumulated_grad, p.unsharded.grad if p.unsharded is not None else None]
-        comm = [self._partial_send, *self._partial_reduce.values()]
+        comm = [self._partial_send, *self.partial_sums.values()]
         for gather in (self._gather, self._unreleased):  # (a read all-gather's, until the peers read)
             if gather is not None:  # packed shards are sent as they are: still sharded parameters
                 comm += [t for t in gather.buffers() if t is not self._packed]
@@ -395,10 +395,10 @@ class ParamGroup:
         return {category: [t for t in ts if isinstance(t, torch.Tensor)] for category, ts in found.items()}
 
     # ---- unshard / reshard --------------------------------------------------------------
-    def _aliases_shards(self) -> bool:
+    def _shards_are_the_full_tensors(self) -> bool:
         """World size 1 with nothing to cast or move: the shards already are the full tensors.
 
-        Computed at construction and after ``invalidate()`` (``self._aliases``): the
+        Computed at construction and after ``invalidate()`` (``self.shards_are_full``): the
         per-step paths read the cached answer.
         """
         return (self.world == 1 and self.dp.replicate_group is None and self.subgroup is None and self._ext is None
@@ -417,7 +417,7 @@ class ParamGroup:
             self.reshard()  # then gathered whole, into the same storages autograd saved views of
         if self.state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return  # a prefetch already issued it: gathering twice would waste a collective
-        if self.state is ShardState.SHARDED and self._aliases:
+        if self.state is ShardState.SHARDED and self.shards_are_full:
             _trace.emit("unshard", self.label)
             for p in self.params:  # no collective and no copy: view the shard itself
                 p.bind_unsharded(p.padded_local, self._on_grad_ready)
@@ -432,14 +432,14 @@ class ParamGroup:
             self._ext.pre_all_gather(self.policy.mp_policy, self.device)
         partial = self.state is ShardState.PARTIAL
         if partial:
-            plan, group = self._plan(self.subgroup.size), self.subgroup.group
+            fmt, group = self._gather_format(self.subgroup.size), self.subgroup.group
         else:
-            plan, group = self._plan(self.world), self.process_group
+            fmt, group = self._gather_format(self.world), self.process_group
         _trace.emit("unshard", self.label)
         with _trace.profiled(f"fsdp2::all_gather {self.label}"), _trace.issuing("all_gather", self.label):
-            header = _checks.before_all_gather(self, plan, group)
+            header = _checks.before_all_gather(self, fmt, group)
             self._header_pg = group if header is not None else None  # the ranks' headers are compared over it
-            self._gather = self.gather_transport.start_all_gather(self, plan, group, header, explicit)
+            self._gather = self.gather_transport.start_all_gather(self, fmt, group, header, explicit)
         self._partial_send = None
         self.state = ShardState.GATHERING
         if not async_op:
@@ -458,7 +458,7 @@ class ParamGroup:
             pg, self._header_pg = self._header_pg, None  # checked once, even if the check raises
             _checks.wait_all_gather(self, gather, pg)  # errors name the group; compares the ranks' headers
             self._alloc_unsharded()
-            gather.transport.finish_all_gather(gather, self._targets(gather.plan))
+            gather.transport.finish_all_gather(gather, self._targets(gather.fmt))
             if self._ext is not None:  # rebuild the subclasses' unsharded tensors from what arrived
                 self._ext.post_all_gather(self._on_grad_ready)
         if gather.release() is not None:
@@ -487,11 +487,11 @@ class ParamGroup:
         """UNSHARDED -> PARTIAL: keep this rank's 1/k of the full parameters, free the rest."""
         if self.state is not ShardState.UNSHARDED:
             return
-        plan = self._plan(self.subgroup.size)
-        send = torch.empty(plan.slice_bytes, dtype=torch.uint8, device=self.device)
+        fmt = self._gather_format(self.subgroup.size)
+        send = torch.empty(fmt.slice_bytes, dtype=torch.uint8, device=self.device)
         with torch.no_grad():
             for i, region in enumerate(self._regions):
-                plan.slot(send, i).copy_(plan.layouts[i].chunks_view(region)[self.subgroup.rank])
+                fmt.slot(send, i).copy_(fmt.layouts[i].chunks_view(region)[self.subgroup.rank])
         _trace.emit("reshard_partial", self.label)
         for p in self.params:
             p.to_sharded()
@@ -557,7 +557,7 @@ class ParamGroup:
         module's inputs, and (HSDP) all-reduced now rather than kept as partial sums."""
         policy = self.policy
         return policy.requires_gradient_sync and not self.waits_for_inputs and not (
-            self.dp.replicate_group is not None and (not policy.requires_all_reduce or self._partial_reduce))
+            self.dp.replicate_group is not None and (not policy.requires_all_reduce or self.partial_sums))
 
     def reduce_gradients(self, params: list[ShardedParam], label: str) -> None:
         """Reduce ``params``' gradients now (part of the group's), as the group's reduction does."""
@@ -676,7 +676,7 @@ class ParamGroup:
             if p.unsharded is not None:
                 p.unsharded.grad = None
             p.accumulated_grad = None
-        self._partial_reduce.clear()
+        self.partial_sums.clear()
         self.inputs_pending.clear()
         self.backward_started = False
         self.post_backward_done = False

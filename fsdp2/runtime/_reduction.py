@@ -45,7 +45,7 @@ def reduce_gradients(group: ParamGroup, params: list[ShardedParam] | None = None
     where it reshards after backward; ``EarlyRelease`` passes the final ones)."""
     whole = params is None
     params, label = (group.params if whole else params), (label or group.label)
-    if group._aliases and group.policy.all_reduce_hook is None:  # one rank: the gradient is the reduced gradient
+    if group.shards_are_full and group.policy.all_reduce_hook is None:  # one rank: the gradient is the reduced gradient
         _trace.emit("reduce_scatter", group.label)
         factor = group.policy.divide_factor
         for p in params:
@@ -71,7 +71,7 @@ def reduce_gradients(group: ParamGroup, params: list[ShardedParam] | None = None
     target = ReduceTarget(
         group=policy.reduce_group or group.process_group, world=group.world,
         replicate_group=dp.replicate_group, replicate_world=dp.replicate_size,
-        all_reduce=policy.requires_all_reduce, partial=group._partial_reduce,
+        all_reduce=policy.requires_all_reduce, partial=group.partial_sums,
         divide_factor=float(policy.divide_factor if policy.divide_factor is not None else dp.world),
         label=label, root=group.root, force_sum=policy.force_sum,
     )

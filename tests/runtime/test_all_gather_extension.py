@@ -161,7 +161,7 @@ def _train(frozen: bool, transport: str, hsdp: bool = False, rows: int = DIM, cl
         for other in others:
             torch.testing.assert_close(losses[other].float(), losses["ref"], **tol)
     group = models["fsdp2"].blocks[0]._fsdp2_state.group
-    return {"pre_calls": Int8Rows.pre_calls, "slice_bytes": group._plans[group.world].slice_bytes,
+    return {"pre_calls": Int8Rows.pre_calls, "slice_bytes": group._formats[group.world].slice_bytes,
             "exchange": group.transport.gathers_in_place, "seen": seen[-1],
             "sent": counter.sent}
 

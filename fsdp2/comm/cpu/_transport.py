@@ -39,8 +39,8 @@ class ExchangeAllGatherInFlight(AllGatherInFlight):
 
     __slots__ = ("exchange", "_headers_done", "_release")
 
-    def __init__(self, plan: GatherFormat, transport: Transport, gather: _exchange.ExchangeAllGather) -> None:
-        super().__init__(Completion(work=gather.exchange), plan, gather.headers, transport)
+    def __init__(self, fmt: GatherFormat, transport: Transport, gather: _exchange.ExchangeAllGather) -> None:
+        super().__init__(Completion(work=gather.exchange), fmt, gather.headers, transport)
         self.exchange = gather
         self._headers_done = Completion(work=gather.header_exchange)
         reads = gather.exchange
@@ -105,18 +105,18 @@ class ExchangeTransport(Transport):
         """Whether the exchanges over ``pg`` read the peers' memory (once probed)."""
         return self.may_read and _cma.usable(pg)
 
-    def start_all_gather(self, source: GatherSource, plan: GatherFormat, pg: dist.ProcessGroup,
+    def start_all_gather(self, source: GatherSource, fmt: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
         """Straight into the unsharded buffer: this rank's entries are copied into their own
         chunks and sent from there (never aliasing the shards), the peers' received in place.
         A dispatch mode sees the flat all-gather this stands for (``show_flat_all_gather``)."""
-        show_flat_all_gather(plan, pg)
-        chunks = source.targets(plan).chunks
+        show_flat_all_gather(fmt, pg)
+        chunks = source.targets(fmt).chunks
         if header is None:
             header = torch.zeros(HEADER, dtype=torch.uint8)
-        gather = _exchange.start_all_gather(source.entries(plan), chunks, header.view(torch.uint8), pg,
-                                            key=f"all_gather {source.label} {plan.world}", read=self.reads(pg))
-        return ExchangeAllGatherInFlight(plan, self, gather)
+        gather = _exchange.start_all_gather(source.entries(fmt), chunks, header.view(torch.uint8), pg,
+                                            key=f"all_gather {source.label} {fmt.world}", read=self.reads(pg))
+        return ExchangeAllGatherInFlight(fmt, self, gather)
 
     def finish_all_gather(self, inflight: ExchangeAllGatherInFlight, targets: GatherTargets) -> None:
         inflight.exchange.finish()
