@@ -53,7 +53,12 @@ def test_policy_defaults_are_off():
 
 
 # ---- the slice's layout and the quantization (no process group) ----------------------------
-def test_quantized_slice_layout_and_error_bound():
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                     reason="needs CUDA")]),
+])
+def test_quantized_slice_layout_and_error_bound(device):
     """Hand-computed sizes of a quantized slice; every element within half a scale of the truth."""
     world, block = 2, 64
     shapes = [torch.Size((10, 30)), torch.Size((7,)), torch.Size((3, 5))]
@@ -69,12 +74,13 @@ def test_quantized_slice_layout_and_error_bound():
     g = torch.Generator().manual_seed(0)
     fulls = [torch.randn(10, 30, generator=g) * torch.logspace(-3, 1, 30), torch.zeros(7),
              torch.randint(-9, 9, (3, 5), generator=g)]
-    output = torch.empty(world * fmt.slice_bytes, dtype=torch.uint8)
+    fulls = [t.to(device) for t in fulls]
+    output = torch.empty(world * fmt.slice_bytes, dtype=torch.uint8, device=device)
     for rank in range(world):
         entries = [lay.chunks_view(torch.cat([t, t.new_zeros((lay.padded_shape[0] - t.shape[0], *t.shape[1:]))]))[rank]
                    for lay, t in zip(layouts, fulls)]
         quantize_entries(fmt, entries, output[rank * fmt.slice_bytes:(rank + 1) * fmt.slice_bytes])
-    outs = [torch.empty(lay.padded_shape, dtype=dt) for lay, dt in zip(layouts, dtypes)]
+    outs = [torch.empty(lay.padded_shape, dtype=dt, device=device) for lay, dt in zip(layouts, dtypes)]
     dequantize_entries(fmt, output, [lay.chunks_view(o) for lay, o in zip(layouts, outs)])
     got, want = outs[0][:10], fulls[0]
     for rank in range(world):  # per block of each rank's flattened chunk
