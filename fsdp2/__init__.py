@@ -11,11 +11,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch  # noqa: F401
 
-from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, QuantizedComm
 from ._clip import clip_grad_norm_
 from .comm._comm import AllGather, ReduceScatter
 from .runtime._fully_shard import fully_shard
 from .runtime._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .diagnostics._bytes import CommBytes, count_comm_bytes
 from .diagnostics._trace import record_schedule
 from ._wrap import fully_shard_auto
 from .patch import patch_torch
@@ -30,11 +31,14 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
+    "QuantizedComm",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "AllGather",
     "ReduceScatter",
     "record_schedule",
+    "count_comm_bytes",
+    "CommBytes",
     "clip_grad_norm_",
     "MemoryTracker",
     "estimate_memory",

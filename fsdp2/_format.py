@@ -18,6 +18,10 @@ planner counts them and the diagnostics read them back: they all import the rule
   of docs/design.md).
 * ``GatherFormat``: the byte layout of one group's all-gather slice (header, then each entry
   at its aligned offset) and its views; ``packed_offsets``: where entries start when packed.
+  Quantized (``QuantizedComm(weights="int8")``, ``block > 0``): each floating-point entry is
+  its int8 values (one byte per element of the padded chunk, flattened) then, at the next
+  aligned offset, one fp32 scale per ``block`` elements (the last block may be short); other
+  entries as unquantized. ``quantized_views`` reads them.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ALIGN", "ALL_GATHER_MAGIC", "HEADER", "REDUCE_MAGIC", "Chunking", "GatherFormat", "aligned", "chunk_rows",
-           "contiguous_stride", "packed_offsets"]
+__all__ = ["ALIGN", "ALL_GATHER_MAGIC", "HEADER", "REDUCE_MAGIC", "SCALE_DTYPE", "Chunking", "GatherFormat", "aligned",
+           "blocks", "chunk_rows", "contiguous_stride", "packed_offsets"]
 
 ALIGN = 16
 HEADER = 16
@@ -114,6 +118,22 @@ class Chunking:
         return torch.Size(shape)
 
 
+SCALE_DTYPE = torch.float32  # of a quantized all-gather's per-block scales
+
+
+def blocks(numel: int, block: int) -> int:
+    """How many blocks of ``block`` elements cover ``numel`` (the last one may be short)."""
+    return -(-numel // block)
+
+
+def _typed_rows(buffer: torch.Tensor, dtype: torch.dtype, slice_bytes: int, ranks: int, shape: Sequence[int],
+                stride: Sequence[int], offset: int) -> torch.Tensor:
+    """``(ranks, *shape)`` of ``dtype`` starting ``offset`` bytes into each of ``ranks`` slices of ``buffer``."""
+    base = buffer.view(dtype)
+    return base.as_strided((ranks, *shape), (slice_bytes // dtype.itemsize, *stride),
+                           base.storage_offset() + offset // dtype.itemsize)
+
+
 def packed_offsets(sizes: Sequence[int], align: bool) -> tuple[list[int], int]:
     offsets, total = [], 0
     for size in sizes:
@@ -130,12 +150,44 @@ class GatherFormat:
     dtypes: tuple[torch.dtype, ...]
     offsets: tuple[int, ...]  # of each parameter inside a rank's slice, after the header
     slice_bytes: int
+    block: int = 0
+    """Quantized: elements per fp32 scale of the floating-point entries; 0: every entry in its dtype."""
+    scale_offsets: tuple[int, ...] = ()
+    """Quantized: where each entry's scales start in a rank's slice (-1: an entry sent unquantized)."""
 
     @classmethod
-    def build(cls, layouts: Sequence[Chunking], dtypes: Sequence[torch.dtype]) -> GatherFormat:
-        sizes = [lay.local_numel * dt.itemsize for lay, dt in zip(layouts, dtypes)]
+    def build(cls, layouts: Sequence[Chunking], dtypes: Sequence[torch.dtype], block: int = 0) -> GatherFormat:
+        """The slice of ``layouts`` gathered as ``dtypes``; ``block > 0``: quantized (see the module)."""
+        if not block:
+            sizes = [lay.local_numel * dt.itemsize for lay, dt in zip(layouts, dtypes)]
+            offsets, total = packed_offsets(sizes, align=True)
+            return cls(tuple(layouts), tuple(dtypes), tuple(HEADER + o for o in offsets), HEADER + total)
+        sizes = []  # per entry: its values, then its scales (none when unquantized)
+        for lay, dt in zip(layouts, dtypes):
+            quantized = dt.is_floating_point
+            sizes += [lay.local_numel * (1 if quantized else dt.itemsize),
+                      SCALE_DTYPE.itemsize * blocks(lay.local_numel, block) if quantized else 0]
         offsets, total = packed_offsets(sizes, align=True)
-        return cls(tuple(layouts), tuple(dtypes), tuple(HEADER + o for o in offsets), HEADER + total)
+        scales = tuple(HEADER + o if dt.is_floating_point else -1 for o, dt in zip(offsets[1::2], dtypes))
+        return cls(tuple(layouts), tuple(dtypes), tuple(HEADER + o for o in offsets[0::2]), HEADER + total,
+                   block, scales)
+
+    def quantized_views(self, buffer: torch.Tensor, ranks: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each entry's place in ``ranks`` slices of ``buffer`` (rank-major bytes) of a quantized
+        format: ``(int8 values (ranks, numel), fp32 scales (ranks, blocks))``, or for an entry
+        sent unquantized ``(its values (ranks, *local_shape) in its dtype, None)``."""
+        views: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for lay, dtype, off, scale_off in zip(self.layouts, self.dtypes, self.offsets, self.scale_offsets):
+            if scale_off < 0:
+                views.append((_typed_rows(buffer, dtype, self.slice_bytes, ranks, lay.local_shape, lay.local_stride,
+                                          off), None))
+                continue
+            n = lay.local_numel
+            values = _typed_rows(buffer, torch.int8, self.slice_bytes, ranks, (n,), (1,), off)
+            scales = _typed_rows(buffer, SCALE_DTYPE, self.slice_bytes, ranks, (blocks(n, self.block),), (1,),
+                                 scale_off)
+            views.append((values, scales))
+        return views
 
     @property
     def world(self) -> int:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .. import _compat
 from .._format import REDUCE_MAGIC
-from ..diagnostics import _debug, _trace
+from ..diagnostics import _bytes, _debug, _trace
 from ._streams import Completion
 
 if TYPE_CHECKING:
@@ -281,6 +281,9 @@ def reduce_across_replicas(inflight: ReduceScatterInFlight, out: torch.Tensor) -
         _trace.emit("all_reduce", target.label)
         sizes = f"{out.numel()} elements over {target.replicate_world} replicas"
         _debug.log_collective("all_reduce", target.label, target.replicate_group, sizes, out.dtype, target.root)
+        if _bytes._ACTIVE:
+            replicas = target.replicate_world
+            _bytes.count("all_reduce", 2 * (replicas - 1) * -(-out.numel() // replicas) * out.element_size())
         work = dist.all_reduce(out, op=inflight.op, group=target.replicate_group, async_op=True)
         _debug.wait(work, "all_reduce", target.label, sizes, target.root)  # CUDA: the calling stream waits
     if inflight.post_divide is not None and inflight.post_divide != 1:

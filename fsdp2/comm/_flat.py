@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
-from ..diagnostics import _debug
+from ..diagnostics import _bytes, _debug
 from .._format import HEADER, GatherFormat, packed_offsets
 from ._collectives import AllGatherInFlight, GatherTargets, ReduceScatterInFlight, ReduceTarget, reduce_op
+from ._quantize import dequantize_entries, quantize_entries
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
 from ._streams import Completion, streams_for
 from ._transport import BufferNeeds, GatherSource, GroupBytes, Transport
@@ -81,7 +82,7 @@ class FlatTransport(Transport):
 
     def start_all_gather(self, source: GatherSource, fmt: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
-        send, copied = _send_slice(source, fmt, explicit)
+        send, copied = _send_slice(source, fmt, explicit) if not fmt.block else _quantized_slice(source, fmt)
         if explicit and copied is not None:  # CUDA: later work on the compute stream waits for the copy
             copied.wait()
         return _start_all_gather(self, send, fmt, pg, source.device, copied, header)
@@ -158,6 +159,18 @@ def _send_slice(source: GatherSource, fmt: GatherFormat, explicit: bool) -> tupl
     return send, copied
 
 
+def _quantized_slice(source: GatherSource, fmt: GatherFormat) -> tuple[torch.Tensor, Completion | None]:
+    """This rank's slice of a quantized all-gather (``_quantize.py``), written at issue time:
+    always a new buffer (the shards are full precision, the slice is not)."""
+    streams = streams_for(source.device)
+    with streams.side("copy_in"):
+        send = torch.empty(fmt.slice_bytes, dtype=torch.uint8, device=source.device)
+        with torch.no_grad():
+            quantize_entries(fmt, source.entries(fmt), send)
+        copied = streams.issued(None)
+    return send, copied
+
+
 def _start_all_gather(
     transport: FlatTransport, send: torch.Tensor, fmt: GatherFormat, group: dist.ProcessGroup, device: torch.device,
     copied: Completion | None, header: torch.Tensor | None,
@@ -172,6 +185,8 @@ def _start_all_gather(
         send[:HEADER].copy_(header, non_blocking=True)
     if fmt.world == 1:  # nothing to gather: the send buffer is the result
         return FlatAllGather(copied or Completion(), fmt, send[None, :HEADER], transport, send, send)
+    if _bytes._ACTIVE:
+        _bytes.count("all_gather", (fmt.world - 1) * fmt.slice_bytes)
     with streams.side("all_gather"):
         streams.after(copied)
         comm = transport.all_gather
@@ -190,6 +205,10 @@ def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:
     (no view per parameter per step), else one foreach copy of per-entry views.
     """
     fmt = inflight.fmt
+    if fmt.block:  # quantized: dequantized into the chunks
+        with torch.no_grad():
+            dequantize_entries(fmt, inflight.output, targets.chunks)
+        return
     split = targets.split
     with torch.no_grad():
         if split is not None:
@@ -214,6 +233,8 @@ def _start_reduce_scatter(
     if world > 1:
         _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
                               target.root)
+        if _bytes._ACTIVE:
+            _bytes.count("reduce_scatter", (world - 1) * total * dtype.itemsize)
     streams = streams_for(device)
     with streams.side("reduce_scatter"):
         send = comm.allocate((world * total,), dtype=dtype, device=device)

@@ -14,8 +14,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy,
-                   as_mixed_precision_policy, as_offload_policy)
+from .._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, QuantizedComm,
+                   as_comm_policy, as_mixed_precision_policy, as_offload_policy)
 from .. import _compat
 from . import _extension
 from ._group import ParamGroup, SubGroup
@@ -41,6 +41,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
+    comm_policy: QuantizedComm | None = None,
 ) -> ModuleOrModules:
     """Shard ``module``'s parameters across the data-parallel ranks of ``mesh``.
 
@@ -73,6 +74,8 @@ def fully_shard(
             (e.g. data-parallel x tensor-parallel), every parameter a DTensor on it with
             ``Replicate()`` on the data-parallel axes; fsdp2 shards over the ``shard`` axis
             (and replicates over ``replicate``) and keeps the other axes' placements.
+        comm_policy: :class:`QuantizedComm` to send the weights quantized (fsdp2's own; torch
+            has none); ``None`` (the default) sends them as they are.
 
     Returns:
         ``module``, whose class now also derives from :class:`FSDPModule`.
@@ -84,7 +87,7 @@ def fully_shard(
     modules = check_modules(module)
     args = check_arguments(mesh=mesh, reshard_after_forward=reshard_after_forward,
                            shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
-                           ignored_params=ignored_params, dp_mesh_dims=dp_mesh_dims)
+                           ignored_params=ignored_params, dp_mesh_dims=dp_mesh_dims, comm_policy=comm_policy)
     found = _collect_params(modules, args.ignored_params)
     _check_order(found)
     dims = check_group(found, args)
@@ -113,6 +116,9 @@ def fully_shard(
             group = ParamGroup(params, dp, device, subgroup)
             group.policy.reshard_after_forward = reshard_after_forward
             group.policy.mp_policy = mp_policy
+            if args.comm_policy is not None and args.comm_policy.weight_block:
+                group.policy.weight_block = args.comm_policy.weight_block
+                group.refresh_transports()  # the quantized all-gather is the flat transport's
         if device.type != "cpu":
             _move_buffers(modules, device)
         state = ModuleState(tuple(modules), group, mp_policy)
@@ -221,10 +227,12 @@ class Arguments(NamedTuple):
     mp_policy: MixedPrecisionPolicy
     offload_policy: OffloadPolicy
     ignored_params: set[nn.Parameter]
+    comm_policy: QuantizedComm | None = None
 
 
 def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Any, mp_policy: Any,
-                    offload_policy: Any, ignored_params: Any, dp_mesh_dims: Any) -> Arguments:
+                    offload_policy: Any, ignored_params: Any, dp_mesh_dims: Any,
+                    comm_policy: Any = None) -> Arguments:
     """``fully_shard``'s keyword arguments checked, and resolved (the default mesh, torch's
     policies as fsdp2's); TypeError / ValueError naming the fix otherwise."""
     spmd = None
@@ -234,8 +242,9 @@ def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn
         mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     mp_policy, offload_policy = _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
+    comm_policy = _check_comm_policy(comm_policy, reshard_after_forward)
     return Arguments(mesh, spmd, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                     ignored_params or set())
+                     ignored_params or set(), comm_policy)
 
 
 def check_group(found: list[Found], args: Arguments) -> list[int]:
@@ -247,6 +256,8 @@ def check_group(found: list[Found], args: Arguments) -> list[int]:
     else:
         _check_spmd_params(found, args.spmd, args.reshard_after_forward)
     _extension.check_params(found, dims, args.reshard_after_forward)
+    if args.comm_policy is not None and args.comm_policy.weight_block:
+        _check_quantizable(found)
     return dims
 
 
@@ -418,6 +429,29 @@ def _check_policies(mp_policy: Any, offload_policy: Any, ignored: Any,
     if placement_fn is not None and not callable(placement_fn):
         raise TypeError("fully_shard: shard_placement_fn must be callable (param -> Shard(dim) or None)")
     return mp_policy, offload_policy
+
+
+def _check_comm_policy(policy: Any, reshard_after_forward: Any) -> QuantizedComm | None:
+    """``comm_policy`` checked (None or a ``QuantizedComm``), and the combinations it does not support yet."""
+    policy = as_comm_policy(policy)
+    if policy is not None and policy.weight_block and not isinstance(reshard_after_forward, (bool, type(None))):
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward} (int) is not supported with "
+            f"comm_policy=QuantizedComm(weights={policy.weights!r}); use True or False, or weights=None"
+        )
+    return policy
+
+
+def _check_quantizable(found: list[Found]) -> None:
+    """Quantized weights: no parameter whose tensor subclass chooses what is gathered (its own format)."""
+    for param, _locations, fqn in found:
+        local = _compat.dtensor_local(param) if isinstance(param, DTensor) else param
+        if _extension.has_extension(local, fqn):
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} ({type(local).__name__}) gathers its own data "
+                "(fsdp_pre_all_gather), which comm_policy=QuantizedComm(weights=...) cannot quantize; "
+                "shard it in a fully_shard call without comm_policy (or with weights=None)"
+            )
 
 
 Found = tuple[nn.Parameter, list[tuple[nn.Module, str]], str]

@@ -73,6 +73,7 @@ class ParamGroup:
         self._regions: list[torch.Tensor] = []
         self._chunk_views: dict[int, GatherTargets] = {}  # world -> the regions as (world, *local_shape)
         self._formats: dict[int, GatherFormat] = {}
+        self._quantized: dict[int, GatherFormat] = {}  # world -> the quantized slice (QuantizedComm weights)
         # The shards packed back to back in the all-gather's send layout (None when a
         # cast or a device move makes a copy-in necessary anyway): see _pack_shards.
         self._packed: torch.Tensor | None = None
@@ -115,6 +116,22 @@ class ParamGroup:
                 dtypes = [p.param_dtype for p in self.params]
             self._formats[world] = GatherFormat.build(layouts, dtypes)
         return self._formats[world]
+
+    def _quantized_format(self, world: int) -> GatherFormat:
+        """The all-gather's slice with the weights quantized (``QuantizedComm``): the entries of
+        ``_gather_format``, each floating-point one as int8 values and per-block scales."""
+        fmt = self._quantized.get(world)
+        if fmt is None:
+            if self._ext is not None:  # found at lazy init: fully_shard refuses those it sees
+                raise ValueError(
+                    f"fsdp2: group {self.label} has parameters whose tensor subclass gathers its own data "
+                    "(fsdp_pre_all_gather), which QuantizedComm(weights='int8') cannot quantize; shard them "
+                    "in a fully_shard call without comm_policy"
+                )
+            raw = self._gather_format(world)
+            fmt = self._quantized[world] = raw if world == 1 else GatherFormat.build(
+                raw.layouts, raw.dtypes, self.policy.weight_block)  # one rank sends nothing: nothing to quantize
+        return fmt
 
     def adopt_registered(self, move: bool, where: str) -> None:
         """Take the parameters the modules hold now as the group's sharded ones (torch's
@@ -167,6 +184,7 @@ class ParamGroup:
         if self.state is not ShardState.SHARDED:
             raise RuntimeError(f"group {self.label} must be resharded before converting its module")
         self._formats.clear()
+        self._quantized.clear()
         self._buffers, self._regions = [], []
         for p in self.params:  # their views of the old buffers go too
             p.unbind_unsharded()
@@ -311,7 +329,8 @@ class ParamGroup:
         if targets is None:
             with torch.inference_mode(False):  # views written outside inference mode too
                 chunks = [lay.chunks_view(region) for lay, region in zip(fmt.layouts, self._regions)]
-            targets = self._chunk_views[fmt.world] = GatherTargets(fmt, chunks)
+            # The layout's format, not a quantized one: the chunks and the flat copy-out's split are its.
+            targets = self._chunk_views[fmt.world] = GatherTargets(self._gather_format(fmt.world), chunks)
         return targets
 
     @staticmethod
@@ -360,7 +379,8 @@ class ParamGroup:
         reduce_scatter = policy.custom_reduce_scatter or reduce_scatter
         own = self.transport.with_comms(all_gather, reduce_scatter)
         flat = flat_transport(all_gather, reduce_scatter)
-        self.gather_transport = flat if policy.custom_all_gather is not None else own
+        # Quantized weights are the flat transport's (the exchanges send the chunks as they are).
+        self.gather_transport = flat if policy.custom_all_gather is not None or policy.weight_block else own
         self.reduce_transport = flat if policy.custom_reduce_scatter is not None else own
 
     def set_reduce_group(self, pg: dist.ProcessGroup | None) -> None:
@@ -433,6 +453,8 @@ class ParamGroup:
         partial = self.state is ShardState.PARTIAL
         if partial:
             fmt, group = self._gather_format(self.subgroup.size), self.subgroup.group
+        elif self.policy.weight_block:
+            fmt, group = self._quantized_format(self.world), self.process_group
         else:
             fmt, group = self._gather_format(self.world), self.process_group
         _trace.emit("unshard", self.label)

@@ -49,6 +49,9 @@ class GroupPolicy:
     """``set_custom_reduce_scatter``: the comm that runs the reduce-scatter, flat."""
     reduce_group: dist.ProcessGroup | None = None
     """``set_separate_reduce_scatter_group``; None: the shard group."""
+    weight_block: int = 0
+    """``fully_shard(comm_policy=QuantizedComm(weights="int8"))``: elements per scale of the
+    quantized all-gather; 0 (the default): the weights are gathered unquantized."""
     allocate_from_process_group: bool = False
     """``set_allocate_memory_from_process_group_for_comm``: fsdp2's comms allocate from the
     process group (NCCL can register the memory)."""

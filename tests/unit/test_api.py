@@ -32,7 +32,7 @@ PUBLIC_NAMES = {
     "fully_shard", "fully_shard_auto", "patch_torch", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy",
     "OffloadPolicy", "CPUOffloadPolicy", "register_fsdp_forward_method", "record_schedule", "clip_grad_norm_",
     "MemoryTracker", "estimate_memory", "share_comm_ctx", "AllGather", "ReduceScatter",
-    "DataParallelMeshDims",
+    "DataParallelMeshDims", "QuantizedComm", "count_comm_bytes", "CommBytes",
 }
 # torch's FSDP2 names fsdp2 does not provide: none.
 TORCH_ONLY_NAMES: set[str] = set()
@@ -63,7 +63,8 @@ def test_all_lists_exactly_the_public_names():
     # an older torch lacks some of it, e.g. 2.11 has no DataParallelMeshDims).
     ours = PUBLIC_NAMES - {
         "fully_shard_auto", "patch_torch", "record_schedule", "clip_grad_norm_", "MemoryTracker", "estimate_memory",
-        "AllGather", "ReduceScatter"}  # torch keeps its comm base classes in a private module
+        "AllGather", "ReduceScatter",  # torch keeps its comm base classes in a private module
+        "QuantizedComm", "count_comm_bytes", "CommBytes"}  # quantized communication and its measure: fsdp2's own
     if TORCH_VERSION >= (2, 13):
         assert torch_fsdp2_names - TORCH_ONLY_NAMES == ours
     else:
@@ -74,11 +75,13 @@ def test_fully_shard_signature_matches_torch():
     ours = _params(fsdp2.fully_shard)
     theirs = _params(torch_fsdp.fully_shard)
     assert ours[:len(theirs)] == theirs  # an older torch's arguments are a prefix (2.11: no dp_mesh_dims)
+    # fsdp2's own arguments come after torch's, keyword-only with a default that changes nothing.
+    own = [("comm_policy", inspect.Parameter.KEYWORD_ONLY, None)]
     if TORCH_VERSION >= (2, 13):
-        assert ours == theirs
+        assert ours == theirs + own
     assert [name for name, kind, _ in ours if kind is inspect.Parameter.KEYWORD_ONLY] == [
         "mesh", "reshard_after_forward", "shard_placement_fn", "mp_policy", "offload_policy",
-        "ignored_params", "dp_mesh_dims",
+        "ignored_params", "dp_mesh_dims", "comm_policy",
     ]
 
 

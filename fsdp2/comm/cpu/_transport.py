@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ...diagnostics import _debug
+from ...diagnostics import _bytes, _debug
 from ... import _compat
 from ..._format import HEADER, GatherFormat, aligned
 from .._collectives import (AllGatherInFlight, GatherTargets, ReduceScatterInFlight, ReduceTarget,
@@ -111,6 +111,8 @@ class ExchangeTransport(Transport):
         chunks and sent from there (never aliasing the shards), the peers' received in place.
         A dispatch mode sees the flat all-gather this stands for (``show_flat_all_gather``)."""
         show_flat_all_gather(fmt, pg)
+        if _bytes._ACTIVE and fmt.world > 1:  # counted as the flat all-gather it stands for
+            _bytes.count("all_gather", (fmt.world - 1) * fmt.slice_bytes)
         chunks = source.targets(fmt).chunks
         if header is None:
             header = torch.zeros(HEADER, dtype=torch.uint8)
@@ -133,6 +135,8 @@ class ExchangeTransport(Transport):
         _debug.log_collective("reduce_scatter", target.label, target.group, f"{world} x {numel} elements", dtype,
                               target.root)
         show_flat_reduce_scatter(numel, world, dtype, op, target.group)  # what a dispatch mode sees
+        if _bytes._ACTIVE:
+            _bytes.count("reduce_scatter", (world - 1) * numel * dtype.itemsize)
         full, copies = _sendable(layouts, grads, dtype, world, pre)
         if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division
             post = float(world) * (post or 1.0)
