@@ -327,7 +327,9 @@ def fake_process_group(world_size: int) -> Iterator[None]:
             "estimate_memory with tp > 1 simulates tensor parallelism on a fake process group and "
             "needs a process without one: call it before init_process_group (or use python -m fsdp2.plan)"
         )
+    hook = sys.excepthook  # init_process_group wraps it (a "[rankN]" prefix) each time: put it back
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    sys.excepthook = hook
     try:
         yield
     finally:

@@ -295,3 +295,15 @@ fits in 80.00 GiB: needs 26.28 GiB (33%)
         for category, nbytes in by_hand.items():
             self.assertEqual(est.peak_by_category[category], nbytes, category)
         self.assertExpectedInline(str(est.peak_by_category), """{'sharded_params': 16416, 'unsharded_params': 0, 'gradients': 16384, 'optimizer_state': 32776, 'activations': 1032, 'communication': 40992, 'other': 1024}""")
+
+
+def test_planning_leaves_the_process_exception_hook_as_it_was():
+    # init_process_group wraps sys.excepthook (a "[rankN]" prefix) every time; each plan with
+    # tp > 1 makes and destroys a fake process group, so unrestored the prefixes pile up.
+    from fsdp2._compat import fake_process_group
+
+    before = sys.excepthook
+    for _ in range(2):
+        with fake_process_group(2):
+            pass
+    assert sys.excepthook is before
