@@ -66,6 +66,7 @@ class MixedPrecisionPolicy:
 
 
 _WEIGHT_FORMATS = ("int8",)
+_GRAD_FORMATS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -79,20 +80,28 @@ class QuantizedComm:
     largest magnitude maps to 127), and every rank, its own included, rebuilds the unsharded
     parameters from those bytes in ``MixedPrecisionPolicy.param_dtype``: all ranks compute
     with the same weights, each within half a step (``absmax / 254``) of its block's true
-    value. The all-gather moves about a quarter of fp32's bytes (half of bf16's).
+    value. The all-gather moves about a quarter of fp32's bytes (half of bf16's); so does the
+    gradients' reduction with ``gradients="int8"``.
 
     Args:
         weights: ``"int8"`` to all-gather the parameters as int8 with per-block scales;
             ``None`` (the default) gathers them as today, bit for bit.
-        gradients: ``None`` only, for now (gradients reduced as today); int8 gradients
-            are planned.
+        gradients: ``"int8"`` to reduce the gradients quantized (ZeRO++'s qgZ): each rank
+            quantizes each destination rank's chunk of its full gradients per block, one
+            all-to-all moves the chunks, and the receiver dequantizes and sums them in fp32
+            before the usual division; ``None`` (the default) reduce-scatters them as today.
         block_size: elements per scale; smaller blocks follow the values more closely and
             send more scales (4 bytes per block).
         error_feedback: for quantized gradients (planned); must be False for now.
 
+    With ``gradients="int8"`` the group's reduce-scatter runs on the flat transport as an
+    all-to-all (counted under ``count_comm_bytes().reduce_scatter``); HSDP's all-reduce over
+    the replicas stays unquantized; ``set_custom_reduce_scatter`` is refused on such a group.
+
     Notes:
         Groups with quantized weights use the flat collectives (the path NCCL takes) for
-        their all-gather, on CPU too; their reduce-scatter keeps its transport. Parameters
+        their all-gather, on CPU too; their reduce-scatter keeps its transport unless the gradients
+        are quantized. Parameters
         whose tensor subclass gathers its own data (``fsdp_pre_all_gather``) and an ``int``
         ``reshard_after_forward`` are refused (``ValueError``). At world size 1 nothing is
         sent and nothing is quantized.
@@ -110,9 +119,12 @@ class QuantizedComm:
         if self.weights is not None and self.weights not in _WEIGHT_FORMATS:
             raise ValueError(f"QuantizedComm.weights={self.weights!r} is not supported; use 'int8', or None "
                              "to gather the weights unquantized")
-        if self.gradients is not None:
-            raise ValueError(f"QuantizedComm.gradients={self.gradients!r}: quantized gradients are not "
-                             "available yet; leave gradients=None (they are reduced in the reduce dtype)")
+        if self.gradients is not None and not isinstance(self.gradients, str):
+            raise TypeError(f"QuantizedComm.gradients must be None or a str, got {self.gradients!r}; "
+                            "pass gradients='int8'")
+        if self.gradients is not None and self.gradients not in _GRAD_FORMATS:
+            raise ValueError(f"QuantizedComm.gradients={self.gradients!r} is not supported; use 'int8', or None "
+                             "to reduce the gradients in the reduce dtype")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
             raise TypeError(f"QuantizedComm.block_size must be an int, got {self.block_size!r}; "
                             "e.g. block_size=256")
@@ -124,11 +136,19 @@ class QuantizedComm:
         if self.error_feedback and self.gradients is None:
             raise ValueError("QuantizedComm(error_feedback=True) needs quantized gradients to correct; "
                              "leave error_feedback=False")
+        if self.error_feedback:
+            raise ValueError("QuantizedComm(error_feedback=True) is not available yet; leave "
+                             "error_feedback=False (each step's gradients are quantized on their own)")
 
     @property
     def weight_block(self) -> int:
         """Elements per scale of the weights' all-gather; 0 when the weights are not quantized."""
         return self.block_size if self.weights is not None else 0
+
+    @property
+    def grad_block(self) -> int:
+        """Elements per scale of the gradients' reduction; 0 when the gradients are not quantized."""
+        return self.block_size if self.gradients is not None else 0
 
 
 def as_comm_policy(policy: object) -> QuantizedComm | None:

@@ -20,7 +20,7 @@ from .. import _compat
 from ..diagnostics import _bytes, _debug
 from .._format import HEADER, GatherFormat, packed_offsets
 from ._collectives import AllGatherInFlight, GatherTargets, ReduceScatterInFlight, ReduceTarget, reduce_op
-from ._quantize import dequantize_entries, quantize_entries
+from ._quantize import GradChunks, dequantize_entries, quantize_entries
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
 from ._streams import Completion, streams_for
 from ._transport import BufferNeeds, GatherSource, GroupBytes, Transport
@@ -28,7 +28,7 @@ from ._transport import BufferNeeds, GatherSource, GroupBytes, Transport
 if TYPE_CHECKING:
     from .._format import Chunking
 
-__all__ = ["FlatAllGather", "FlatReduceScatter", "FlatTransport", "send_aliases_shards"]
+__all__ = ["FlatAllGather", "FlatReduceScatter", "QuantizedReduceScatter", "FlatTransport", "send_aliases_shards"]
 
 
 class FlatAllGather(AllGatherInFlight):
@@ -71,14 +71,46 @@ class FlatReduceScatter(ReduceScatterInFlight):
         return [self.held[0], self.output]
 
 
+class QuantizedReduceScatter(ReduceScatterInFlight):
+    """A quantized reduce-scatter in flight (``QuantizedComm(gradients="int8")``): ``recv``
+    receives every rank's packed chunk for this rank (``_quantize.GradChunks``); dequantized and
+    summed into ``output``, this rank's reduced row, at issue time on CUDA (on the side stream,
+    after the all-to-all) or at the wait on CPU (after gloo's thread received it)."""
+
+    __slots__ = ("chunks", "recv", "output", "acc", "divide", "dtype", "held")
+
+    def __init__(self, done: Completion, layouts: tuple[Chunking, ...], offsets: tuple[int, ...], op: dist.ReduceOp,
+                 post_divide: float | None, target: ReduceTarget, chunks: GradChunks, recv: torch.Tensor,
+                 acc: torch.dtype, divide: float, dtype: torch.dtype, output: torch.Tensor | None,
+                 held: tuple[torch.Tensor, ...]) -> None:
+        super().__init__(done, layouts, offsets, op, post_divide, target)
+        self.chunks, self.recv, self.acc, self.divide, self.dtype = chunks, recv, acc, divide, dtype
+        self.output = output
+        self.held = held
+
+    def wait(self, sizes: str) -> torch.Tensor:
+        target = self.target
+        _debug.wait(self.done, "reduce_scatter", target.label, sizes + " (int8 all-to-all)", target.root)
+        if self.output is None:  # CPU: the bytes are here now
+            self.output = _sum_received(self.chunks, self.recv, self.acc, self.divide, self.dtype)
+        return self.output
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [*self.held, self.recv] + ([self.output] if self.output is not None else [])
+
+
 class FlatTransport(Transport):
-    """The flat collectives, run by ``all_gather`` / ``reduce_scatter`` (``_comm.py``)."""
+    """The flat collectives, run by ``all_gather`` / ``reduce_scatter`` (``_comm.py``); with
+    ``grad_block``, the gradients are reduced quantized (int8 values and an fp32 scale per
+    ``grad_block`` elements, one all-to-all, summed on the receiving rank)."""
 
     name = "flat"
 
-    def __init__(self, all_gather: AllGather | None = None, reduce_scatter: ReduceScatter | None = None) -> None:
+    def __init__(self, all_gather: AllGather | None = None, reduce_scatter: ReduceScatter | None = None,
+                 grad_block: int = 0) -> None:
         self.all_gather = all_gather or DEFAULT_ALL_GATHER
         self.reduce_scatter = reduce_scatter or DEFAULT_REDUCE_SCATTER
+        self.grad_block = grad_block
 
     def start_all_gather(self, source: GatherSource, fmt: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
@@ -93,6 +125,9 @@ class FlatTransport(Transport):
     def start_reduce_scatter(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
                              target: ReduceTarget, device: torch.device,
                              header: torch.Tensor | None) -> ReduceScatterInFlight:
+        if self.grad_block and target.world > 1:
+            return _start_quantized_reduce_scatter(self.reduce_scatter, self.grad_block, layouts, grads, dtype,
+                                                   target, device)
         return _start_reduce_scatter(self.reduce_scatter, layouts, grads, dtype, target, device)
 
     def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:
@@ -105,14 +140,20 @@ class FlatTransport(Transport):
         else:
             gather = (0 if sizes.packed else slice_bytes) + world * slice_bytes
         out = sizes.reduce // world if world > 1 else 0
+        if self.grad_block and world > 1:
+            # Quantized: the rank-major copy (fp32 here, about twice bf16's) and the packed
+            # int8 rows sent; received, about a quarter of the fp32 size plus the fp32 sum.
+            packed = sizes.reduce // 2 + 1
+            return BufferNeeds(gather, False, 2 * sizes.reduce + packed, packed // world + 2 * out, False)
         gloo_copy = sizes.reduce if backend == "gloo" and world > 1 else 0
         return BufferNeeds(gather, False, sizes.reduce, out, False, reduce_input_copy=gloo_copy)
 
     def with_comms(self, all_gather: AllGather, reduce_scatter: ReduceScatter) -> Transport:
-        return FlatTransport(all_gather, reduce_scatter)
+        return FlatTransport(all_gather, reduce_scatter, self.grad_block)
 
     def __repr__(self) -> str:
-        return f"FlatTransport({self.all_gather!r}, {self.reduce_scatter!r})"
+        block = f", grad_block={self.grad_block}" if self.grad_block else ""
+        return f"FlatTransport({self.all_gather!r}, {self.reduce_scatter!r}{block})"
 
 
 def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
@@ -253,6 +294,69 @@ def _start_reduce_scatter(
     # compute stream waited on it. CPU: copied already, freed (``grads`` emptied) above.
     held = (send, *held_grads)
     return FlatReduceScatter(done, tuple(layouts), tuple(offs), op, post, target, output, held)
+
+
+def _start_quantized_reduce_scatter(
+    comm: ReduceScatter, block: int, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
+    target: ReduceTarget, device: torch.device,
+) -> ReduceScatterInFlight:
+    """The reduce-scatter of ``grads`` as an int8 all-to-all (``target.world > 1``).
+
+    The gradients are laid out rank-major as for the flat reduce-scatter, in ``dtype``; each
+    destination rank's row is quantized per ``block`` (``GradChunks``) and the rows exchanged
+    with one ``all_to_all_single`` of bytes; the receiver dequantizes the ``world`` rows it got
+    and sums them in fp32 (the reduce dtype where wider), divides, and casts to ``dtype``.
+    The division: all of it here without HSDP (a fp32 sum needs no pre-divide); with HSDP
+    what the shard axis' reduce-scatter would have divided (``reduce_op``'s AVG, or its
+    pre-divide), the rest after the replicas' all-reduce, unchanged.
+    """
+    world, group = target.world, target.group
+    offs, total = packed_offsets([lay.local_numel for lay in layouts], align=False)
+    op, pre, post = reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
+    if target.replicate_group is None:
+        op, divide, post = dist.ReduceOp.SUM, target.divide_factor, None
+    elif op == dist.ReduceOp.AVG:
+        divide = float(world)  # the all-reduce's AVG divides by the replicas
+    else:
+        divide = pre or 1.0
+    acc = dtype if dtype.itemsize > 4 else torch.float32
+    chunks = GradChunks(world, total, block)
+    _debug.log_collective("reduce_scatter", target.label, group,
+                          f"{world} x {total} elements, int8 all-to-all of {chunks.chunk_bytes} bytes per rank",
+                          dtype, target.root)
+    if _bytes._ACTIVE:
+        _bytes.count("reduce_scatter", (world - 1) * chunks.chunk_bytes)
+    streams = streams_for(device)
+    with streams.side("reduce_scatter"):
+        staged = torch.empty((world, total), dtype=dtype, device=device)
+        _copy_rank_major(staged, layouts, grads, offs)
+        held_grads = tuple(grads) if streams.cuda else ()
+        grads.clear()  # the caller's list: the gradients are freed before the output exists
+        send = comm.allocate((world * chunks.chunk_bytes,), dtype=torch.uint8, device=device)
+        with torch.no_grad():
+            chunks.quantize(staged.to(acc), send)
+        held = (staged, send, *held_grads) if streams.cuda else (send,)
+        del staged
+        recv = comm.allocate((world * chunks.chunk_bytes,), dtype=torch.uint8, device=device)
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        output = None
+        if streams.cuda:  # the side stream waits for the bytes, then sums them
+            work.wait()
+            work = None
+            output = _sum_received(chunks, recv, acc, divide, dtype)
+        done = streams.issued(work)
+    return QuantizedReduceScatter(done, tuple(layouts), tuple(offs), op, post, target, chunks, recv, acc, divide,
+                                  dtype, output, held)
+
+
+def _sum_received(chunks: GradChunks, recv: torch.Tensor, acc: torch.dtype, divide: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """This rank's reduced row from the received packed rows: summed in ``acc``, divided, in ``dtype``."""
+    with torch.no_grad():
+        summed = chunks.dequantize_sum(recv, acc)
+        if divide != 1:
+            summed.div_(divide)
+        return summed.to(dtype) if dtype != acc else summed.contiguous()
 
 
 def _copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: Sequence[torch.Tensor],

@@ -175,8 +175,10 @@ def choose_transport(device: torch.device, unsharded_bytes: int) -> Transport:
     return exchange_transport(may_read=choice != "exchange", must_read=choice == "read")
 
 
-def flat_transport(all_gather: AllGather | None = None, reduce_scatter: ReduceScatter | None = None) -> Transport:
-    """The flat collectives, run by ``all_gather`` / ``reduce_scatter`` (fsdp2's defaults if None)."""
+def flat_transport(all_gather: AllGather | None = None, reduce_scatter: ReduceScatter | None = None,
+                   grad_block: int = 0) -> Transport:
+    """The flat collectives, run by ``all_gather`` / ``reduce_scatter`` (fsdp2's defaults if None);
+    ``grad_block``: the gradients reduced as int8 with a scale per that many elements."""
     from ._flat import FlatTransport
 
-    return FlatTransport(all_gather, reduce_scatter)
+    return FlatTransport(all_gather, reduce_scatter, grad_block)

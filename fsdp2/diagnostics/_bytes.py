@@ -6,7 +6,8 @@ size of what it was handed (not by timing or by the backend), so the count is ex
 given model, mesh and policy:
 
 * all-gather of a ``S``-byte slice over ``W`` ranks: ``(W - 1) * S`` (the slice, to each peer);
-* reduce-scatter of ``W`` chunks of ``C`` bytes: ``(W - 1) * C`` (each peer's chunk);
+* reduce-scatter of ``W`` chunks of ``C`` bytes: ``(W - 1) * C`` (each peer's chunk); int8
+  gradients' all-to-all of ``W`` packed chunks of ``C`` bytes counts the same, as a reduce-scatter;
 * all-reduce (HSDP's, over ``R`` replicas) of ``N`` bytes: ``2 * (R - 1) * ceil(N / R)``
   (a reduce-scatter then an all-gather of the tensor padded to ``R`` parts, the
   bandwidth-optimal schedule).

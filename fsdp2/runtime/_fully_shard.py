@@ -116,9 +116,10 @@ def fully_shard(
             group = ParamGroup(params, dp, device, subgroup)
             group.policy.reshard_after_forward = reshard_after_forward
             group.policy.mp_policy = mp_policy
-            if args.comm_policy is not None and args.comm_policy.weight_block:
+            if args.comm_policy is not None and (args.comm_policy.weight_block or args.comm_policy.grad_block):
                 group.policy.weight_block = args.comm_policy.weight_block
-                group.refresh_transports()  # the quantized all-gather is the flat transport's
+                group.policy.grad_block = args.comm_policy.grad_block
+                group.refresh_transports()  # the quantized collectives are the flat transport's
         if device.type != "cpu":
             _move_buffers(modules, device)
         state = ModuleState(tuple(modules), group, mp_policy)

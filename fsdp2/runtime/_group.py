@@ -381,7 +381,10 @@ class ParamGroup:
         flat = flat_transport(all_gather, reduce_scatter)
         # Quantized weights are the flat transport's (the exchanges send the chunks as they are).
         self.gather_transport = flat if policy.custom_all_gather is not None or policy.weight_block else own
-        self.reduce_transport = flat if policy.custom_reduce_scatter is not None else own
+        if policy.grad_block:  # quantized gradients: the flat transport's all-to-all, on CPU too
+            self.reduce_transport = flat_transport(all_gather, reduce_scatter, policy.grad_block)
+        else:
+            self.reduce_transport = flat if policy.custom_reduce_scatter is not None else own
 
     def set_reduce_group(self, pg: dist.ProcessGroup | None) -> None:
         """Reduce-scatter over ``pg`` (None: the shard group). Collective for a new ``pg``: the

@@ -335,6 +335,12 @@ class FSDPModule:
     def _set_custom_comm(self, kind: str, comm: Any) -> None:
         _comm.check_comm(f"set_custom_{kind}", comm)
         group = self._fsdp_state().group
+        if group is not None and kind == "reduce_scatter" and group.policy.grad_block:
+            raise ValueError(
+                f"fsdp2: set_custom_reduce_scatter: {group.label} reduces its gradients quantized "
+                "(QuantizedComm(gradients='int8'): an int8 all-to-all), which a custom reduce-scatter cannot "
+                "run; shard it without gradients='int8' to use a custom reduce-scatter"
+            )
         if group is not None:
             setattr(group.policy, f"custom_{kind}", comm)
             group.policy.allocate_from_process_group = False  # the custom comm allocates

@@ -52,6 +52,9 @@ class GroupPolicy:
     weight_block: int = 0
     """``fully_shard(comm_policy=QuantizedComm(weights="int8"))``: elements per scale of the
     quantized all-gather; 0 (the default): the weights are gathered unquantized."""
+    grad_block: int = 0
+    """``QuantizedComm(gradients="int8")``: elements per scale of the quantized reduce-scatter
+    (an int8 all-to-all on the flat transport); 0 (the default): reduced in the reduce dtype."""
     allocate_from_process_group: bool = False
     """``set_allocate_memory_from_process_group_for_comm``: fsdp2's comms allocate from the
     process group (NCCL can register the memory)."""

@@ -16,25 +16,31 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp2
 from fsdp2._format import HEADER, Chunking, GatherFormat, aligned
-from fsdp2.comm._quantize import dequantize_entries, quantize_entries
+from fsdp2.comm._comm import DEFAULT_REDUCE_SCATTER
+from fsdp2.comm._quantize import GradChunks, dequantize_entries, quantize_entries
 from fsdp2.runtime._state import get_state
 from tests._dist import run_on_ranks
 from tests._models import MLP, Transformer, lm_loss, make_batch
 from tests._parity import full
 
 INT8 = fsdp2.QuantizedComm(weights="int8")
+GRAD8 = fsdp2.QuantizedComm(gradients="int8")
+BOTH8 = fsdp2.QuantizedComm(weights="int8", gradients="int8")
 
 
 # ---- the policy (no process group) --------------------------------------------------------
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"weights": "int4"}, ValueError, "weights='int4' is not supported; use 'int8'"),
     ({"weights": 8}, TypeError, "weights must be None or a str"),
-    ({"gradients": "int8"}, ValueError, "quantized gradients are not available yet"),
+    ({"gradients": "int4"}, ValueError, "gradients='int4' is not supported; use 'int8'"),
+    ({"gradients": 8}, TypeError, "gradients must be None or a str"),
+    ({"gradients": "int8", "error_feedback": True}, ValueError, "error_feedback=True.* is not available yet"),
     ({"block_size": 0}, ValueError, "block_size=0 must be positive"),
     ({"block_size": 2.0}, TypeError, "block_size must be an int"),
     ({"block_size": True}, TypeError, "block_size must be an int"),
@@ -50,6 +56,7 @@ def test_policy_defaults_are_off():
     policy = fsdp2.QuantizedComm()
     assert (policy.weights, policy.gradients, policy.block_size, policy.error_feedback) == (None, None, 256, False)
     assert policy.weight_block == 0 and INT8.weight_block == 256
+    assert policy.grad_block == INT8.grad_block == 0 and GRAD8.grad_block == 256 and GRAD8.weight_block == 0
 
 
 # ---- the slice's layout and the quantization (no process group) ----------------------------
@@ -91,6 +98,36 @@ def test_quantized_slice_layout_and_error_bound(device):
     assert not torch.equal(got, want)  # it did quantize
     assert torch.equal(outs[1][:7], fulls[1])  # an all-zero block comes back as zeros
     assert torch.equal(outs[2][:3], fulls[2])  # integers travel as they are
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                     reason="needs CUDA")]),
+])
+def test_gradient_chunks_layout_and_sum(device):
+    """``GradChunks`` by hand: 3 ranks' rows of 70 elements in blocks of 32 pack as 80 bytes of
+    int8 (70, aligned) and 3 scales; the dequantized sum is within the ranks' half-scales."""
+    world, numel, block = 3, 70, 32
+    chunks = GradChunks(world, numel, block)
+    assert (chunks.blocks, chunks.values_bytes, chunks.chunk_bytes) == (3, 80, 92)
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(world, numel, generator=g).to(device) * 10 ** r for r in range(world)]
+    sources[0][:, :32] = 0  # an all-zero block travels as zeros
+    packed = [torch.empty(world * chunks.chunk_bytes, dtype=torch.uint8, device=device) for _ in sources]
+    errors = [torch.empty(world, numel, device=device) for _ in sources]
+    for src, buf, err in zip(sources, packed, errors):
+        chunks.quantize(src, buf, err)
+    for dest in range(world):  # what rank ``dest`` receives: row ``dest`` of every source
+        received = torch.stack([buf.view(world, -1)[dest] for buf in packed])
+        got = chunks.dequantize_sum(received, torch.float32)
+        want = sum(src[dest] for src in sources)
+        assert torch.allclose(got, want - sum(err[dest] for err in errors), rtol=1e-6, atol=1e-5)
+        bound = sum(F.pad(src[dest], (0, 26)).view(-1, block).abs().amax(1).repeat_interleave(block)[:numel] / 254
+                    for src in sources)
+        assert ((got - want).abs() <= bound * (1 + 1e-5) + 1e-6).all()
+    values, scales = chunks.views(packed[0])
+    assert values.dtype == torch.int8 and values.abs().max() == 127 and scales[:, 0].eq(0).all()
 
 
 # ---- off: bit for bit --------------------------------------------------------------------------
@@ -257,8 +294,10 @@ def _counted(comm_policy, hsdp: bool) -> dict:
             "total": sent.total}
 
 
-def _expected(world: int, shard: int, replicas: int, block: int) -> tuple[int, int, int]:
-    """By hand: MLP(24, 40) is in_proj (40, 24) + (40,), out_proj (24, 40) + (24,), fp32."""
+def _expected(world: int, shard: int, replicas: int, block: int, grad_block: int = 0) -> tuple[int, int, int]:
+    """By hand: MLP(24, 40) is in_proj (40, 24) + (40,), out_proj (24, 40) + (24,), fp32. With
+    ``grad_block`` the reduce-scatter is an all-to-all of each rank's chunk packed as int8 values
+    (16-byte aligned) and one fp32 scale per block, counted under ``reduce_scatter``."""
     shapes = [(40, 24), (40,), (24, 40), (24,)]
     rows = [-(-s[0] // shard) for s in shapes]
     numels = [r * (s[1] if len(s) > 1 else 1) for r, s in zip(rows, shapes)]
@@ -268,6 +307,8 @@ def _expected(world: int, shard: int, replicas: int, block: int) -> tuple[int, i
         slice_bytes = HEADER + sum(aligned(4 * n) for n in numels)
     all_gather = 2 * (shard - 1) * slice_bytes  # forward and backward
     reduce_scatter = (shard - 1) * 4 * sum(numels)
+    if grad_block:
+        reduce_scatter = (shard - 1) * (aligned(sum(numels)) + 4 * -(-sum(numels) // grad_block))
     all_reduce = 2 * (replicas - 1) * -(-sum(numels) // replicas) * 4 if replicas > 1 else 0
     return all_gather, reduce_scatter, all_reduce
 
@@ -275,10 +316,13 @@ def _expected(world: int, shard: int, replicas: int, block: int) -> tuple[int, i
 @pytest.mark.parametrize("world, hsdp", [(2, False), (4, True)])
 def test_bytes_counted_exactly(world, hsdp):
     shard, replicas = (world // 2, 2) if hsdp else (world, 1)
-    for policy, block in ((None, 0), (INT8, 256), (fsdp2.QuantizedComm(weights="int8", block_size=16), 16)):
+    for policy, block, grad_block in ((None, 0, 0), (INT8, 256, 0),
+                                      (fsdp2.QuantizedComm(weights="int8", block_size=16), 16, 0),
+                                      (GRAD8, 0, 256),
+                                      (fsdp2.QuantizedComm(weights="int8", gradients="int8", block_size=16), 16, 16)):
         result = run_on_ranks(_counted, world, policy, hsdp)
         assert all(r == result[0] for r in result)
-        assert result[0]["bytes"] == _expected(world, shard, replicas, block), (policy, result[0])
+        assert result[0]["bytes"] == _expected(world, shard, replicas, block, grad_block), (policy, result[0])
         assert result[0]["calls"] == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1 if hsdp else 0}
         assert result[0]["total"] == sum(result[0]["bytes"])
 
@@ -346,3 +390,164 @@ def _refused(case: str) -> str:
 def test_unsupported_combinations_leave_the_module(case, match):
     message = run_on_ranks(_refused, 4 if case == "int_reshard" else 2, case)[0]
     assert re.search(match, message), message
+
+
+# ---- gradients int8 ---------------------------------------------------------------------------
+def _packed_rows(grads: list[torch.Tensor], world: int) -> torch.Tensor:
+    """The rank-major rows a quantized reduce-scatter quantizes: row ``r`` is chunk ``r`` (dim 0,
+    zero-padded) of every gradient, flattened, back to back (``(world, total)``)."""
+    rows = []
+    for g in grads:
+        lay = Chunking.even(g.shape, 0, world)
+        padded = torch.cat([g, g.new_zeros((lay.padded_shape[0] - g.shape[0], *g.shape[1:]))])
+        rows.append(lay.chunks_view(padded).reshape(world, -1))
+    return torch.cat(rows, dim=1)
+
+
+def _reduced_within_bound(block: int, hsdp: bool) -> dict:
+    """The reduced gradient against the exact average of the ranks' gradients: each rank's
+    quantization error is at most ``absmax / 254`` per element (its block's largest magnitude),
+    so the average is off by at most the sum of those over the ranks, divided by the world."""
+    world = dist.get_world_size()
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    shard = world // 2 if hsdp else world
+    torch.manual_seed(3)
+    plain = MLP(40, 50)
+    model = MLP(40, 50)
+    model.load_state_dict(plain.state_dict())
+    fsdp2.fully_shard(model, mesh=mesh, comm_policy=fsdp2.QuantizedComm(gradients="int8", block_size=block))
+    assert get_state(model).group.reduce_transport.name == "flat"
+    g = torch.Generator().manual_seed(10 + dist.get_rank())
+    x = torch.randn(6, 40, generator=g) * (1 + dist.get_rank())
+    plain(x).pow(2).sum().backward()
+    model(x).pow(2).sum().backward()
+    names = [n for n, _ in plain.named_parameters()]
+    local = torch.cat([p.grad.flatten() for p in plain.parameters()])
+    every = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(every, local)  # every rank's own (unreduced) gradient
+    shapes = [p.shape for p in plain.parameters()]
+
+    def split(flat: torch.Tensor) -> list[torch.Tensor]:
+        return [t.view(s) for t, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
+
+    exact = [t / world for t in split(sum(every))]
+    got = [full(p.grad) for p in model.parameters()]
+    # The bound per element: each source rank's row for the shard rank that reduces it, by block.
+    bound = torch.zeros(shard, _packed_rows(exact, shard).shape[1])
+    for src in every:
+        rows = _packed_rows(split(src), shard)
+        n = rows.shape[1]
+        blocked = torch.nn.functional.pad(rows, (0, -(-n // block) * block - n)).view(shard, -1, block)
+        bound += (blocked.abs().amax(dim=2, keepdim=True) / 254).expand_as(blocked).reshape(shard, -1)[:, :n]
+    bound /= world
+    err = (_packed_rows(got, shard) - _packed_rows(exact, shard)).abs()
+    slack = 1e-5 * _packed_rows(exact, shard).abs() + 1e-7
+    assert (err <= bound + slack).all(), (err - bound).max().item()
+    for name, a, b in zip(names, got, exact):
+        assert not torch.equal(a, b), name
+    return {"worst": (err / (bound + 1e-12)).max().item(), "rel": max(
+        ((a - b).norm() / b.norm()).item() for a, b in zip(got, exact))}
+
+
+@pytest.mark.parametrize("world, hsdp", [(2, False), (4, False), (4, True)])
+def test_reduced_gradients_within_the_quantization_bound(world, hsdp):
+    results = run_on_ranks(_reduced_within_bound, world, 32, hsdp)
+    assert all(r["worst"] <= 1.0 + 1e-3 for r in results)
+    assert max(r["rel"] for r in results) < 0.02  # relative error of each gradient (measured ~0.3%)
+
+
+def _train_quantized_grads(steps: int) -> dict:
+    ref = _train_transformer("fsdp2", steps, one_batch=True)
+    out = {"ref": ref["losses"]}
+    for key, policy in (("grads", GRAD8), ("both", BOTH8)):
+        quant = _train_transformer("fsdp2", steps, comm_policy=policy, one_batch=True)
+        diffs, rms = [], []
+        for a, b in zip(ref["params"], quant["params"]):
+            delta = torch.cat([(a[n] - b[n]).flatten() for n in a])
+            diffs.append(delta.abs().max().item())
+            rms.append(delta.pow(2).mean().sqrt().item())
+        out[key] = {"losses": quant["losses"], "diffs": diffs, "rms": rms, "dtypes": quant["dtypes"],
+                    "sent": quant["sent"]}
+    out["ref_sent"] = ref["sent"]
+    return out
+
+
+def test_int8_gradients_train_close_to_unquantized():
+    """As for int8 weights: AdamW (lr 1e-2) moves an element by about ``lr`` a step whatever its
+    gradient's scale, so a quantized gradient can change an element by at most ``2 * lr`` per
+    step (a flipped update; measured max 0.046 after 8 steps with int8 gradients, 0.135 with
+    weights too); over all elements the RMS difference stays a small part of one update per
+    step (measured 0.03-0.17 of it). Losses within 1% (measured 0.05% and 0.1%), falling, for
+    gradients alone and with the weights."""
+    steps, lr = 8, 1e-2
+    result = run_on_ranks(_train_quantized_grads, 2, steps)[0]
+    for key in ("grads", "both"):
+        r = result[key]
+        for k, (diff, rms) in enumerate(zip(r["diffs"], r["rms"]), start=1):
+            # 1%: after step 1 an Adam update can exceed lr slightly (measured 0.06% over at step 2)
+            assert diff <= 2 * k * lr * 1.01, (key, k, r["diffs"])
+            assert rms <= 0.2 * k * lr, (key, k, r["rms"])
+        for ref, quant in zip(result["ref"], r["losses"]):
+            assert abs(quant - ref) <= 0.01 * ref, (key, result["ref"], r["losses"])
+        assert r["losses"][-1] < 0.8 * r["losses"][0]
+        assert r["dtypes"] == {"torch.float32"}
+    (ref_ag, ref_rs, _), (g_ag, g_rs, _) = result["ref_sent"], result["grads"]["sent"]
+    assert g_ag == ref_ag  # weights gathered as before
+    assert 0.25 < g_rs / ref_rs < 0.27  # int8 values and fp32 scales against fp32
+
+
+def _bf16_both_bytes(block: int) -> dict:
+    bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    base = _train_transformer("fsdp2", 2, mp_policy=bf16)
+    policy = fsdp2.QuantizedComm(weights="int8", gradients="int8", block_size=block)
+    quant = _train_transformer("fsdp2", 2, comm_policy=policy, mp_policy=bf16)
+    return {"base": base["sent"], "quant": quant["sent"], "losses": (base["losses"], quant["losses"])}
+
+
+@pytest.mark.parametrize("block, low, high", [(256, 0.5, 0.56), (4096, 0.5, 0.53)])
+def test_int8_weights_and_gradients_against_bf16_bytes(block, low, high):
+    """Both collectives int8 against ``MixedPrecisionPolicy(bf16, bf16)``: a little over half of
+    bf16's bytes per step (int8 is half of bf16; the scales, headers and alignment add the
+    rest), whatever the block size: the issue's 0.30x is out of reach of int8 values."""
+    result = run_on_ranks(_bf16_both_bytes, 2, block)[0]
+    (b_ag, b_rs, _), (q_ag, q_rs, _) = result["base"], result["quant"]
+    assert low < (q_ag + q_rs) / (b_ag + b_rs) < high, (result["base"], result["quant"])
+    assert 0.5 < q_rs / b_rs < high
+    base, quant = result["losses"]
+    assert abs(quant[-1] - base[-1]) <= 0.02 * base[-1]
+
+
+def _exchange_group_reduces_flat() -> dict:
+    os.environ["FSDP2_CPU_COLLECTIVES"] = "exchange"
+    try:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        plain, quant = MLP(16), MLP(16)
+        quant.load_state_dict(plain.state_dict())
+        fsdp2.fully_shard(plain, mesh=mesh)
+        fsdp2.fully_shard(quant, mesh=mesh, comm_policy=GRAD8)
+        names = [(get_state(m).group.gather_transport.name, get_state(m).group.reduce_transport.name)
+                 for m in (plain, quant)]
+        x = torch.randn(4, 16)
+        for m in (plain, quant):
+            m(x).sum().backward()
+        grads = [full(m.in_proj.weight.grad) for m in (plain, quant)]
+        try:
+            quant.set_custom_reduce_scatter(DEFAULT_REDUCE_SCATTER)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        return {"names": names, "grad_diff": (grads[0] - grads[1]).abs().max().item(), "refused": refused,
+                "transport": repr(get_state(quant).group.reduce_transport)}
+    finally:
+        del os.environ["FSDP2_CPU_COLLECTIVES"]
+
+
+def test_exchange_transport_groups_reduce_flat_when_gradients_quantized():
+    result = run_on_ranks(_exchange_group_reduces_flat, 2)[0]
+    assert result["names"][0] != ("flat", "flat")
+    assert result["names"][1] == (result["names"][0][0], "flat")
+    assert 0 < result["grad_diff"] < 0.05
+    assert "cannot run" in result["refused"] and "grad_block=256" in result["transport"]
