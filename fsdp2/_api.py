@@ -92,7 +92,10 @@ class QuantizedComm:
             before the usual division; ``None`` (the default) reduce-scatters them as today.
         block_size: elements per scale; smaller blocks follow the values more closely and
             send more scales (4 bytes per block).
-        error_feedback: for quantized gradients (planned); must be False for now.
+        error_feedback: with ``gradients="int8"``, keep what quantizing each parameter's
+            gradient lost on this rank and add it to the next one before quantizing (so the
+            error does not accumulate over steps). Costs one fp32 tensor of the parameter's
+            full (padded, unsharded) size per parameter per rank, kept for the run.
 
     With ``gradients="int8"`` the group's reduce-scatter runs on the flat transport as an
     all-to-all (counted under ``count_comm_bytes().reduce_scatter``); HSDP's all-reduce over
@@ -136,9 +139,6 @@ class QuantizedComm:
         if self.error_feedback and self.gradients is None:
             raise ValueError("QuantizedComm(error_feedback=True) needs quantized gradients to correct; "
                              "leave error_feedback=False")
-        if self.error_feedback:
-            raise ValueError("QuantizedComm(error_feedback=True) is not available yet; leave "
-                             "error_feedback=False (each step's gradients are quantized on their own)")
 
     @property
     def weight_block(self) -> int:

@@ -124,10 +124,11 @@ class FlatTransport(Transport):
 
     def start_reduce_scatter(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
                              target: ReduceTarget, device: torch.device,
-                             header: torch.Tensor | None) -> ReduceScatterInFlight:
+                             header: torch.Tensor | None,
+                             residuals: Sequence[torch.Tensor] | None = None) -> ReduceScatterInFlight:
         if self.grad_block and target.world > 1:
             return _start_quantized_reduce_scatter(self.reduce_scatter, self.grad_block, layouts, grads, dtype,
-                                                   target, device)
+                                                   target, device, residuals)
         return _start_reduce_scatter(self.reduce_scatter, layouts, grads, dtype, target, device)
 
     def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:
@@ -298,9 +299,13 @@ def _start_reduce_scatter(
 
 def _start_quantized_reduce_scatter(
     comm: ReduceScatter, block: int, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
-    target: ReduceTarget, device: torch.device,
+    target: ReduceTarget, device: torch.device, residuals: Sequence[torch.Tensor] | None = None,
 ) -> ReduceScatterInFlight:
     """The reduce-scatter of ``grads`` as an int8 all-to-all (``target.world > 1``).
+
+    ``residuals`` (error feedback): each gradient's ``(world, local_numel)`` fp32 residual,
+    added to its columns of the rank-major copy before quantizing, then overwritten with
+    what the quantization lost there.
 
     The gradients are laid out rank-major as for the flat reduce-scatter, in ``dtype``; each
     destination rank's row is quantized per ``block`` (``GradChunks``) and the rows exchanged
@@ -334,7 +339,16 @@ def _start_quantized_reduce_scatter(
         grads.clear()  # the caller's list: the gradients are freed before the output exists
         send = comm.allocate((world * chunks.chunk_bytes,), dtype=torch.uint8, device=device)
         with torch.no_grad():
-            chunks.quantize(staged.to(acc), send)
+            rows = staged.to(acc, copy=residuals is not None)
+            if residuals is not None:
+                for res, off in zip(residuals, offs):
+                    rows[:, off:off + res.shape[1]] += res
+            error = torch.empty_like(rows) if residuals is not None else None
+            chunks.quantize(rows, send, error)
+            if residuals is not None:
+                for res, off in zip(residuals, offs):
+                    res.copy_(error[:, off:off + res.shape[1]])
+            del rows, error
         held = (staged, send, *held_grads) if streams.cuda else (send,)
         del staged
         recv = comm.allocate((world * chunks.chunk_bytes,), dtype=torch.uint8, device=device)

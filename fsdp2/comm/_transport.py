@@ -125,10 +125,13 @@ class Transport(ABC):
     @abstractmethod
     def start_reduce_scatter(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
                              target: ReduceTarget, device: torch.device,
-                             header: torch.Tensor | None) -> ReduceScatterInFlight:
+                             header: torch.Tensor | None,
+                             residuals: Sequence[torch.Tensor] | None = None) -> ReduceScatterInFlight:
         """Issue the reduce-scatter of the full gradients ``grads`` (cut as ``layouts``) in
         ``dtype``. The transport empties ``grads`` where it no longer needs them (so they can be
-        freed early)."""
+        freed early). ``residuals`` (quantized gradients with error feedback, flat transport
+        only): one fp32 ``(world, local_numel)`` tensor per gradient, added to it before
+        quantizing and overwritten with what this quantization lost."""
 
     @abstractmethod
     def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:

@@ -79,6 +79,9 @@ class ShardedParam:
         self._mp = (param_dtype, reduce_dtype)
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory and torch.cuda.is_available()
+        # QuantizedComm(error_feedback=True): what quantizing this rank's gradient lost last time
+        # (fp32, the full padded size, rank-major); None until the first quantized reduction.
+        self.grad_residual: torch.Tensor | None = None
         self._home_device = device
         self.unsharded: nn.Parameter | None = None
         self._on_grad_ready: Callable[[ShardedParam], None] | None = None  # the group's, set at bind

@@ -55,6 +55,9 @@ class GroupPolicy:
     grad_block: int = 0
     """``QuantizedComm(gradients="int8")``: elements per scale of the quantized reduce-scatter
     (an int8 all-to-all on the flat transport); 0 (the default): reduced in the reduce dtype."""
+    error_feedback: bool = False
+    """``QuantizedComm(error_feedback=True)``: each parameter's quantization error is kept and
+    added to its next gradient before quantizing."""
     allocate_from_process_group: bool = False
     """``set_allocate_memory_from_process_group_for_comm``: fsdp2's comms allocate from the
     process group (NCCL can register the memory)."""

@@ -86,12 +86,23 @@ def reduce_gradients(group: ParamGroup, params: list[ShardedParam] | None = None
         inflight = [
             Reduction(transport.start_reduce_scatter(
                 [p.layout for p in params], grads, dtype, target, group.device,
-                _checks.reduce_header(group, params) if transport.reduce_headers else None),
+                _checks.reduce_header(group, params) if transport.reduce_headers else None,
+                **({"residuals": [_residual(p, group) for p in params]} if policy.error_feedback else {})),
                 tuple(params), policy.all_reduce_hook, policy.check_finite)
             for dtype, (params, grads) in buckets.items()
         ]
     del buckets
     group.reduce_queue.submit(inflight, limit)
+
+
+def _residual(p: ShardedParam, group: ParamGroup) -> torch.Tensor:
+    """``p``'s error-feedback residual (``QuantizedComm(error_feedback=True)``): what quantizing
+    its gradient lost last time, fp32, ``(world, local_numel)`` (its full padded size, rank-major),
+    zeros at first; kept on the parameter for the run."""
+    res = p.grad_residual
+    if res is None or res.shape != (group.world, p.layout.local_numel):
+        res = p.grad_residual = torch.zeros(group.world, p.layout.local_numel, device=group.device)
+    return res
 
 
 def _gradient_to_reduce(group: ParamGroup, p: ShardedParam) -> torch.Tensor | None:

@@ -40,7 +40,6 @@ BOTH8 = fsdp2.QuantizedComm(weights="int8", gradients="int8")
     ({"weights": 8}, TypeError, "weights must be None or a str"),
     ({"gradients": "int4"}, ValueError, "gradients='int4' is not supported; use 'int8'"),
     ({"gradients": 8}, TypeError, "gradients must be None or a str"),
-    ({"gradients": "int8", "error_feedback": True}, ValueError, "error_feedback=True.* is not available yet"),
     ({"block_size": 0}, ValueError, "block_size=0 must be positive"),
     ({"block_size": 2.0}, TypeError, "block_size must be an int"),
     ({"block_size": True}, TypeError, "block_size must be an int"),
@@ -551,3 +550,51 @@ def test_exchange_transport_groups_reduce_flat_when_gradients_quantized():
     assert result["names"][1] == (result["names"][0][0], "flat")
     assert 0 < result["grad_diff"] < 0.05
     assert "cannot run" in result["refused"] and "grad_block=256" in result["transport"]
+
+
+def _summed_over_steps(steps: int) -> dict:
+    """The same gradients reduced ``steps`` times (no optimizer step): without error feedback
+    each reduction makes the same error, so the sum is off by ``steps`` times it; with it
+    the sum telescopes (``steps * g - residual``), off by one reduction's error at most."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(5)
+    plain = MLP(40, 50)
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(20 + dist.get_rank()))
+    plain(x).pow(2).sum().backward()
+    exact = [p.grad.clone() for p in plain.parameters()]
+    for g in exact:
+        dist.all_reduce(g)
+        g /= world
+    out = {}
+    for feedback in (False, True):
+        model = MLP(40, 50)
+        model.load_state_dict(plain.state_dict())
+        policy = fsdp2.QuantizedComm(gradients="int8", block_size=32, error_feedback=feedback)
+        fsdp2.fully_shard(model, mesh=mesh, comm_policy=policy)
+        sums = [torch.zeros_like(g) for g in exact]
+        first = None
+        for _ in range(steps):
+            model(x).pow(2).sum().backward()
+            grads = [full(p.grad) for p in model.parameters()]
+            first = first or max((g - e).abs().max().item() for g, e in zip(grads, exact))
+            for s, g in zip(sums, grads):
+                s += g
+            model.zero_grad()
+        params = get_state(model).group.params
+        out[feedback] = {"first": first, "sum_err": max((s - steps * e).abs().max().item()
+                                                        for s, e in zip(sums, exact)),
+                         "residuals": [None if p.grad_residual is None else tuple(p.grad_residual.shape)
+                                       for p in params],
+                         "shapes": [(world, p.layout.local_numel) for p in params]}
+    return out
+
+
+def test_error_feedback_keeps_the_error_from_accumulating():
+    steps = 8
+    result = run_on_ranks(_summed_over_steps, 2, steps)[0]
+    off, on = result[False], result[True]
+    assert off["first"] == on["first"]  # the first step has no residual yet
+    assert off["sum_err"] > 0.9 * steps * off["first"]  # the same error every step
+    assert on["sum_err"] <= 2 * on["first"]  # telescoped: about one step's error
+    assert off["residuals"] == [None] * 4 and on["residuals"] == on["shapes"]  # fp32, full padded size

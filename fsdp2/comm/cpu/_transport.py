@@ -125,8 +125,10 @@ class ExchangeTransport(Transport):
 
     def start_reduce_scatter(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
                              target: ReduceTarget, device: torch.device,
-                             header: torch.Tensor | None) -> ReduceScatterInFlight:
-        """Send each gradient's chunks from where they are: copies only to cast, pad or pre-divide."""
+                             header: torch.Tensor | None,
+                             residuals: Sequence[torch.Tensor] | None = None) -> ReduceScatterInFlight:
+        """Send each gradient's chunks from where they are: copies only to cast, pad or pre-divide.
+        Never quantized (``residuals`` is the flat transport's)."""
         world = target.world
         if world == 1:
             return self._local.start_reduce_scatter(layouts, grads, dtype, target, device, header)
