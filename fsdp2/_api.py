@@ -65,7 +65,7 @@ class MixedPrecisionPolicy:
             )
 
 
-_WEIGHT_FORMATS = ("int8",)
+_WEIGHT_FORMATS = ("int8", "int4")
 _GRAD_FORMATS = ("int8", "int4")
 
 
@@ -85,7 +85,9 @@ class QuantizedComm:
 
     Args:
         weights: ``"int8"`` to all-gather the parameters as int8 with per-block scales;
-            ``None`` (the default) gathers them as today, bit for bit.
+            ``"int4"``: 4-bit values in [-7, 7] (scale ``absmax / 7``, each off by at most
+            ``absmax / 14``), two per byte; ``None`` (the default) gathers them as today, bit
+            for bit.
         gradients: ``"int8"`` to reduce the gradients quantized (ZeRO++'s qgZ): each rank
             quantizes each destination rank's chunk of its full gradients per block, one
             all-to-all moves the chunks, and the receiver dequantizes and sums them in fp32
@@ -122,8 +124,8 @@ class QuantizedComm:
             raise TypeError(f"QuantizedComm.weights must be None or a str, got {self.weights!r}; "
                             "pass weights='int8'")
         if self.weights is not None and self.weights not in _WEIGHT_FORMATS:
-            raise ValueError(f"QuantizedComm.weights={self.weights!r} is not supported; use 'int8', or None "
-                             "to gather the weights unquantized")
+            raise ValueError(f"QuantizedComm.weights={self.weights!r} is not supported; use 'int8' or 'int4', "
+                             "or None to gather the weights unquantized")
         if self.gradients is not None and not isinstance(self.gradients, str):
             raise TypeError(f"QuantizedComm.gradients must be None or a str, got {self.gradients!r}; "
                             "pass gradients='int8'")
@@ -151,6 +153,11 @@ class QuantizedComm:
     def grad_block(self) -> int:
         """Elements per scale of the gradients' reduction; 0 when the gradients are not quantized."""
         return self.block_size if self.gradients is not None else 0
+
+    @property
+    def weight_bits(self) -> int:
+        """Bits per value of the weights' all-gather (8 or 4); 0 when the weights are not quantized."""
+        return {"int8": 8, "int4": 4}[self.weights] if self.weights is not None else 0
 
     @property
     def grad_bits(self) -> int:

@@ -10,11 +10,12 @@ fills it at issue time and reads it back into the unsharded buffer after the wai
 Gradients (``QuantizedComm(gradients="int8")``) use the same rounding on each destination
 rank's chunk of a reduce-scatter's rank-major buffer (:class:`GradChunks`): the blocks
 start at each chunk's first element, so a chunk's blocks travel together in one all-to-all.
-With ``gradients="int4"`` (``bits=4``) the scale is the block's largest magnitude over 7 and
-the values are rounded into [-7, 7] (the two's-complement nibble 0b1000, -8, is never
-written, so the grid stays symmetric), each off by at most ``absmax / 14``; two values share
-a byte, the even element in the low nibble, the odd one in the high nibble (a row of odd
-length has a zero high nibble in its last byte). The same per-block fp32 scales follow.
+With ``bits=4`` (``gradients="int4"``; ``weights="int4"``, ``GatherFormat.bits``) the
+scale is the block's largest magnitude over 7 and the values are rounded into [-7, 7] (the
+two's-complement nibble 0b1000, -8, is never written, so the grid stays symmetric), each off
+by at most ``absmax / 14``; two values share a byte, the even element in the low nibble,
+the odd one in the high nibble (a row of odd length has a zero high nibble in its last byte).
+The same per-block fp32 scales follow.
 """
 
 from __future__ import annotations
@@ -24,18 +25,13 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .._format import GatherFormat, aligned, blocks
+from .._format import GatherFormat, aligned, blocks, value_bytes
 
 __all__ = ["quantize_entries", "dequantize_entries", "GradChunks", "pack_values", "unpack_values", "value_bytes"]
 
 QMAX = 127
 QMAX_BY_BITS = {8: 127, 4: 7}
 """The largest magnitude a quantized value takes, by its width in bits (symmetric grids)."""
-
-
-def value_bytes(numel: int, bits: int) -> int:
-    """Bytes of ``numel`` values of ``bits`` each, packed (before any alignment)."""
-    return numel if bits == 8 else -(-numel // 2)
 
 
 def pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -65,10 +61,14 @@ def quantize_entries(fmt: GatherFormat, entries: Sequence[torch.Tensor], send: t
         if scales is None:
             values[0].copy_(entry, non_blocking=True)
             continue
+        qmax = QMAX_BY_BITS[fmt.bits]
         x = _blocked(entry.to(device=send.device, dtype=torch.float32).reshape(-1), fmt.block)
-        scale = x.abs().amax(dim=1) / QMAX  # (blocks,)
-        q = torch.round(x / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-QMAX, QMAX)
-        values[0].copy_(q.view(-1)[:values.shape[1]])
+        scale = x.abs().amax(dim=1) / qmax  # (blocks,)
+        q = torch.round(x / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-qmax, qmax)
+        if fmt.bits == 8:
+            values[0].copy_(q.view(-1)[:values.shape[1]])
+        else:
+            values[0].copy_(pack_values(q.view(1, -1)[:, :entry.numel()], fmt.bits)[0])
         scales[0].copy_(scale)
 
 
@@ -80,8 +80,8 @@ def dequantize_entries(fmt: GatherFormat, output: torch.Tensor, chunks: Sequence
         if scales is None:
             chunk.copy_(values)
             continue
-        n = values.shape[1]
-        full = values.to(torch.float32)
+        n = chunk[0].numel()
+        full = (values if fmt.bits == 8 else unpack_values(values, n, fmt.bits)).to(torch.float32)
         full = F.pad(full, (0, blocks(n, fmt.block) * fmt.block - n)).view(world, -1, fmt.block)
         full = (full * scales[:, :, None]).view(world, -1)[:, :n]
         chunk.copy_(full.view(chunk.shape))

@@ -130,7 +130,7 @@ class ParamGroup:
                 )
             raw = self._gather_format(world)
             fmt = self._quantized[world] = raw if world == 1 else GatherFormat.build(
-                raw.layouts, raw.dtypes, self.policy.weight_block)  # one rank sends nothing: nothing to quantize
+                raw.layouts, raw.dtypes, self.policy.weight_block, self.policy.weight_bits)  # one rank: nothing sent
         return fmt
 
     def adopt_registered(self, move: bool, where: str) -> None:
