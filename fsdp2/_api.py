@@ -65,8 +65,8 @@ class MixedPrecisionPolicy:
             )
 
 
-_WEIGHT_FORMATS = ("int8",)
-_GRAD_FORMATS = ("int8",)
+_WEIGHT_FORMATS = ("int8", "int4")
+_GRAD_FORMATS = ("int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -85,19 +85,23 @@ class QuantizedComm:
 
     Args:
         weights: ``"int8"`` to all-gather the parameters as int8 with per-block scales;
-            ``None`` (the default) gathers them as today, bit for bit.
+            ``"int4"``: 4-bit values in [-7, 7] (scale ``absmax / 7``, each off by at most
+            ``absmax / 14``), two per byte; ``None`` (the default) gathers them as today, bit
+            for bit.
         gradients: ``"int8"`` to reduce the gradients quantized (ZeRO++'s qgZ): each rank
             quantizes each destination rank's chunk of its full gradients per block, one
             all-to-all moves the chunks, and the receiver dequantizes and sums them in fp32
-            before the usual division; ``None`` (the default) reduce-scatters them as today.
+            before the usual division; ``"int4"``: the same with 4-bit values in [-7, 7] (scale
+            ``absmax / 7``, each off by at most ``absmax / 14``), two per byte, about half of
+            int8's bytes; ``None`` (the default) reduce-scatters them as today.
         block_size: elements per scale; smaller blocks follow the values more closely and
             send more scales (4 bytes per block).
-        error_feedback: with ``gradients="int8"``, keep what quantizing each parameter's
+        error_feedback: with quantized gradients, keep what quantizing each parameter's
             gradient lost on this rank and add it to the next one before quantizing (so the
             error does not accumulate over steps). Costs one fp32 tensor of the parameter's
             full (padded, unsharded) size per parameter per rank, kept for the run.
 
-    With ``gradients="int8"`` the group's reduce-scatter runs on the flat transport as an
+    With quantized gradients the group's reduce-scatter runs on the flat transport as an
     all-to-all (counted under ``count_comm_bytes().reduce_scatter``); HSDP's all-reduce over
     the replicas stays unquantized; ``set_custom_reduce_scatter`` is refused on such a group.
 
@@ -120,14 +124,14 @@ class QuantizedComm:
             raise TypeError(f"QuantizedComm.weights must be None or a str, got {self.weights!r}; "
                             "pass weights='int8'")
         if self.weights is not None and self.weights not in _WEIGHT_FORMATS:
-            raise ValueError(f"QuantizedComm.weights={self.weights!r} is not supported; use 'int8', or None "
-                             "to gather the weights unquantized")
+            raise ValueError(f"QuantizedComm.weights={self.weights!r} is not supported; use 'int8' or 'int4', "
+                             "or None to gather the weights unquantized")
         if self.gradients is not None and not isinstance(self.gradients, str):
             raise TypeError(f"QuantizedComm.gradients must be None or a str, got {self.gradients!r}; "
                             "pass gradients='int8'")
         if self.gradients is not None and self.gradients not in _GRAD_FORMATS:
-            raise ValueError(f"QuantizedComm.gradients={self.gradients!r} is not supported; use 'int8', or None "
-                             "to reduce the gradients in the reduce dtype")
+            raise ValueError(f"QuantizedComm.gradients={self.gradients!r} is not supported; use 'int8' or 'int4', "
+                             "or None to reduce the gradients in the reduce dtype")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
             raise TypeError(f"QuantizedComm.block_size must be an int, got {self.block_size!r}; "
                             "e.g. block_size=256")
@@ -149,6 +153,16 @@ class QuantizedComm:
     def grad_block(self) -> int:
         """Elements per scale of the gradients' reduction; 0 when the gradients are not quantized."""
         return self.block_size if self.gradients is not None else 0
+
+    @property
+    def weight_bits(self) -> int:
+        """Bits per value of the weights' all-gather (8 or 4); 0 when the weights are not quantized."""
+        return {"int8": 8, "int4": 4}[self.weights] if self.weights is not None else 0
+
+    @property
+    def grad_bits(self) -> int:
+        """Bits per value of the gradients' reduction (8 or 4); 0 when the gradients are not quantized."""
+        return {"int8": 8, "int4": 4}[self.gradients] if self.gradients is not None else 0
 
 
 def as_comm_policy(policy: object) -> QuantizedComm | None:

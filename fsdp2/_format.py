@@ -21,7 +21,8 @@ planner counts them and the diagnostics read them back: they all import the rule
   Quantized (``QuantizedComm(weights="int8")``, ``block > 0``): each floating-point entry is
   its int8 values (one byte per element of the padded chunk, flattened) then, at the next
   aligned offset, one fp32 scale per ``block`` elements (the last block may be short); other
-  entries as unquantized. ``quantized_views`` reads them.
+  entries as unquantized. ``quantized_views`` reads them. ``bits=4`` (``weights="int4"``):
+  the values are packed two per byte (``value_bytes``; low nibble first, ``comm/_quantize.py``).
 """
 
 from __future__ import annotations
@@ -134,6 +135,11 @@ def _typed_rows(buffer: torch.Tensor, dtype: torch.dtype, slice_bytes: int, rank
                            base.storage_offset() + offset // dtype.itemsize)
 
 
+def value_bytes(numel: int, bits: int) -> int:
+    """Bytes of ``numel`` quantized values of ``bits`` each (8: one a byte; 4: two a byte), unaligned."""
+    return numel if bits == 8 else -(-numel // 2)
+
+
 def packed_offsets(sizes: Sequence[int], align: bool) -> tuple[list[int], int]:
     offsets, total = [], 0
     for size in sizes:
@@ -154,9 +160,12 @@ class GatherFormat:
     """Quantized: elements per fp32 scale of the floating-point entries; 0: every entry in its dtype."""
     scale_offsets: tuple[int, ...] = ()
     """Quantized: where each entry's scales start in a rank's slice (-1: an entry sent unquantized)."""
+    bits: int = 8
+    """Quantized: bits per value, 8 (int8) or 4 (two int4 a byte, ``value_bytes``)."""
 
     @classmethod
-    def build(cls, layouts: Sequence[Chunking], dtypes: Sequence[torch.dtype], block: int = 0) -> GatherFormat:
+    def build(cls, layouts: Sequence[Chunking], dtypes: Sequence[torch.dtype], block: int = 0,
+              bits: int = 8) -> GatherFormat:
         """The slice of ``layouts`` gathered as ``dtypes``; ``block > 0``: quantized (see the module)."""
         if not block:
             sizes = [lay.local_numel * dt.itemsize for lay, dt in zip(layouts, dtypes)]
@@ -165,16 +174,17 @@ class GatherFormat:
         sizes = []  # per entry: its values, then its scales (none when unquantized)
         for lay, dt in zip(layouts, dtypes):
             quantized = dt.is_floating_point
-            sizes += [lay.local_numel * (1 if quantized else dt.itemsize),
+            sizes += [value_bytes(lay.local_numel, bits) if quantized else lay.local_numel * dt.itemsize,
                       SCALE_DTYPE.itemsize * blocks(lay.local_numel, block) if quantized else 0]
         offsets, total = packed_offsets(sizes, align=True)
         scales = tuple(HEADER + o if dt.is_floating_point else -1 for o, dt in zip(offsets[1::2], dtypes))
         return cls(tuple(layouts), tuple(dtypes), tuple(HEADER + o for o in offsets[0::2]), HEADER + total,
-                   block, scales)
+                   block, scales, bits)
 
     def quantized_views(self, buffer: torch.Tensor, ranks: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each entry's place in ``ranks`` slices of ``buffer`` (rank-major bytes) of a quantized
-        format: ``(int8 values (ranks, numel), fp32 scales (ranks, blocks))``, or for an entry
+        format: ``(int8 values (ranks, numel), fp32 scales (ranks, blocks))`` (4 bits: the values
+        as uint8 ``(ranks, value_bytes(numel, 4))``, packed), or for an entry
         sent unquantized ``(its values (ranks, *local_shape) in its dtype, None)``."""
         views: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for lay, dtype, off, scale_off in zip(self.layouts, self.dtypes, self.offsets, self.scale_offsets):
@@ -183,7 +193,8 @@ class GatherFormat:
                                           off), None))
                 continue
             n = lay.local_numel
-            values = _typed_rows(buffer, torch.int8, self.slice_bytes, ranks, (n,), (1,), off)
+            vtype = torch.int8 if self.bits == 8 else torch.uint8
+            values = _typed_rows(buffer, vtype, self.slice_bytes, ranks, (value_bytes(n, self.bits),), (1,), off)
             scales = _typed_rows(buffer, SCALE_DTYPE, self.slice_bytes, ranks, (blocks(n, self.block),), (1,),
                                  scale_off)
             views.append((values, scales))

@@ -90,7 +90,8 @@ class QuantizedReduceScatter(ReduceScatterInFlight):
 
     def wait(self, sizes: str) -> torch.Tensor:
         target = self.target
-        _debug.wait(self.done, "reduce_scatter", target.label, sizes + " (int8 all-to-all)", target.root)
+        kind = f" (int{self.chunks.bits} all-to-all)"
+        _debug.wait(self.done, "reduce_scatter", target.label, sizes + kind, target.root)
         if self.output is None:  # CPU: the bytes are here now
             self.output = _sum_received(self.chunks, self.recv, self.acc, self.divide, self.dtype)
         return self.output
@@ -101,16 +102,18 @@ class QuantizedReduceScatter(ReduceScatterInFlight):
 
 class FlatTransport(Transport):
     """The flat collectives, run by ``all_gather`` / ``reduce_scatter`` (``_comm.py``); with
-    ``grad_block``, the gradients are reduced quantized (int8 values and an fp32 scale per
-    ``grad_block`` elements, one all-to-all, summed on the receiving rank)."""
+    ``grad_block``, the gradients are reduced quantized (``grad_bits``-bit values, int8 or two
+    int4 per byte, and an fp32 scale per ``grad_block`` elements, one all-to-all, summed on the
+    receiving rank)."""
 
     name = "flat"
 
     def __init__(self, all_gather: AllGather | None = None, reduce_scatter: ReduceScatter | None = None,
-                 grad_block: int = 0) -> None:
+                 grad_block: int = 0, grad_bits: int = 8) -> None:
         self.all_gather = all_gather or DEFAULT_ALL_GATHER
         self.reduce_scatter = reduce_scatter or DEFAULT_REDUCE_SCATTER
         self.grad_block = grad_block
+        self.grad_bits = grad_bits
 
     def start_all_gather(self, source: GatherSource, fmt: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
@@ -128,7 +131,7 @@ class FlatTransport(Transport):
                              residuals: Sequence[torch.Tensor] | None = None) -> ReduceScatterInFlight:
         if self.grad_block and target.world > 1:
             return _start_quantized_reduce_scatter(self.reduce_scatter, self.grad_block, layouts, grads, dtype,
-                                                   target, device, residuals)
+                                                   target, device, residuals, self.grad_bits)
         return _start_reduce_scatter(self.reduce_scatter, layouts, grads, dtype, target, device)
 
     def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:
@@ -143,17 +146,19 @@ class FlatTransport(Transport):
         out = sizes.reduce // world if world > 1 else 0
         if self.grad_block and world > 1:
             # Quantized: the rank-major copy (fp32 here, about twice bf16's) and the packed
-            # int8 rows sent; received, about a quarter of the fp32 size plus the fp32 sum.
-            packed = sizes.reduce // 2 + 1
+            # int8 rows sent (int4: half that); received, about a quarter (an eighth) of the
+            # fp32 size plus the fp32 sum.
+            packed = (sizes.reduce // 2 if self.grad_bits == 8 else sizes.reduce // 4) + 1
             return BufferNeeds(gather, False, 2 * sizes.reduce + packed, packed // world + 2 * out, False)
         gloo_copy = sizes.reduce if backend == "gloo" and world > 1 else 0
         return BufferNeeds(gather, False, sizes.reduce, out, False, reduce_input_copy=gloo_copy)
 
     def with_comms(self, all_gather: AllGather, reduce_scatter: ReduceScatter) -> Transport:
-        return FlatTransport(all_gather, reduce_scatter, self.grad_block)
+        return FlatTransport(all_gather, reduce_scatter, self.grad_block, self.grad_bits)
 
     def __repr__(self) -> str:
         block = f", grad_block={self.grad_block}" if self.grad_block else ""
+        block += f", grad_bits={self.grad_bits}" if self.grad_block and self.grad_bits != 8 else ""
         return f"FlatTransport({self.all_gather!r}, {self.reduce_scatter!r}{block})"
 
 
@@ -300,8 +305,9 @@ def _start_reduce_scatter(
 def _start_quantized_reduce_scatter(
     comm: ReduceScatter, block: int, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
     target: ReduceTarget, device: torch.device, residuals: Sequence[torch.Tensor] | None = None,
+    bits: int = 8,
 ) -> ReduceScatterInFlight:
-    """The reduce-scatter of ``grads`` as an int8 all-to-all (``target.world > 1``).
+    """The reduce-scatter of ``grads`` as an int8 (``bits=4``: int4) all-to-all (``target.world > 1``).
 
     ``residuals`` (error feedback): each gradient's ``(world, local_numel)`` fp32 residual,
     added to its columns of the rank-major copy before quantizing, then overwritten with
@@ -325,9 +331,9 @@ def _start_quantized_reduce_scatter(
     else:
         divide = pre or 1.0
     acc = dtype if dtype.itemsize > 4 else torch.float32
-    chunks = GradChunks(world, total, block)
+    chunks = GradChunks(world, total, block, bits)
     _debug.log_collective("reduce_scatter", target.label, group,
-                          f"{world} x {total} elements, int8 all-to-all of {chunks.chunk_bytes} bytes per rank",
+                          f"{world} x {total} elements, int{bits} all-to-all of {chunks.chunk_bytes} bytes per rank",
                           dtype, target.root)
     if _bytes._ACTIVE:
         _bytes.count("reduce_scatter", (world - 1) * chunks.chunk_bytes)

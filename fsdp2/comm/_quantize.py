@@ -10,6 +10,12 @@ fills it at issue time and reads it back into the unsharded buffer after the wai
 Gradients (``QuantizedComm(gradients="int8")``) use the same rounding on each destination
 rank's chunk of a reduce-scatter's rank-major buffer (:class:`GradChunks`): the blocks
 start at each chunk's first element, so a chunk's blocks travel together in one all-to-all.
+With ``bits=4`` (``gradients="int4"``; ``weights="int4"``, ``GatherFormat.bits``) the
+scale is the block's largest magnitude over 7 and the values are rounded into [-7, 7] (the
+two's-complement nibble 0b1000, -8, is never written, so the grid stays symmetric), each off
+by at most ``absmax / 14``; two values share a byte, the even element in the low nibble,
+the odd one in the high nibble (a row of odd length has a zero high nibble in its last byte).
+The same per-block fp32 scales follow.
 """
 
 from __future__ import annotations
@@ -19,11 +25,33 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .._format import GatherFormat, aligned, blocks
+from .._format import GatherFormat, aligned, blocks, value_bytes
 
-__all__ = ["quantize_entries", "dequantize_entries", "GradChunks"]
+__all__ = ["quantize_entries", "dequantize_entries", "GradChunks", "pack_values", "unpack_values", "value_bytes"]
 
 QMAX = 127
+QMAX_BY_BITS = {8: 127, 4: 7}
+"""The largest magnitude a quantized value takes, by its width in bits (symmetric grids)."""
+
+
+def pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``q`` (``(rows, n)``, integral values within ``QMAX_BY_BITS[bits]``, any dtype) as bytes:
+    int8 for 8 bits; for 4 bits uint8 ``(rows, ceil(n / 2))``, element ``2i`` in byte ``i``'s
+    low nibble and ``2i + 1`` in its high nibble, each as a two's-complement nibble."""
+    q = q.to(torch.int8)
+    if bits == 8:
+        return q
+    nibbles = F.pad(q, (0, q.shape[1] % 2)).view(torch.uint8) & 0x0F
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+
+
+def unpack_values(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """The ``(rows, n)`` int8 values of ``pack_values``'s bytes ``packed`` (``(rows, >= value_bytes)``)."""
+    if bits == 8:
+        return packed[:, :n].view(torch.int8)
+    b = packed[:, :value_bytes(n, bits)].view(torch.uint8)
+    nibbles = torch.stack((b & 0x0F, b >> 4), dim=2).view(b.shape[0], -1)[:, :n]
+    return ((nibbles ^ 8).to(torch.int8) - 8)  # sign-extend the nibble
 
 
 def quantize_entries(fmt: GatherFormat, entries: Sequence[torch.Tensor], send: torch.Tensor) -> None:
@@ -33,10 +61,14 @@ def quantize_entries(fmt: GatherFormat, entries: Sequence[torch.Tensor], send: t
         if scales is None:
             values[0].copy_(entry, non_blocking=True)
             continue
+        qmax = QMAX_BY_BITS[fmt.bits]
         x = _blocked(entry.to(device=send.device, dtype=torch.float32).reshape(-1), fmt.block)
-        scale = x.abs().amax(dim=1) / QMAX  # (blocks,)
-        q = torch.round(x / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-QMAX, QMAX)
-        values[0].copy_(q.view(-1)[:values.shape[1]])
+        scale = x.abs().amax(dim=1) / qmax  # (blocks,)
+        q = torch.round(x / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-qmax, qmax)
+        if fmt.bits == 8:
+            values[0].copy_(q.view(-1)[:values.shape[1]])
+        else:
+            values[0].copy_(pack_values(q.view(1, -1)[:, :entry.numel()], fmt.bits)[0])
         scales[0].copy_(scale)
 
 
@@ -48,8 +80,8 @@ def dequantize_entries(fmt: GatherFormat, output: torch.Tensor, chunks: Sequence
         if scales is None:
             chunk.copy_(values)
             continue
-        n = values.shape[1]
-        full = values.to(torch.float32)
+        n = chunk[0].numel()
+        full = (values if fmt.bits == 8 else unpack_values(values, n, fmt.bits)).to(torch.float32)
         full = F.pad(full, (0, blocks(n, fmt.block) * fmt.block - n)).view(world, -1, fmt.block)
         full = (full * scales[:, :, None]).view(world, -1)[:, :n]
         chunk.copy_(full.view(chunk.shape))
@@ -63,21 +95,26 @@ def _blocked(flat: torch.Tensor, block: int) -> torch.Tensor:
 
 class GradChunks:
     """The packed layout of a quantized reduce-scatter: ``world`` rows of ``chunk_bytes``, row
-    ``r`` the ``numel`` elements bound for rank ``r``: their int8 values (padded to 16 bytes),
-    then one fp32 scale per ``block`` of them. The all-to-all sends row ``r`` to rank ``r``."""
+    ``r`` the ``numel`` elements bound for rank ``r``: their ``bits``-bit values (int8, or two
+    int4 per byte, low nibble first; padded to 16 bytes), then one fp32 scale per ``block`` of
+    them. The all-to-all sends row ``r`` to rank ``r``."""
 
-    __slots__ = ("world", "numel", "block", "blocks", "values_bytes", "chunk_bytes")
+    __slots__ = ("world", "numel", "block", "bits", "qmax", "blocks", "values_bytes", "chunk_bytes")
 
-    def __init__(self, world: int, numel: int, block: int) -> None:
-        self.world, self.numel, self.block = world, numel, block
+    def __init__(self, world: int, numel: int, block: int, bits: int = 8) -> None:
+        if bits not in QMAX_BY_BITS:
+            raise ValueError(f"GradChunks: bits={bits} is not supported; use 8 or 4")
+        self.world, self.numel, self.block, self.bits, self.qmax = world, numel, block, bits, QMAX_BY_BITS[bits]
         self.blocks = blocks(numel, block)
-        self.values_bytes = aligned(numel)
+        self.values_bytes = aligned(value_bytes(numel, bits))
         self.chunk_bytes = self.values_bytes + 4 * self.blocks
 
     def views(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 values ``(world, numel)`` and fp32 scales ``(world, blocks)`` of ``packed``."""
+        """The values ``(world, value_bytes)`` (int8; 4 bits: packed uint8, ``unpack_values``) and
+        fp32 scales ``(world, blocks)`` of ``packed``."""
         rows = packed.view(self.world, self.chunk_bytes)
-        return rows[:, :self.numel].view(torch.int8), rows[:, self.values_bytes:].view(torch.float32)
+        values = rows[:, :value_bytes(self.numel, self.bits)]
+        return values.view(torch.int8) if self.bits == 8 else values, rows[:, self.values_bytes:].view(torch.float32)
 
     def quantize(self, rows: torch.Tensor, packed: torch.Tensor, error: torch.Tensor | None = None) -> None:
         """Quantize ``rows`` (``(world, numel)``, fp32 or wider) into ``packed``; with ``error``
@@ -85,10 +122,13 @@ class GradChunks:
         values, scales = self.views(packed)
         pad = self.blocks * self.block - self.numel
         x = F.pad(rows, (0, pad)).view(self.world, self.blocks, self.block)
-        scale = (x.abs().amax(dim=2) / QMAX).to(torch.float32)  # (world, blocks)
+        scale = (x.abs().amax(dim=2) / self.qmax).to(torch.float32)  # (world, blocks)
         q = torch.round(x / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None].to(x.dtype))
-        q.clamp_(-QMAX, QMAX)
-        values.copy_(q.view(self.world, -1)[:, :self.numel])
+        q.clamp_(-self.qmax, self.qmax)
+        if self.bits == 8:
+            values.copy_(q.view(self.world, -1)[:, :self.numel])
+        else:
+            values.copy_(pack_values(q.view(self.world, -1)[:, :self.numel], self.bits))
         scales.copy_(scale)
         if error is not None:
             error.copy_((x - q * scale[..., None].to(x.dtype)).view(self.world, -1)[:, :self.numel])
@@ -97,6 +137,8 @@ class GradChunks:
         """The received ``packed`` rows (one per source rank) dequantized and summed in
         ``dtype``: this rank's ``(numel,)`` reduced chunk, not divided."""
         values, scales = self.views(packed)
+        if self.bits != 8:
+            values = unpack_values(values, self.numel, self.bits)
         pad = self.blocks * self.block - self.numel
         x = F.pad(values.to(dtype), (0, pad)).view(self.world, self.blocks, self.block)
         x = x * scales.to(dtype)[..., None]

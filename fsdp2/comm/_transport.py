@@ -179,9 +179,10 @@ def choose_transport(device: torch.device, unsharded_bytes: int) -> Transport:
 
 
 def flat_transport(all_gather: AllGather | None = None, reduce_scatter: ReduceScatter | None = None,
-                   grad_block: int = 0) -> Transport:
+                   grad_block: int = 0, grad_bits: int = 8) -> Transport:
     """The flat collectives, run by ``all_gather`` / ``reduce_scatter`` (fsdp2's defaults if None);
-    ``grad_block``: the gradients reduced as int8 with a scale per that many elements."""
+    ``grad_block``: the gradients reduced as ``grad_bits``-bit values (8 or 4) with a scale per
+    that many elements."""
     from ._flat import FlatTransport
 
-    return FlatTransport(all_gather, reduce_scatter, grad_block)
+    return FlatTransport(all_gather, reduce_scatter, grad_block, grad_bits)

@@ -119,6 +119,8 @@ def fully_shard(
             if args.comm_policy is not None and (args.comm_policy.weight_block or args.comm_policy.grad_block):
                 group.policy.weight_block = args.comm_policy.weight_block
                 group.policy.grad_block = args.comm_policy.grad_block
+                group.policy.grad_bits = args.comm_policy.grad_bits or 8
+                group.policy.weight_bits = args.comm_policy.weight_bits or 8
                 group.policy.error_feedback = args.comm_policy.error_feedback
                 group.refresh_transports()  # the quantized collectives are the flat transport's
         if device.type != "cpu":

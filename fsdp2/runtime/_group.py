@@ -130,7 +130,7 @@ class ParamGroup:
                 )
             raw = self._gather_format(world)
             fmt = self._quantized[world] = raw if world == 1 else GatherFormat.build(
-                raw.layouts, raw.dtypes, self.policy.weight_block)  # one rank sends nothing: nothing to quantize
+                raw.layouts, raw.dtypes, self.policy.weight_block, self.policy.weight_bits)  # one rank: nothing sent
         return fmt
 
     def adopt_registered(self, move: bool, where: str) -> None:
@@ -382,7 +382,7 @@ class ParamGroup:
         # Quantized weights are the flat transport's (the exchanges send the chunks as they are).
         self.gather_transport = flat if policy.custom_all_gather is not None or policy.weight_block else own
         if policy.grad_block:  # quantized gradients: the flat transport's all-to-all, on CPU too
-            self.reduce_transport = flat_transport(all_gather, reduce_scatter, policy.grad_block)
+            self.reduce_transport = flat_transport(all_gather, reduce_scatter, policy.grad_block, policy.grad_bits)
         else:
             self.reduce_transport = flat if policy.custom_reduce_scatter is not None else own
 

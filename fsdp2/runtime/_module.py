@@ -338,8 +338,8 @@ class FSDPModule:
         if group is not None and kind == "reduce_scatter" and group.policy.grad_block:
             raise ValueError(
                 f"fsdp2: set_custom_reduce_scatter: {group.label} reduces its gradients quantized "
-                "(QuantizedComm(gradients='int8'): an int8 all-to-all), which a custom reduce-scatter cannot "
-                "run; shard it without gradients='int8' to use a custom reduce-scatter"
+                f"(QuantizedComm(gradients='int{group.policy.grad_bits}'): an all-to-all of quantized values), "
+                "which a custom reduce-scatter cannot run; shard it with gradients=None to use a custom reduce-scatter"
             )
         if group is not None:
             setattr(group.policy, f"custom_{kind}", comm)

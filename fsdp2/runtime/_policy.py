@@ -52,9 +52,15 @@ class GroupPolicy:
     weight_block: int = 0
     """``fully_shard(comm_policy=QuantizedComm(weights="int8"))``: elements per scale of the
     quantized all-gather; 0 (the default): the weights are gathered unquantized."""
+    weight_bits: int = 8
+    """``QuantizedComm(weights="int4")``: 4, the quantized all-gather's values are int4 (two per
+    byte); 8 (the default): int8. Read only where ``weight_block`` is set."""
     grad_block: int = 0
     """``QuantizedComm(gradients="int8")``: elements per scale of the quantized reduce-scatter
     (an int8 all-to-all on the flat transport); 0 (the default): reduced in the reduce dtype."""
+    grad_bits: int = 8
+    """``QuantizedComm(gradients="int4")``: 4, the quantized reduce-scatter's values are int4
+    (two per byte); 8 (the default): int8. Read only where ``grad_block`` is set."""
     error_feedback: bool = False
     """``QuantizedComm(error_feedback=True)``: each parameter's quantization error is kept and
     added to its next gradient before quantizing."""

@@ -23,7 +23,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import fsdp2
 from fsdp2._format import HEADER, Chunking, GatherFormat, aligned
 from fsdp2.comm._comm import DEFAULT_REDUCE_SCATTER
-from fsdp2.comm._quantize import GradChunks, dequantize_entries, quantize_entries
+from fsdp2.comm._quantize import (GradChunks, dequantize_entries, pack_values, quantize_entries, unpack_values,
+                                  value_bytes)
 from fsdp2.runtime._state import get_state
 from tests._dist import run_on_ranks
 from tests._models import MLP, Transformer, lm_loss, make_batch
@@ -32,13 +33,14 @@ from tests._parity import full
 INT8 = fsdp2.QuantizedComm(weights="int8")
 GRAD8 = fsdp2.QuantizedComm(gradients="int8")
 BOTH8 = fsdp2.QuantizedComm(weights="int8", gradients="int8")
+GRAD4 = fsdp2.QuantizedComm(gradients="int4")
 
 
 # ---- the policy (no process group) --------------------------------------------------------
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"weights": "int4"}, ValueError, "weights='int4' is not supported; use 'int8'"),
+    ({"weights": "int2"}, ValueError, "weights='int2' is not supported; use 'int8' or 'int4'"),
     ({"weights": 8}, TypeError, "weights must be None or a str"),
-    ({"gradients": "int4"}, ValueError, "gradients='int4' is not supported; use 'int8'"),
+    ({"gradients": "int2"}, ValueError, "gradients='int2' is not supported; use 'int8' or 'int4'"),
     ({"gradients": 8}, TypeError, "gradients must be None or a str"),
     ({"block_size": 0}, ValueError, "block_size=0 must be positive"),
     ({"block_size": 2.0}, TypeError, "block_size must be an int"),
@@ -56,6 +58,8 @@ def test_policy_defaults_are_off():
     assert (policy.weights, policy.gradients, policy.block_size, policy.error_feedback) == (None, None, 256, False)
     assert policy.weight_block == 0 and INT8.weight_block == 256
     assert policy.grad_block == INT8.grad_block == 0 and GRAD8.grad_block == 256 and GRAD8.weight_block == 0
+    assert (policy.grad_bits, GRAD8.grad_bits, GRAD4.grad_bits, GRAD4.grad_block) == (0, 8, 4, 256)
+    assert (policy.weight_bits, INT8.weight_bits, fsdp2.QuantizedComm(weights="int4").weight_bits) == (0, 8, 4)
 
 
 # ---- the slice's layout and the quantization (no process group) ----------------------------
@@ -64,16 +68,23 @@ def test_policy_defaults_are_off():
     pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                      reason="needs CUDA")]),
 ])
-def test_quantized_slice_layout_and_error_bound(device):
-    """Hand-computed sizes of a quantized slice; every element within half a scale of the truth."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_slice_layout_and_error_bound(device, bits):
+    """Hand-computed sizes of a quantized slice; every element within half a scale of the truth
+    (int8: ``absmax / 254``; int4: ``absmax / 14``)."""
     world, block = 2, 64
     shapes = [torch.Size((10, 30)), torch.Size((7,)), torch.Size((3, 5))]
     layouts = [Chunking.even(s, 0, world) for s in shapes]
     dtypes = [torch.float32, torch.float32, torch.int64]
-    fmt = GatherFormat.build(layouts, dtypes, block)
-    # (5, 30) = 150 int8 + 3 scales; (4,) = 4 int8 + 1 scale; (2, 5) int64 = 80 bytes, unquantized
-    expected = HEADER + aligned(150) + aligned(12) + aligned(4) + aligned(4) + aligned(80)
-    assert fmt.slice_bytes == expected == 16 + 160 + 16 + 16 + 16 + 80
+    fmt = GatherFormat.build(layouts, dtypes, block, bits)
+    # (5, 30) = 150 int8 (int4: 75 bytes) + 3 scales; (4,) = 4 int8 (2 bytes) + 1 scale; (2, 5)
+    # int64 = 80 bytes, unquantized
+    if bits == 8:
+        expected = HEADER + aligned(150) + aligned(12) + aligned(4) + aligned(4) + aligned(80)
+        assert fmt.slice_bytes == expected == 16 + 160 + 16 + 16 + 16 + 80
+    else:
+        expected = HEADER + aligned(75) + aligned(12) + aligned(2) + aligned(4) + aligned(80)
+        assert fmt.slice_bytes == expected == 16 + 80 + 16 + 16 + 16 + 80
     raw = GatherFormat.build(layouts, dtypes)
     assert raw.slice_bytes == HEADER + aligned(600) + aligned(16) + aligned(80)
 
@@ -93,7 +104,7 @@ def test_quantized_slice_layout_and_error_bound(device):
         chunk_got, chunk_want = got[rank * 5:(rank + 1) * 5].flatten(), want[rank * 5:(rank + 1) * 5].flatten()
         for start in range(0, 150, block):
             w, q = chunk_want[start:start + block], chunk_got[start:start + block]
-            assert (q - w).abs().max() <= w.abs().max() / 254 * (1 + 1e-6)
+            assert (q - w).abs().max() <= w.abs().max() / (254 if bits == 8 else 14) * (1 + 1e-6)
     assert not torch.equal(got, want)  # it did quantize
     assert torch.equal(outs[1][:7], fulls[1])  # an all-zero block comes back as zeros
     assert torch.equal(outs[2][:3], fulls[2])  # integers travel as they are
@@ -127,6 +138,60 @@ def test_gradient_chunks_layout_and_sum(device):
         assert ((got - want).abs() <= bound * (1 + 1e-5) + 1e-6).all()
     values, scales = chunks.views(packed[0])
     assert values.dtype == torch.int8 and values.abs().max() == 127 and scales[:, 0].eq(0).all()
+
+
+def test_int4_packing_is_low_nibble_first():
+    """Two values a byte, element ``2i`` in byte ``i``'s low nibble, two's complement; an odd
+    count leaves the last high nibble zero; unpacking sign-extends."""
+    q = torch.tensor([[1, -1, 7, -7, 3], [0, 0, -1, 2, -5]])
+    packed = pack_values(q, 4)
+    assert packed.dtype == torch.uint8 and packed.tolist() == [[0xF1, 0x97, 0x03], [0x00, 0x2F, 0x0B]]
+    assert torch.equal(unpack_values(packed, 5, 4), q.to(torch.int8))
+    every = torch.arange(-7, 8).repeat(2, 1)
+    assert torch.equal(unpack_values(pack_values(every, 4), 15, 4), every.to(torch.int8))
+    assert value_bytes(5, 4) == 3 and value_bytes(5, 8) == 5
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                     reason="needs CUDA")]),
+])
+def test_int4_gradient_chunks_layout_and_sum(device):
+    """As the int8 case with ``bits=4``: 70 elements pack as 35 bytes (48, aligned) and 3
+    scales; each value is off by at most ``absmax / 14`` (half of a scale of ``absmax / 7``)."""
+    world, numel, block = 3, 70, 32
+    chunks = GradChunks(world, numel, block, bits=4)
+    assert (chunks.blocks, chunks.values_bytes, chunks.chunk_bytes) == (3, 48, 60)
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(world, numel, generator=g).to(device) * 10 ** r for r in range(world)]
+    sources[0][:, :32] = 0
+    packed = [torch.empty(world * chunks.chunk_bytes, dtype=torch.uint8, device=device) for _ in sources]
+    errors = [torch.empty(world, numel, device=device) for _ in sources]
+    for src, buf, err in zip(sources, packed, errors):
+        chunks.quantize(src, buf, err)
+    worst = 0.0
+    for dest in range(world):
+        received = torch.stack([buf.view(world, -1)[dest] for buf in packed])
+        got = chunks.dequantize_sum(received, torch.float32)
+        want = sum(src[dest] for src in sources)
+        assert torch.allclose(got, want - sum(err[dest] for err in errors), rtol=1e-6, atol=1e-5)
+        bound = sum(F.pad(src[dest], (0, 26)).view(-1, block).abs().amax(1).repeat_interleave(block)[:numel] / 14
+                    for src in sources)
+        assert ((got - want).abs() <= bound * (1 + 1e-5) + 1e-6).all()
+        for src in sources:  # one rank alone: the bound is reached closely
+            one = GradChunks(1, numel, block, bits=4)
+            buf = torch.empty(one.chunk_bytes, dtype=torch.uint8, device=device)
+            one.quantize(src[dest:dest + 1], buf)
+            b1 = F.pad(src[dest], (0, 26)).view(-1, block).abs().amax(1).repeat_interleave(block)[:numel] / 14
+            e1 = (one.dequantize_sum(buf, torch.float32) - src[dest]).abs()
+            assert (e1 <= b1 * (1 + 1e-5) + 1e-6).all()
+            worst = max(worst, (e1 / (b1 + 1e-30)).max().item())
+    assert 0.8 < worst <= 1.0 + 1e-5
+    values, scales = chunks.views(packed[0])
+    assert values.dtype == torch.uint8 and values.shape == (world, 35) and scales[:, 0].eq(0).all()
+    q = unpack_values(values, numel, 4)
+    assert q.abs().max() == 7 and q[:, :32].eq(0).all()
 
 
 # ---- off: bit for bit --------------------------------------------------------------------------
@@ -178,14 +243,14 @@ def test_off_is_bit_identical_to_today_and_torch():
 
 
 # ---- weights int8 ------------------------------------------------------------------------------
-def _unsharded_within_bound(block: int) -> dict:
+def _unsharded_within_bound(block: int, weights: str = "int8") -> dict:
     """The weights forward sees: each within half a scale of the sharded truth, the same on every rank."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = MLP(40, 50)  # (50, 40) and (40, 50): chunks that are not whole blocks; biases of 50 and 40
     torch.manual_seed(1)
     for p in model.parameters():
         nn.init.normal_(p)
-    fsdp2.fully_shard(model, mesh=mesh, comm_policy=fsdp2.QuantizedComm(weights="int8", block_size=block))
+    fsdp2.fully_shard(model, mesh=mesh, comm_policy=fsdp2.QuantizedComm(weights=weights, block_size=block))
     group = get_state(model).group
     assert group.gather_transport.name == "flat"
     truth = {n: full(p).detach().clone() for n, p in model.named_parameters()}
@@ -205,7 +270,7 @@ def _unsharded_within_bound(block: int) -> dict:
         for r in range(world):
             for start in range(0, chunks_want.shape[1], block):
                 w, q = chunks_want[r, start:start + block], chunks_got[r, start:start + block]
-                bound = w.abs().max().item() / 254
+                bound = w.abs().max().item() / (254 if weights == "int8" else 14)
                 err = (q - w).abs().max().item()
                 assert err <= bound * (1 + 1e-6), (name, r, start, err, bound)
                 worst = max(worst, err / bound if bound else 0.0)
@@ -219,9 +284,9 @@ def _unsharded_within_bound(block: int) -> dict:
     return {"worst": worst}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_unsharded_weights_within_half_a_scale(world):
-    results = run_on_ranks(_unsharded_within_bound, world, 32)
+@pytest.mark.parametrize("world, weights", [(2, "int8"), (4, "int8"), (2, "int4"), (4, "int4")])
+def test_unsharded_weights_within_half_a_scale(world, weights):
+    results = run_on_ranks(_unsharded_within_bound, world, 32, weights)
     assert 0.5 < results[0]["worst"] <= 1.0  # the bound is reached closely: it is the right one
 
 
@@ -293,21 +358,25 @@ def _counted(comm_policy, hsdp: bool) -> dict:
             "total": sent.total}
 
 
-def _expected(world: int, shard: int, replicas: int, block: int, grad_block: int = 0) -> tuple[int, int, int]:
+def _expected(world: int, shard: int, replicas: int, block: int, grad_block: int = 0,
+              grad_bits: int = 8, weight_bits: int = 8) -> tuple[int, int, int]:
     """By hand: MLP(24, 40) is in_proj (40, 24) + (40,), out_proj (24, 40) + (24,), fp32. With
     ``grad_block`` the reduce-scatter is an all-to-all of each rank's chunk packed as int8 values
-    (16-byte aligned) and one fp32 scale per block, counted under ``reduce_scatter``."""
+    (16-byte aligned; ``grad_bits=4``: two values a byte, rounded up) and one fp32 scale per
+    block, counted under ``reduce_scatter``."""
     shapes = [(40, 24), (40,), (24, 40), (24,)]
     rows = [-(-s[0] // shard) for s in shapes]
     numels = [r * (s[1] if len(s) > 1 else 1) for r, s in zip(rows, shapes)]
     if block:
-        slice_bytes = HEADER + sum(aligned(n) + aligned(4 * -(-n // block)) for n in numels)
+        slice_bytes = HEADER + sum(aligned(n if weight_bits == 8 else -(-n // 2)) + aligned(4 * -(-n // block))
+                                   for n in numels)
     else:
         slice_bytes = HEADER + sum(aligned(4 * n) for n in numels)
     all_gather = 2 * (shard - 1) * slice_bytes  # forward and backward
     reduce_scatter = (shard - 1) * 4 * sum(numels)
     if grad_block:
-        reduce_scatter = (shard - 1) * (aligned(sum(numels)) + 4 * -(-sum(numels) // grad_block))
+        value_bytes = sum(numels) if grad_bits == 8 else -(-sum(numels) // 2)
+        reduce_scatter = (shard - 1) * (aligned(value_bytes) + 4 * -(-sum(numels) // grad_block))
     all_reduce = 2 * (replicas - 1) * -(-sum(numels) // replicas) * 4 if replicas > 1 else 0
     return all_gather, reduce_scatter, all_reduce
 
@@ -317,11 +386,15 @@ def test_bytes_counted_exactly(world, hsdp):
     shard, replicas = (world // 2, 2) if hsdp else (world, 1)
     for policy, block, grad_block in ((None, 0, 0), (INT8, 256, 0),
                                       (fsdp2.QuantizedComm(weights="int8", block_size=16), 16, 0),
-                                      (GRAD8, 0, 256),
-                                      (fsdp2.QuantizedComm(weights="int8", gradients="int8", block_size=16), 16, 16)):
+                                      (GRAD8, 0, 256), (GRAD4, 0, 256),
+                                      (fsdp2.QuantizedComm(weights="int8", gradients="int8", block_size=16), 16, 16),
+                                      (fsdp2.QuantizedComm(weights="int8", gradients="int4", block_size=16), 16, 16),
+                                      (fsdp2.QuantizedComm(weights="int4"), 256, 0),
+                                      (fsdp2.QuantizedComm(weights="int4", gradients="int4", block_size=16), 16, 16)):
         result = run_on_ranks(_counted, world, policy, hsdp)
         assert all(r == result[0] for r in result)
-        assert result[0]["bytes"] == _expected(world, shard, replicas, block, grad_block), (policy, result[0])
+        bits = (policy.grad_bits, policy.weight_bits or 8) if policy is not None else (0, 8)
+        assert result[0]["bytes"] == _expected(world, shard, replicas, block, grad_block, *bits), (policy, result[0])
         assert result[0]["calls"] == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1 if hsdp else 0}
         assert result[0]["total"] == sum(result[0]["bytes"])
 
@@ -403,10 +476,12 @@ def _packed_rows(grads: list[torch.Tensor], world: int) -> torch.Tensor:
     return torch.cat(rows, dim=1)
 
 
-def _reduced_within_bound(block: int, hsdp: bool) -> dict:
+def _reduced_within_bound(block: int, hsdp: bool, gradients: str = "int8") -> dict:
     """The reduced gradient against the exact average of the ranks' gradients: each rank's
-    quantization error is at most ``absmax / 254`` per element (its block's largest magnitude),
-    so the average is off by at most the sum of those over the ranks, divided by the world."""
+    quantization error is at most ``absmax / 254`` per element (its block's largest magnitude;
+    int4: ``absmax / 14``), so the average is off by at most the sum of those over the ranks,
+    divided by the world."""
+    half_steps = 254 if gradients == "int8" else 14
     world = dist.get_world_size()
     if hsdp:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
@@ -417,7 +492,7 @@ def _reduced_within_bound(block: int, hsdp: bool) -> dict:
     plain = MLP(40, 50)
     model = MLP(40, 50)
     model.load_state_dict(plain.state_dict())
-    fsdp2.fully_shard(model, mesh=mesh, comm_policy=fsdp2.QuantizedComm(gradients="int8", block_size=block))
+    fsdp2.fully_shard(model, mesh=mesh, comm_policy=fsdp2.QuantizedComm(gradients=gradients, block_size=block))
     assert get_state(model).group.reduce_transport.name == "flat"
     g = torch.Generator().manual_seed(10 + dist.get_rank())
     x = torch.randn(6, 40, generator=g) * (1 + dist.get_rank())
@@ -440,7 +515,7 @@ def _reduced_within_bound(block: int, hsdp: bool) -> dict:
         rows = _packed_rows(split(src), shard)
         n = rows.shape[1]
         blocked = torch.nn.functional.pad(rows, (0, -(-n // block) * block - n)).view(shard, -1, block)
-        bound += (blocked.abs().amax(dim=2, keepdim=True) / 254).expand_as(blocked).reshape(shard, -1)[:, :n]
+        bound += (blocked.abs().amax(dim=2, keepdim=True) / half_steps).expand_as(blocked).reshape(shard, -1)[:, :n]
     bound /= world
     err = (_packed_rows(got, shard) - _packed_rows(exact, shard)).abs()
     slack = 1e-5 * _packed_rows(exact, shard).abs() + 1e-7
@@ -456,6 +531,13 @@ def test_reduced_gradients_within_the_quantization_bound(world, hsdp):
     results = run_on_ranks(_reduced_within_bound, world, 32, hsdp)
     assert all(r["worst"] <= 1.0 + 1e-3 for r in results)
     assert max(r["rel"] for r in results) < 0.02  # relative error of each gradient (measured ~0.3%)
+
+
+@pytest.mark.parametrize("world, hsdp", [(2, False), (4, True)])
+def test_int4_reduced_gradients_within_the_quantization_bound(world, hsdp):
+    results = run_on_ranks(_reduced_within_bound, world, 32, hsdp, "int4")
+    assert all(0.5 < r["worst"] <= 1.0 + 1e-3 for r in results)  # the bound, reached closely
+    assert max(r["rel"] for r in results) < 0.2  # relative error of each gradient (measured 9.5-10.6%)
 
 
 def _train_quantized_grads(steps: int) -> dict:
@@ -598,3 +680,63 @@ def test_error_feedback_keeps_the_error_from_accumulating():
     assert off["sum_err"] > 0.9 * steps * off["first"]  # the same error every step
     assert on["sum_err"] <= 2 * on["first"]  # telescoped: about one step's error
     assert off["residuals"] == [None] * 4 and on["residuals"] == on["shapes"]  # fp32, full padded size
+
+
+# ---- int4 gradients --------------------------------------------------------------------------
+def _train_int4_grads(steps: int) -> dict:
+    ref = _train_transformer("fsdp2", steps, one_batch=True)
+    out = {"ref": ref["losses"], "ref_sent": ref["sent"]}
+    for key, policy in (("grads", GRAD4), ("both", fsdp2.QuantizedComm(weights="int8", gradients="int4")),
+                        ("both4", fsdp2.QuantizedComm(weights="int4", gradients="int4"))):
+        quant = _train_transformer("fsdp2", steps, comm_policy=policy, one_batch=True)
+        out[key] = {"losses": quant["losses"], "dtypes": quant["dtypes"], "sent": quant["sent"]}
+    return out
+
+
+def test_int4_gradients_train_close_to_unquantized():
+    """int4 gradients (alone, and with int8 weights) against unquantized training: losses
+    within 5% at every step (measured at most 3.6% alone, 3.7% with int8 weights, 1.3% with
+    int4 weights), falling; the reduction sends about an
+    eighth of fp32's bytes (int4 values and fp32 scales)."""
+    result = run_on_ranks(_train_int4_grads, 2, 8)[0]
+    for key, tol in (("grads", 0.05), ("both", 0.05), ("both4", 0.05)):
+        r = result[key]
+        for ref, quant in zip(result["ref"], r["losses"]):
+            assert abs(quant - ref) <= tol * ref, (key, result["ref"], r["losses"])
+        assert r["losses"][-1] < 0.8 * r["losses"][0]
+        assert r["dtypes"] == {"torch.float32"}
+    (ref_ag, ref_rs, _), (g_ag, g_rs, _) = result["ref_sent"], result["grads"]["sent"]
+    assert g_ag == ref_ag  # weights gathered as before
+    assert 0.125 < g_rs / ref_rs < 0.14, (g_rs, ref_rs)  # int4 values and fp32 scales against fp32
+
+
+def _bf16_int4_bytes(weights: str | None) -> dict:
+    bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    base = _train_transformer("fsdp2", 2, mp_policy=bf16)
+    quant = _train_transformer("fsdp2", 2, comm_policy=fsdp2.QuantizedComm(weights=weights, gradients="int4"),
+                               mp_policy=bf16)
+    return {"base": base["sent"], "quant": quant["sent"], "losses": (base["losses"], quant["losses"])}
+
+
+def test_int8_weights_and_int4_gradients_against_bf16_bytes():
+    """int8 weights and int4 gradients against ``MixedPrecisionPolicy(bf16, bf16)`` (block 256):
+    0.426x of bf16's bytes per step (measured; all-gather 0.517x, reduction 0.259x): int8
+    weights keep the total above the issue's 0.30x."""
+    result = run_on_ranks(_bf16_int4_bytes, 2, "int8")[0]
+    (b_ag, b_rs, _), (q_ag, q_rs, _) = result["base"], result["quant"]
+    assert 0.40 < (q_ag + q_rs) / (b_ag + b_rs) < 0.45
+    assert 0.25 < q_rs / b_rs < 0.3, (result["base"], result["quant"])
+    base, quant = result["losses"]
+    assert abs(quant[-1] - base[-1]) <= 0.05 * base[-1]
+
+
+def test_int4_weights_and_gradients_against_bf16_bytes():
+    """int4 weights and int4 gradients against ``MixedPrecisionPolicy(bf16, bf16)`` (block 256):
+    0.267x of bf16's bytes per step (measured; all-gather 0.271x, reduction 0.259x), under
+    issue #29's 0.30x."""
+    result = run_on_ranks(_bf16_int4_bytes, 2, "int4")[0]
+    (b_ag, b_rs, _), (q_ag, q_rs, _) = result["base"], result["quant"]
+    assert 0.25 < (q_ag + q_rs) / (b_ag + b_rs) < 0.28, (result["base"], result["quant"])
+    assert 0.26 < q_ag / b_ag < 0.28
+    base, quant = result["losses"]
+    assert abs(quant[-1] - base[-1]) <= 0.05 * base[-1]
