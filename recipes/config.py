@@ -90,6 +90,21 @@ class ParallelismConfig:
     dp_shard: int = -1  # ranks that shard the parameters (FSDP); -1 = world size / (others)
     tp: int = 1  # tensor-parallel degree
     reshard_after_forward: Literal["default", "always", "never"] = "default"  # default: all but the root
+    quantize_weights: Literal["", "int8", "int4"] = ""  # int8/int4: all-gather the parameters as 8- or
+    # 4-bit values with one fp32 scale per quantize_block_size elements (fsdp2.QuantizedComm(weights=...));
+    # "": in param_dtype
+    quantize_gradients: Literal["", "int8", "int4"] = ""  # int8/int4: reduce the gradients as a quantized
+    # all-to-all (fsdp2.QuantizedComm(gradients=...)); "": reduce-scatter in fp32
+    quantize_block_size: int = 256  # elements per fp32 scale of the quantized weights and gradients
+    quantize_error_feedback: bool = False  # carry each rank's gradient quantization error into the next
+    # step (needs quantize_gradients; 4 bytes per parameter element, unsharded, on every rank)
+
+    def __post_init__(self) -> None:
+        _positive("parallelism", self, "quantize_block_size")
+        if self.quantize_error_feedback and not self.quantize_gradients:
+            raise ConfigError("parallelism.quantize_error_feedback needs parallelism.quantize_gradients=int8 or int4 "
+                              "(it corrects the gradients' quantization error); set it or leave "
+                              "quantize_error_feedback=false")
 
 
 @dataclass

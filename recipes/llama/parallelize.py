@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp2 import MixedPrecisionPolicy, fully_shard
+from fsdp2 import MixedPrecisionPolicy, QuantizedComm, fully_shard
 # The tensor-parallel plan is the model's own, in the package: the memory planner uses it too.
 from fsdp2.models.llama import check_tp, tp_plan
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..config import JobConfig
 
 __all__ = ["ParallelDims", "parallelize", "check_layout", "tp_plan", "apply_activation_checkpointing", "apply_compile",
-           "apply_fsdp"]
+           "apply_fsdp", "comm_policy_of"]
 
 # Mesh axis names, outermost first: replicas, then the ranks that shard, then tensor parallel
 # innermost so a TP group is the most tightly connected ranks (one node's GPUs).
@@ -129,7 +129,7 @@ def parallelize(model: Transformer, dims: ParallelDims, config: JobConfig) -> Tr
         model: the unsharded model (usually on ``meta``).
         dims: validated degrees whose ``build_mesh`` has been called.
         config: the job; reads ``training.mixed_precision``, ``training.activation_checkpoint``,
-            ``training.compile`` and ``parallelism.reshard_after_forward``.
+            ``training.compile``, ``parallelism.reshard_after_forward`` and ``parallelism.quantize_*``.
     """
     mesh = dims._built()
     training = config.training
@@ -198,8 +198,16 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, config: JobConfig) -> No
     # Gradients are always reduced in fp32: summing many bf16 gradients loses their low bits.
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard = {"default": None, "always": True, "never": False}[config.parallelism.reshard_after_forward]
+    comm_policy = comm_policy_of(config)
     for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard, comm_policy=comm_policy)
     # For the root, None keeps the parameters gathered after forward: backward needs the
     # output layer first, so gathering it again would be wasted.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard, comm_policy=comm_policy)
+
+
+def comm_policy_of(config: JobConfig) -> QuantizedComm:
+    """The job's ``parallelism.quantize_*`` keys as one policy for every group ("" is None: off)."""
+    p = config.parallelism
+    return QuantizedComm(weights=p.quantize_weights or None, gradients=p.quantize_gradients or None,
+                         block_size=p.quantize_block_size, error_feedback=p.quantize_error_feedback)

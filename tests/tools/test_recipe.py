@@ -78,6 +78,11 @@ def test_default_config_and_overrides():
     (["--training.steps=0"], r"training.steps must be > 0, got 0"),
     (["--training.seq_len=512"], r"training.seq_len \(512\) exceeds model.max_seq_len \(128\)"),
     (["--model.n_kv_heads=3"], r"model.n_kv_heads \(3\) must be a positive divisor of model.n_heads \(4\)"),
+    (["--parallelism.quantize_weights=int2"],
+     r"parallelism.quantize_weights must be one of '', 'int8', 'int4', got 'int2'"),
+    (["--parallelism.quantize_block_size=0"], r"parallelism.quantize_block_size must be > 0, got 0"),
+    (["--parallelism.quantize_error_feedback"],
+     r"parallelism.quantize_error_feedback needs parallelism.quantize_gradients=int8"),
 ])
 def test_override_errors_are_clear(args, match):
     with pytest.raises(ConfigError, match=match):

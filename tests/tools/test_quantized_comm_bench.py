@@ -1,0 +1,50 @@
+"""benchmarks/quantized_comm.py end to end: 2 ranks under torchrun, a few steps of each run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks" / "quantized_comm.py"
+KEYS = {"bytes_ratio_weights", "bytes_ratio_both", "final_loss_off", "final_loss_weights", "final_loss_both",
+        "bytes_per_step", "bf16_bytes_per_step", "config"}
+
+
+@pytest.mark.slow  # torchrun's start and three short trainings: about 15 s on 2 cores
+def test_quantized_comm_benchmark_reports_fewer_bytes_and_close_losses(tmp_path):
+    out = tmp_path / "qc.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(BENCH),
+           "--steps", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert KEYS <= summary.keys(), summary
+    sent = summary["bytes_per_step"]
+    assert sent["off"] > sent["weights"] > sent["both"] > 0, sent
+    assert 0 < summary["bytes_ratio_both"] < summary["bytes_ratio_weights"] < 1
+    # fp32 all-gathers and reduce-scatters: bf16 everywhere is about half of them
+    assert summary["bf16_bytes_per_step"] == pytest.approx(sent["off"] / 2, rel=0.02)
+    for name in ("off", "weights", "both"):
+        assert summary[f"final_loss_{name}"] == pytest.approx(summary["final_loss_off"], rel=0.01)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line.get("run") for line in lines] == ["off", "weights", "both", None]
+    assert all(len(line["losses"]) == 3 for line in lines[:3])
+    assert lines[3] == summary
+
+
+def test_quantized_comm_benchmark_refuses_bad_arguments_before_training():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import quantized_comm
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    args = quantized_comm.build_parser().parse_args(["--block-size", "0"])
+    with pytest.raises(ValueError, match=r"parallelism.quantize_block_size must be > 0, got 0"):
+        quantized_comm.measure(args)
