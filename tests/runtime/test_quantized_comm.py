@@ -400,14 +400,17 @@ def test_bytes_counted_exactly(world, hsdp):
 
 
 # ---- transports and unsupported combinations -----------------------------------------------------
-def _exchange_group_gathers_flat() -> dict:
+def _exchange_group_quantized(which: str) -> dict:
+    """Two MLPs on the CPU exchange, one with ``QuantizedComm`` for ``which`` ("weights" or
+    "gradients"): the transports each group took, and how far the quantized one's output and
+    gradients are from the plain one's (for gradients also: a custom reduce-scatter refused)."""
     os.environ["FSDP2_CPU_COLLECTIVES"] = "exchange"
     try:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         plain, quant = MLP(16), MLP(16)
         quant.load_state_dict(plain.state_dict())
         fsdp2.fully_shard(plain, mesh=mesh)
-        fsdp2.fully_shard(quant, mesh=mesh, comm_policy=INT8)
+        fsdp2.fully_shard(quant, mesh=mesh, comm_policy=INT8 if which == "weights" else GRAD8)
         names = [(get_state(m).group.gather_transport.name, get_state(m).group.reduce_transport.name)
                  for m in (plain, quant)]
         x = torch.randn(4, 16)
@@ -415,14 +418,22 @@ def _exchange_group_gathers_flat() -> dict:
         for out in outs:
             out.sum().backward()
         grads = [full(m.in_proj.weight.grad) for m in (plain, quant)]
-        return {"names": names, "out_diff": (outs[0] - outs[1]).abs().max().item(),
-                "grad_diff": (grads[0] - grads[1]).abs().max().item()}
+        result = {"names": names, "out_diff": (outs[0] - outs[1]).abs().max().item(),
+                  "grad_diff": (grads[0] - grads[1]).abs().max().item(),
+                  "transport": repr(get_state(quant).group.reduce_transport)}
+        if which == "gradients":
+            try:
+                quant.set_custom_reduce_scatter(DEFAULT_REDUCE_SCATTER)
+                result["refused"] = ""
+            except ValueError as e:
+                result["refused"] = str(e)
+        return result
     finally:
         del os.environ["FSDP2_CPU_COLLECTIVES"]
 
 
 def test_exchange_transport_groups_gather_flat_when_quantized():
-    result = run_on_ranks(_exchange_group_gathers_flat, 2)[0]
+    result = run_on_ranks(_exchange_group_quantized, 2, "weights")[0]
     assert result["names"][0] != ("flat", "flat")  # the exchange, as asked
     assert result["names"][1][0] == "flat" and result["names"][1][1] == result["names"][0][1]
     assert 0 < result["out_diff"] < 0.05 and result["grad_diff"] < 0.05
@@ -601,33 +612,8 @@ def test_int8_weights_and_gradients_against_bf16_bytes(block, low, high):
     assert abs(quant[-1] - base[-1]) <= 0.02 * base[-1]
 
 
-def _exchange_group_reduces_flat() -> dict:
-    os.environ["FSDP2_CPU_COLLECTIVES"] = "exchange"
-    try:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        plain, quant = MLP(16), MLP(16)
-        quant.load_state_dict(plain.state_dict())
-        fsdp2.fully_shard(plain, mesh=mesh)
-        fsdp2.fully_shard(quant, mesh=mesh, comm_policy=GRAD8)
-        names = [(get_state(m).group.gather_transport.name, get_state(m).group.reduce_transport.name)
-                 for m in (plain, quant)]
-        x = torch.randn(4, 16)
-        for m in (plain, quant):
-            m(x).sum().backward()
-        grads = [full(m.in_proj.weight.grad) for m in (plain, quant)]
-        try:
-            quant.set_custom_reduce_scatter(DEFAULT_REDUCE_SCATTER)
-            refused = ""
-        except ValueError as e:
-            refused = str(e)
-        return {"names": names, "grad_diff": (grads[0] - grads[1]).abs().max().item(), "refused": refused,
-                "transport": repr(get_state(quant).group.reduce_transport)}
-    finally:
-        del os.environ["FSDP2_CPU_COLLECTIVES"]
-
-
 def test_exchange_transport_groups_reduce_flat_when_gradients_quantized():
-    result = run_on_ranks(_exchange_group_reduces_flat, 2)[0]
+    result = run_on_ranks(_exchange_group_quantized, 2, "gradients")[0]
     assert result["names"][0] != ("flat", "flat")
     assert result["names"][1] == (result["names"][0][0], "flat")
     assert 0 < result["grad_diff"] < 0.05
