@@ -278,6 +278,7 @@ def _read_mismatched_sizes() -> str:
     return str(info.value)
 
 
+@pytest.mark.slow  # among the quick suite's longest (CI runs it on torch 2.13)
 def test_a_read_checks_the_sizes_it_is_offered():
     message = run_on_ranks(_read_mismatched_sizes, 1)[0]
     assert message.startswith("fsdp2: all_gather layers.0: the peer (pid ")

@@ -139,6 +139,7 @@ def _subgroups_per_mesh_and_k() -> list[bool]:
     return [after_k2 == 2, len(groups) == 1, same_again, shared, grads_ok]
 
 
+@pytest.mark.slow  # among the quick suite's longest (CI runs it on torch 2.13)
 def test_one_subgroup_per_mesh_and_k():
     # 4 ranks in blocks of 2: new_subgroups_by_enumeration creates 2 groups (every rank creates
     # every block's), once for the first fully_shard call with k=2, never again.
@@ -187,6 +188,7 @@ def test_partial_sums_of_accumulation_are_kept_by_the_stage_that_adds_them():
         assert grads == [[3.5], [3.5]], grads  # (1 + 2 on rank 0, 1 + 3 on rank 1) averaged
 
 
+@pytest.mark.slow  # among the quick suite's longest (CI runs it on torch 2.13)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
 def test_step_time_device_cuda_fails_clearly_without_cuda():
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "step_time.py"

@@ -236,6 +236,7 @@ def test_plan_cli_errors():
 
 
 class TestPinned(expecttest.TestCase):
+    @pytest.mark.slow  # among the quick suite's longest (CI runs it on torch 2.13)
     def test_plan_cli_output(self):
         out = _plan("--config", "llama3_8b", "--world", "8", "--seq", "1024", "--gpu-memory", "80GiB")
         self.assertEqual(out.returncode, 0, out.stderr)

@@ -57,6 +57,7 @@ def test_llama3_8b_config_is_llama3_8b():
            "#             = 1 x 8,192 x 1 x 8 = 65,536 tokens" in CONFIG_8B.read_text()
 
 
+@pytest.mark.slow  # among the quick suite's longest (CI runs it on torch 2.13)
 def test_llama3_8b_config_fits_8_gpus_of_80gb_by_the_planner():
     config = parse_args(["--config", str(CONFIG_8B)])
     t = config.training

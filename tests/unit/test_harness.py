@@ -60,6 +60,7 @@ def _hang_after_peer_fails():
     dist.all_reduce(torch.ones(1))  # rank 1 never joins: rank 0 blocks here
 
 
+@pytest.mark.slow  # among the quick suite's longest (CI runs it on torch 2.13)
 def test_rank_stuck_in_collective_is_killed_and_pool_recovers():
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"(?s)rank 0 did not finish within 1.0 s after "
@@ -73,6 +74,7 @@ def _sleep(seconds):
     time.sleep(seconds)
 
 
+@pytest.mark.slow  # among the quick suite's longest (CI runs it on torch 2.13)
 def test_timeout_kills_pool_and_pool_recovers():
     with pytest.raises(AssertionError, match=r"rank 0 did not finish within 0.5 s"):
         run_on_ranks(_sleep, 2, 60, timeout=0.5)
@@ -131,6 +133,7 @@ def _torch_fully_shard_two_steps():
     return losses
 
 
+@pytest.mark.slow  # among the quick suite's longest (CI runs it on torch 2.13)
 def test_torch_fully_shard_matches_reference_on_gloo():
     losses = run_on_ranks(_torch_fully_shard_two_steps, 2)
     assert len(losses) == 2 and all(len(per_rank) == 2 for per_rank in losses)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -26,6 +27,7 @@ def _exchange_values() -> tuple[list, object, bytes]:
     return gathered, sent, empty
 
 
+@pytest.mark.slow  # among the quick suite's longest (CI runs it on torch 2.13)
 def test_values_of_any_length_reach_every_rank():
     for got in run_on_ranks(_exchange_values, 3):
         gathered, sent, empty = got
