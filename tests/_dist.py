@@ -293,8 +293,11 @@ def _dump_stacks(pool: _Pool, ranks: list[int]) -> None:
 
 def _health_check(pool: _Pool) -> bool:
     """After a failure that every rank survived, check the world still reduces correctly."""
-    for conn in pool.conns:
-        conn.send_bytes(pickle.dumps((__name__, "_health_probe", (), {}, os.devnull)))
+    try:
+        for conn in pool.conns:
+            conn.send_bytes(pickle.dumps((__name__, "_health_probe", (), {}, os.devnull)))
+    except OSError:  # a rank exited after it answered (BrokenPipeError): the pool is gone
+        return False
     results, errors = _collect(pool, HEALTH_TIMEOUT_S, HEALTH_TIMEOUT_S)
     n = pool.world_size
     return not errors and all(v == n * (n + 1) / 2 for v in results.values())
