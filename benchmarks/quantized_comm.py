@@ -45,17 +45,26 @@ import torch.distributed as dist
 
 import fsdp2
 from recipes.config import DEFAULT_CONFIG, JobConfig
-from recipes.data import load_corpus
+from recipes.data import load_corpus, split_corpus
 from recipes.llama.model import Transformer
 from recipes.llama.parallelize import ParallelDims
-from recipes.train import build_model, build_optimizer, check_command, lr_schedule, train_step
+from recipes.train import build_model, build_optimizer, check_command, lr_schedule, train_step, validate
 
 RUNS = {
     "off": [],
     "weights": ["--parallelism.quantize_weights=int8"],
     "both": ["--parallelism.quantize_weights=int8", "--parallelism.quantize_gradients=int8"],
+    "weights_int4": ["--parallelism.quantize_weights=int4"],
+    "both_int4": ["--parallelism.quantize_weights=int4", "--parallelism.quantize_gradients=int4"],
+    # HSDP (--set parallelism.dp_replicate=2): the all-reduce across replicas quantized too
+    "both_replicas": ["--parallelism.quantize_weights=int8", "--parallelism.quantize_gradients=int8",
+                      "--parallelism.quantize_gradient_axes=both"],
+    "both_int4_replicas": ["--parallelism.quantize_weights=int4", "--parallelism.quantize_gradients=int4",
+                           "--parallelism.quantize_gradient_axes=both"],
 }
-FINAL_WINDOW = 10  # the final loss is the mean of this many last steps
+DEFAULT_RUNS = "off,weights,both"
+FINAL_WINDOW = 10  # the final training loss is the mean of this many last steps
+VALIDATE_EVERY = 50
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the config's)")
     p.add_argument("--block-size", type=int, default=256, help="parallelism.quantize_block_size (default 256)")
     p.add_argument("--error-feedback", action="store_true",
-                   help="the 'both' run with parallelism.quantize_error_feedback=true")
+                   help="the runs with quantized gradients with parallelism.quantize_error_feedback=true")
+    p.add_argument("--runs", default=DEFAULT_RUNS,
+                   help=f"which runs, comma-separated, 'off' first (default {DEFAULT_RUNS}; also: "
+                        f"{', '.join(n for n in RUNS if n not in DEFAULT_RUNS.split(','))})")
+    p.add_argument("--seed", type=int, default=None, help="training.seed of every run (default: the config's)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="where the node boundary lies for across_nodes_per_step (default: LOCAL_WORLD_SIZE, "
+                        "i.e. each torchrun launch is a node)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe setting for every run, e.g. --set parallelism.dp_replicate=2 (repeatable)")
+    p.add_argument("--val-batches", type=int, default=32,
+                   help="held-out batches per rank in each validation (default 32)")
     p.add_argument("--out", metavar="FILE", help="append each run's per-step losses and the summary (JSON lines)")
     p.add_argument("--plot", metavar="PNG", help="draw the loss curves of the given --out files instead of training")
     p.add_argument("files", nargs="*", help="with --plot: JSON lines written by --out")
@@ -73,33 +93,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_args(args: argparse.Namespace, name: str) -> list[str]:
     """The recipe command line of run ``name``."""
-    argv = ["--config", args.config, f"--parallelism.quantize_block_size={args.block_size}", *RUNS[name]]
+    argv = ["--config", args.config, f"--parallelism.quantize_block_size={args.block_size}", *RUNS[name],
+            "--validation.enable=true", f"--validation.steps={args.val_batches}"]
     if args.steps is not None:
         argv.append(f"--training.steps={args.steps}")
-    if name == "both" and args.error_feedback:
+    if args.seed is not None:
+        argv.append(f"--training.seed={args.seed}")
+    argv += [f"--{setting}" for setting in args.set]
+    if "--parallelism.quantize_gradients" in " ".join(RUNS[name]) and args.error_feedback:
         argv.append("--parallelism.quantize_error_feedback=true")
     return argv
 
 
-def train_run(config: JobConfig, dims: ParallelDims, device: torch.device, corpus: torch.Tensor) -> dict:
-    """Train ``config`` from its seed; per step, the loss (averaged over ranks) and the bytes this rank sent."""
+def train_run(config: JobConfig, dims: ParallelDims, device: torch.device, corpus: torch.Tensor,
+              ranks_per_node: int | None = None) -> dict:
+    """Train ``config`` from its seed on ``corpus`` less its held-out tail; per step, the loss
+    (averaged over ranks) and the bytes this rank sent; the held-out loss every
+    ``VALIDATE_EVERY`` steps and after the last."""
     t = config.training
+    corpus, held_out = split_corpus(corpus, config.validation.split)
     torch.manual_seed(t.seed)
     model = build_model(config, dims, device)
     optimizer = build_optimizer(model, t)
     scheduler = lr_schedule(optimizer, t)
     dp_rank = dims.dp_rank(dist.get_rank())
-    losses, sent = [], []
+    losses, sent, val = [], [], {}
     started = time.perf_counter()
     for step in range(1, t.steps + 1):
-        with fsdp2.count_comm_bytes() as counted:
+        with fsdp2.count_comm_bytes(ranks_per_node) as counted:
             result = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device)
         loss = result.loss
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # outside the counter (and not a group's: not counted)
         losses.append(loss.item())
         sent.append({"all_gather": counted.all_gather, "reduce_scatter": counted.reduce_scatter,
-                     "all_reduce": counted.all_reduce})
-    return {"losses": losses, "bytes": sent, "seconds": time.perf_counter() - started}
+                     "all_reduce": counted.all_reduce, "across_nodes": counted.across_nodes})
+        if step % VALIDATE_EVERY == 0 or step == t.steps:
+            val[step] = validate(model, held_out, dp_rank, config, device)
+    return {"losses": losses, "bytes": sent, "val_losses": val, "seconds": time.perf_counter() - started}
 
 
 def bf16_bytes_per_step(config: JobConfig, dims: ParallelDims, device: torch.device, corpus: torch.Tensor) -> int:
@@ -123,39 +153,55 @@ def bf16_bytes_per_step(config: JobConfig, dims: ParallelDims, device: torch.dev
     return counted.total
 
 
-def per_step(run: dict) -> int:
-    return round(sum(sum(b.values()) for b in run["bytes"]) / len(run["bytes"]))
+def per_step(run: dict, kinds: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce")) -> int:
+    return round(sum(b[k] for b in run["bytes"] for k in kinds) / len(run["bytes"]))
 
 
 def final_loss(run: dict) -> float:
     return sum(run["losses"][-FINAL_WINDOW:]) / len(run["losses"][-FINAL_WINDOW:])
 
 
+def final_val_loss(run: dict) -> float:
+    return run["val_losses"][max(run["val_losses"])]
+
+
 def summarize(runs: dict[str, dict], bf16: int, config: JobConfig, dims: ParallelDims,
               args: argparse.Namespace) -> dict:
-    off_bytes, off_loss = per_step(runs["off"]), final_loss(runs["off"])
+    off = runs["off"]
     summary = {
         "config": {"config": Path(args.config).name, "steps": config.training.steps, "world": dims.world_size,
-                   "mixed_precision": config.training.mixed_precision, "reduce_dtype": "fp32",
-                   "block_size": args.block_size, "error_feedback": args.error_feedback,
-                   "final_loss": f"mean of the last {FINAL_WINDOW} steps", "torch": torch.__version__},
+                   "seed": config.training.seed, "mixed_precision": config.training.mixed_precision,
+                   "reduce_dtype": "fp32", "block_size": args.block_size, "error_feedback": args.error_feedback,
+                   "settings": args.set,
+                   "final_loss": f"mean of the last {FINAL_WINDOW} steps' training loss",
+                   "final_val_loss": f"held-out loss after the last step ({config.validation.steps} batches "
+                                     f"per rank, the last {config.validation.split:.0%} of the data)",
+                   "torch": torch.__version__},
         "bytes_per_step": {name: per_step(run) for name, run in runs.items()},
         "bf16_bytes_per_step": bf16,
+        "across_nodes_per_step": {name: per_step(run, ("across_nodes",)) for name, run in runs.items()},
+        "ranks_per_node": args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size)),
     }
-    for name in ("weights", "both"):
-        summary[f"bytes_ratio_{name}"] = round(per_step(runs[name]) / off_bytes, 4)
+    quantized = [name for name in runs if name != "off"]
+    for name in quantized:
+        summary[f"bytes_ratio_{name}"] = round(per_step(runs[name]) / per_step(off), 4)
         summary[f"bytes_ratio_{name}_vs_bf16"] = round(per_step(runs[name]) / bf16, 4)
     for name, run in runs.items():
         summary[f"final_loss_{name}"] = round(final_loss(run), 5)
-    for name in ("weights", "both"):
-        summary[f"final_loss_rel_{name}"] = round(final_loss(runs[name]) / off_loss - 1, 5)
+        summary[f"final_val_loss_{name}"] = round(final_val_loss(run), 5)
+    for name in quantized:
+        summary[f"final_loss_rel_{name}"] = round(final_loss(runs[name]) / final_loss(off) - 1, 5)
+        summary[f"final_val_loss_rel_{name}"] = round(final_val_loss(runs[name]) / final_val_loss(off) - 1, 5)
     summary["seconds"] = {name: round(run["seconds"], 1) for name, run in runs.items()}
     return summary
 
 
 def measure(args: argparse.Namespace) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    configs = {name: check_command(run_args(args, name), world) for name in RUNS}  # before any process group
+    names = args.runs.split(",")
+    if names[0] != "off" or any(n not in RUNS for n in names) or len(set(names)) != len(names):
+        raise SystemExit(f"--runs {args.runs!r}: 'off' first, then any of {', '.join(n for n in RUNS if n != 'off')}")
+    configs = {name: check_command(run_args(args, name), world) for name in names}  # before any process group
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -166,9 +212,10 @@ def measure(args: argparse.Namespace) -> None:
         for name, (config, dims) in configs.items():
             dims.build_mesh(device.type)
             corpus = load_corpus(config.data.path)
-            runs[name] = train_run(config, dims, device, corpus)
+            runs[name] = train_run(config, dims, device, corpus, args.ranks_per_node)
             if dist.get_rank() == 0:
-                print(f"{name}: final loss {final_loss(runs[name]):.4f}, {per_step(runs[name]):,} bytes/step, "
+                print(f"{name}: final loss {final_loss(runs[name]):.4f}, held-out {final_val_loss(runs[name]):.4f}, "
+                      f"{per_step(runs[name]):,} bytes/step, "
                       f"{runs[name]['seconds']:.0f} s", file=sys.stderr, flush=True)
         config, dims = configs["off"]
         bf16 = bf16_bytes_per_step(config, dims, device, corpus)
@@ -202,7 +249,10 @@ def plot(paths: list[str], png: str) -> None:
     if not runs:
         raise SystemExit(f"{', '.join(paths) or 'no files'}: no runs (write them with --out FILE)")
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = {"off": "unquantized", "weights": "int8 weights", "both": "int8 weights + gradients"}
+    labels = {"off": "unquantized", "weights": "int8 weights", "both": "int8 weights + gradients",
+              "weights_int4": "int4 weights", "both_int4": "int4 weights + gradients",
+              "both_replicas": "int8 weights + gradients, replicas' all-reduce too",
+              "both_int4_replicas": "int4 weights + gradients, replicas' all-reduce too"}
     for name, losses in runs.items():
         ax.plot(range(1, len(losses) + 1), losses, label=labels.get(name, name), linewidth=1)
     ax.set(xlabel="step", ylabel="training loss (mean over ranks)", title="tiny Llama, quantized communication")

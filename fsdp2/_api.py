@@ -67,6 +67,7 @@ class MixedPrecisionPolicy:
 
 _WEIGHT_FORMATS = ("int8", "int4")
 _GRAD_FORMATS = ("int8", "int4")
+_GRADIENT_AXES = ("shard", "replicate", "both")
 
 
 @dataclass(frozen=True)
@@ -101,9 +102,19 @@ class QuantizedComm:
             error does not accumulate over steps). Costs one fp32 tensor of the parameter's
             full (padded, unsharded) size per parameter per rank, kept for the run.
 
-    With quantized gradients the group's reduce-scatter runs on the flat transport as an
-    all-to-all (counted under ``count_comm_bytes().reduce_scatter``); HSDP's all-reduce over
-    the replicas stays unquantized; ``set_custom_reduce_scatter`` is refused on such a group.
+        gradient_axes: which reductions of the gradients are quantized, on an HSDP mesh
+            (replicate x shard): ``"shard"`` (the default) the reduce-scatter along the shard
+            axis, ``"replicate"`` the all-reduce across the replicas (usually the one between
+            nodes), ``"both"`` both. The quantized all-reduce: each replica quantizes its
+            reduced shard in ``R`` chunks, an all-to-all sends chunk ``r`` to replica ``r``,
+            which sums in fp32, quantizes the sum and all-gathers it; every replica
+            dequantizes the same bytes, so replicas stay equal. ``"replicate"`` and ``"both"``
+            need an HSDP mesh; error feedback covers the shard axis' quantization only.
+
+    With quantized gradients on the shard axis the group's reduce-scatter runs on the flat
+    transport as an all-to-all (counted under ``count_comm_bytes().reduce_scatter``);
+    ``set_custom_reduce_scatter`` is refused on such a group. The quantized all-reduce is
+    counted under ``count_comm_bytes().all_reduce``.
 
     Notes:
         Groups with quantized weights use the flat collectives (the path NCCL takes) for
@@ -118,6 +129,7 @@ class QuantizedComm:
     gradients: str | None = None
     block_size: int = 256
     error_feedback: bool = False
+    gradient_axes: str = "shard"
 
     def __post_init__(self) -> None:
         if self.weights is not None and not isinstance(self.weights, str):
@@ -143,6 +155,19 @@ class QuantizedComm:
         if self.error_feedback and self.gradients is None:
             raise ValueError("QuantizedComm(error_feedback=True) needs quantized gradients to correct; "
                              "leave error_feedback=False")
+        if not isinstance(self.gradient_axes, str):
+            raise TypeError(f"QuantizedComm.gradient_axes must be a str, got {self.gradient_axes!r}; "
+                            "pass 'shard', 'replicate' or 'both'")
+        if self.gradient_axes not in _GRADIENT_AXES:
+            raise ValueError(f"QuantizedComm.gradient_axes={self.gradient_axes!r} is not supported; use 'shard' "
+                             "(the default), 'replicate' or 'both'")
+        if self.gradient_axes != "shard" and self.gradients is None:
+            raise ValueError(f"QuantizedComm(gradient_axes={self.gradient_axes!r}) needs quantized gradients; "
+                             "pass gradients='int8' (or 'int4')")
+        if self.gradient_axes == "replicate" and self.error_feedback:
+            raise ValueError("QuantizedComm(error_feedback=True) corrects the shard axis' quantization, which "
+                             "gradient_axes='replicate' leaves unquantized; use gradient_axes='both' or "
+                             "error_feedback=False")
 
     @property
     def weight_block(self) -> int:
@@ -151,8 +176,13 @@ class QuantizedComm:
 
     @property
     def grad_block(self) -> int:
-        """Elements per scale of the gradients' reduction; 0 when the gradients are not quantized."""
-        return self.block_size if self.gradients is not None else 0
+        """Elements per scale of the gradients' reduce-scatter (the shard axis); 0 when it is not quantized."""
+        return self.block_size if self.gradients is not None and self.gradient_axes != "replicate" else 0
+
+    @property
+    def replicate_grad_block(self) -> int:
+        """Elements per scale of HSDP's all-reduce across the replicas; 0 when it is not quantized."""
+        return self.block_size if self.gradients is not None and self.gradient_axes != "shard" else 0
 
     @property
     def weight_bits(self) -> int:

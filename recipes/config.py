@@ -98,6 +98,8 @@ class ParallelismConfig:
     quantize_block_size: int = 256  # elements per fp32 scale of the quantized weights and gradients
     quantize_error_feedback: bool = False  # carry each rank's gradient quantization error into the next
     # step (needs quantize_gradients; 4 bytes per parameter element, unsharded, on every rank)
+    quantize_gradient_axes: Literal["shard", "replicate", "both"] = "shard"  # with HSDP, which reductions
+    # are quantized: the shard axis' reduce-scatter, the replicas' all-reduce (usually between nodes), or both
 
     def __post_init__(self) -> None:
         _positive("parallelism", self, "quantize_block_size")
@@ -105,6 +107,14 @@ class ParallelismConfig:
             raise ConfigError("parallelism.quantize_error_feedback needs parallelism.quantize_gradients=int8 or int4 "
                               "(it corrects the gradients' quantization error); set it or leave "
                               "quantize_error_feedback=false")
+        if self.quantize_gradient_axes != "shard" and not self.quantize_gradients:
+            raise ConfigError(f"parallelism.quantize_gradient_axes={self.quantize_gradient_axes} needs "
+                              "parallelism.quantize_gradients=int8 or int4; set it or leave "
+                              "quantize_gradient_axes=shard")
+        if self.quantize_gradient_axes != "shard" and self.dp_replicate == 1:
+            raise ConfigError(f"parallelism.quantize_gradient_axes={self.quantize_gradient_axes} quantizes the "
+                              "all-reduce across replicas, and dp_replicate=1 has none; use --dp-replicate 2 or more "
+                              "(HSDP), or quantize_gradient_axes=shard")
 
 
 @dataclass

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .. import _compat
 from .._format import REDUCE_MAGIC
 from ..diagnostics import _bytes, _debug, _trace
+from ._quantize import GradChunks
 from ._streams import Completion
 
 if TYPE_CHECKING:
@@ -140,6 +141,8 @@ class ReduceTarget:
     label: str
     root: Any = None  # the root's RootContext: iteration and phase for diagnostics
     force_sum: bool = False  # SUM then divide, never the backend's AVG (set_force_sum_reduction_for_comms)
+    replicate_block: int = 0  # QuantizedComm(gradient_axes="replicate"|"both"): the all-reduce's
+    replicate_bits: int = 8  # values per scale and bits per value; 0: the all-reduce is unquantized
 
 
 class ReduceScatterInFlight:
@@ -281,11 +284,51 @@ def reduce_across_replicas(inflight: ReduceScatterInFlight, out: torch.Tensor) -
         _trace.emit("all_reduce", target.label)
         sizes = f"{out.numel()} elements over {target.replicate_world} replicas"
         _debug.log_collective("all_reduce", target.label, target.replicate_group, sizes, out.dtype, target.root)
-        if _bytes._ACTIVE:
-            replicas = target.replicate_world
-            _bytes.count("all_reduce", 2 * (replicas - 1) * -(-out.numel() // replicas) * out.element_size())
-        work = dist.all_reduce(out, op=inflight.op, group=target.replicate_group, async_op=True)
-        _debug.wait(work, "all_reduce", target.label, sizes, target.root)  # CUDA: the calling stream waits
+        if target.replicate_block and target.replicate_world > 1:  # one replica: nothing to reduce
+            _quantized_all_reduce(out, target, inflight.op == dist.ReduceOp.AVG, sizes)
+        else:
+            if _bytes._ACTIVE:
+                per_peer = 2 * -(-out.numel() // target.replicate_world) * out.element_size()
+                _bytes.count("all_reduce", per_peer, target.replicate_group)
+            work = dist.all_reduce(out, op=inflight.op, group=target.replicate_group, async_op=True)
+            _debug.wait(work, "all_reduce", target.label, sizes, target.root)  # CUDA: the calling stream waits
     if inflight.post_divide is not None and inflight.post_divide != 1:
         out.div_(inflight.post_divide)
     return AcrossReplicas(True, read)
+
+
+def _quantized_all_reduce(out: torch.Tensor, target: ReduceTarget, average: bool, sizes: str) -> None:
+    """HSDP's all-reduce of ``out`` over the replicas with quantized values, in place: each
+    replica quantizes its ``out`` cut into ``R`` chunks (per ``target.replicate_block``), one
+    all-to-all sends chunk ``r`` to replica ``r``, which sums the ``R`` it got in fp32 (or
+    wider), quantizes the sum and all-gathers it; every replica then dequantizes the same bytes,
+    so the replicas keep equal gradients. ``average``: divided by ``R`` (the all-reduce's AVG)."""
+    group, replicas = target.replicate_group, target.replicate_world
+    acc = out.dtype if out.dtype.itemsize > 4 else torch.float32
+    n = out.numel()
+    chunk = -(-n // replicas)
+    scatter = GradChunks(replicas, chunk, target.replicate_block, target.replicate_bits)
+    gather = GradChunks(1, chunk, target.replicate_block, target.replicate_bits)
+    if _bytes._ACTIVE:
+        _bytes.count("all_reduce", scatter.chunk_bytes + gather.chunk_bytes, group)
+    with torch.no_grad():
+        rows = torch.zeros(replicas * chunk, dtype=acc, device=out.device)
+        rows[:n].copy_(out.reshape(-1))
+        send = torch.empty(replicas * scatter.chunk_bytes, dtype=torch.uint8, device=out.device)
+        scatter.quantize(rows.view(replicas, chunk), send)
+        del rows
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
+        mine = scatter.dequantize_sum(recv, acc)
+        del send, recv
+        packed = torch.empty(gather.chunk_bytes, dtype=torch.uint8, device=out.device)
+        gather.quantize(mine[None], packed)
+        gathered = torch.empty(replicas * gather.chunk_bytes, dtype=torch.uint8, device=out.device)
+        work = _compat.all_gather_flat(gathered, packed, group=group, async_op=True)
+        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
+        summed = GradChunks(replicas, chunk, target.replicate_block, target.replicate_bits).dequantize(gathered, acc)
+        summed = summed[:, :chunk].reshape(-1)[:n]
+        if average:
+            summed /= replicas
+        out.copy_(summed.view(out.shape))

@@ -233,7 +233,7 @@ def _start_all_gather(
     if fmt.world == 1:  # nothing to gather: the send buffer is the result
         return FlatAllGather(copied or Completion(), fmt, send[None, :HEADER], transport, send, send)
     if _bytes._ACTIVE:
-        _bytes.count("all_gather", (fmt.world - 1) * fmt.slice_bytes)
+        _bytes.count("all_gather", fmt.slice_bytes, group)
     with streams.side("all_gather"):
         streams.after(copied)
         comm = transport.all_gather
@@ -281,7 +281,7 @@ def _start_reduce_scatter(
         _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
                               target.root)
         if _bytes._ACTIVE:
-            _bytes.count("reduce_scatter", (world - 1) * total * dtype.itemsize)
+            _bytes.count("reduce_scatter", total * dtype.itemsize, group)
     streams = streams_for(device)
     with streams.side("reduce_scatter"):
         send = comm.allocate((world * total,), dtype=dtype, device=device)
@@ -336,7 +336,7 @@ def _start_quantized_reduce_scatter(
                           f"{world} x {total} elements, int{bits} all-to-all of {chunks.chunk_bytes} bytes per rank",
                           dtype, target.root)
     if _bytes._ACTIVE:
-        _bytes.count("reduce_scatter", (world - 1) * chunks.chunk_bytes)
+        _bytes.count("reduce_scatter", chunks.chunk_bytes, group)
     streams = streams_for(device)
     with streams.side("reduce_scatter"):
         staged = torch.empty((world, total), dtype=dtype, device=device)

@@ -133,13 +133,17 @@ class GradChunks:
         if error is not None:
             error.copy_((x - q * scale[..., None].to(x.dtype)).view(self.world, -1)[:, :self.numel])
 
-    def dequantize_sum(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The received ``packed`` rows (one per source rank) dequantized and summed in
-        ``dtype``: this rank's ``(numel,)`` reduced chunk, not divided."""
+    def dequantize(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The ``packed`` rows dequantized in ``dtype``: ``(world, blocks * block)``, each row's
+        first ``numel`` elements its values (the rest zeros)."""
         values, scales = self.views(packed)
         if self.bits != 8:
             values = unpack_values(values, self.numel, self.bits)
         pad = self.blocks * self.block - self.numel
         x = F.pad(values.to(dtype), (0, pad)).view(self.world, self.blocks, self.block)
-        x = x * scales.to(dtype)[..., None]
-        return x.sum(dim=0).view(-1)[:self.numel]
+        return (x * scales.to(dtype)[..., None]).view(self.world, -1)
+
+    def dequantize_sum(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The received ``packed`` rows (one per source rank) dequantized and summed in
+        ``dtype``: this rank's ``(numel,)`` reduced chunk, not divided."""
+        return self.dequantize(packed, dtype).sum(dim=0)[:self.numel]

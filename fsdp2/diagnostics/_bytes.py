@@ -15,13 +15,22 @@ given model, mesh and policy:
 The exchange transport (CPU) counts the flat collective it stands for. Collectives outside
 the groups' (lazy init's rank checks, ``clip_grad_norm_``, the user's own) are not counted.
 Nothing is counted, and nothing costs more than one list check, when no counter is active.
+
+``across_nodes`` is the part of those bytes whose receiver is on another node: each of the
+formulas above is a number of bytes per peer times the number of peers, and the peers on
+other nodes are counted instead. Nodes are as torchrun numbers ranks (node ``r //
+ranks_per_node`` for global rank ``r``; ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE``,
+the whole world where that is unset), so the count needs no collective.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Iterator
+
+import torch.distributed as dist
 
 __all__ = ["CommBytes", "count_comm_bytes", "count"]
 
@@ -37,6 +46,9 @@ class CommBytes:
     all_reduce: int = 0
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     """How many collectives of each kind were counted (those with one rank send nothing and are not)."""
+    across_nodes: int = 0
+    """The part of ``total`` sent to ranks of other nodes (nodes of ``ranks_per_node`` consecutive ranks)."""
+    ranks_per_node: int = 0
 
     @property
     def total(self) -> int:
@@ -47,17 +59,41 @@ class CommBytes:
 _ACTIVE: list[CommBytes] = []
 
 
-def count(kind: str, nbytes: int) -> None:
-    """Add ``nbytes`` sent by one collective of ``kind`` to every active counter."""
+# (group's ranks, ranks per node) -> (peers, peers on other nodes) of this rank
+_PEERS: dict[tuple[tuple[int, ...], int], tuple[int, int]] = {}
+
+
+def _peers(pg: dist.ProcessGroup, ranks_per_node: int) -> tuple[int, int]:
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    key = (ranks, ranks_per_node)
+    if key not in _PEERS:
+        node = dist.get_rank() // ranks_per_node
+        _PEERS[key] = (len(ranks) - 1, sum(r // ranks_per_node != node for r in ranks))
+    return _PEERS[key]
+
+
+def count(kind: str, per_peer: int, pg: dist.ProcessGroup) -> None:
+    """Add one collective of ``kind`` over ``pg`` that sends ``per_peer`` bytes to each peer to
+    every active counter."""
     for counter in _ACTIVE:
-        setattr(counter, kind, getattr(counter, kind) + nbytes)
+        peers, remote = _peers(pg, counter.ranks_per_node)
+        setattr(counter, kind, getattr(counter, kind) + peers * per_peer)
+        counter.across_nodes += remote * per_peer
         counter.calls[kind] += 1
 
 
 @contextlib.contextmanager
-def count_comm_bytes() -> Iterator[CommBytes]:
-    """Count the bytes this rank's fsdp2 collectives send inside the block (see the module)."""
-    counter = CommBytes()
+def count_comm_bytes(ranks_per_node: int | None = None) -> Iterator[CommBytes]:
+    """Count the bytes this rank's fsdp2 collectives send inside the block (see the module);
+    ``ranks_per_node`` (default ``LOCAL_WORLD_SIZE``, else the world) places the node boundary."""
+    if ranks_per_node is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        ranks_per_node = int(env) if env else dist.get_world_size() if dist.is_initialized() else 1
+    elif isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int):
+        raise TypeError(f"ranks_per_node must be an int, got {type(ranks_per_node).__name__}")
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must be at least 1 (the ranks on each node)")
+    counter = CommBytes(ranks_per_node=ranks_per_node)
     _ACTIVE.append(counter)
     try:
         yield counter

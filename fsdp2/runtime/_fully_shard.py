@@ -116,9 +116,11 @@ def fully_shard(
             group = ParamGroup(params, dp, device, subgroup)
             group.policy.reshard_after_forward = reshard_after_forward
             group.policy.mp_policy = mp_policy
-            if args.comm_policy is not None and (args.comm_policy.weight_block or args.comm_policy.grad_block):
+            comm = args.comm_policy
+            if comm is not None and (comm.weight_block or comm.grad_block or comm.replicate_grad_block):
                 group.policy.weight_block = args.comm_policy.weight_block
                 group.policy.grad_block = args.comm_policy.grad_block
+                group.policy.replicate_grad_block = args.comm_policy.replicate_grad_block
                 group.policy.grad_bits = args.comm_policy.grad_bits or 8
                 group.policy.weight_bits = args.comm_policy.weight_bits or 8
                 group.policy.error_feedback = args.comm_policy.error_feedback
@@ -246,7 +248,7 @@ def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn
         mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     mp_policy, offload_policy = _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
-    comm_policy = _check_comm_policy(comm_policy, reshard_after_forward)
+    comm_policy = _check_comm_policy(comm_policy, reshard_after_forward, mesh)
     return Arguments(mesh, spmd, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
                      ignored_params or set(), comm_policy)
 
@@ -435,9 +437,15 @@ def _check_policies(mp_policy: Any, offload_policy: Any, ignored: Any,
     return mp_policy, offload_policy
 
 
-def _check_comm_policy(policy: Any, reshard_after_forward: Any) -> QuantizedComm | None:
+def _check_comm_policy(policy: Any, reshard_after_forward: Any, mesh: DeviceMesh) -> QuantizedComm | None:
     """``comm_policy`` checked (None or a ``QuantizedComm``), and the combinations it does not support yet."""
     policy = as_comm_policy(policy)
+    if policy is not None and policy.replicate_grad_block and mesh.ndim != 2:
+        raise ValueError(
+            f"fully_shard: comm_policy=QuantizedComm(gradient_axes={policy.gradient_axes!r}) quantizes HSDP's "
+            f"all-reduce across replicas, and this {mesh.ndim}-D mesh has no replicate axis; pass a 2-D "
+            "(replicate, shard) mesh or gradient_axes='shard'"
+        )
     if policy is not None and policy.weight_block and not isinstance(reshard_after_forward, (bool, type(None))):
         raise ValueError(
             f"fully_shard: reshard_after_forward={reshard_after_forward} (int) is not supported with "

@@ -61,6 +61,9 @@ class GroupPolicy:
     grad_bits: int = 8
     """``QuantizedComm(gradients="int4")``: 4, the quantized reduce-scatter's values are int4
     (two per byte); 8 (the default): int8. Read only where ``grad_block`` is set."""
+    replicate_grad_block: int = 0
+    """``QuantizedComm(gradient_axes="replicate"|"both")``: elements per scale of HSDP's
+    quantized all-reduce (``grad_bits`` bits per value); 0 (the default): unquantized."""
     error_feedback: bool = False
     """``QuantizedComm(error_feedback=True)``: each parameter's quantization error is kept and
     added to its next gradient before quantizing."""

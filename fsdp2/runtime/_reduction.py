@@ -74,6 +74,7 @@ def reduce_gradients(group: ParamGroup, params: list[ShardedParam] | None = None
         all_reduce=policy.requires_all_reduce, partial=group.partial_sums,
         divide_factor=float(policy.divide_factor if policy.divide_factor is not None else dp.world),
         label=label, root=group.root, force_sum=policy.force_sum,
+        replicate_block=policy.replicate_grad_block, replicate_bits=policy.grad_bits,
     )
     if whole and policy.reshard_after_backward:  # the parameters' memory first, then the buffers'
         group.reshard()

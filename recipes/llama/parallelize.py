@@ -210,4 +210,5 @@ def comm_policy_of(config: JobConfig) -> QuantizedComm:
     """The job's ``parallelism.quantize_*`` keys as one policy for every group ("" is None: off)."""
     p = config.parallelism
     return QuantizedComm(weights=p.quantize_weights or None, gradients=p.quantize_gradients or None,
-                         block_size=p.quantize_block_size, error_feedback=p.quantize_error_feedback)
+                         block_size=p.quantize_block_size, error_feedback=p.quantize_error_feedback,
+                         gradient_axes=p.quantize_gradient_axes)

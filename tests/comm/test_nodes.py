@@ -63,7 +63,8 @@ def test_ranks_of_different_nodes_never_read_each_other():
 def _grads_across_nodes(axes: tuple[str, ...], nodes: bool, transport: str = "auto") -> tuple[list[torch.Tensor], bool]:
     """One forward and backward of a 2 MiB MLP (exchanges, not flat collectives, under ``auto``)
     sharded over ``axes`` (FSDP: one axis of 4; HSDP: replicate 2 x shard 2), on two nodes or
-    one; its gradients and whether the shard axis read."""
+    one; its gradients, whether the shard axis read, and the bytes counted (two nodes of two
+    ranks; and the default, one node: the pool's ``LOCAL_WORLD_SIZE`` is the world)."""
     with _two_nodes() if nodes else contextlib.nullcontext(), environ(CPU_COLLECTIVES_ENV, transport):
         # Names of their own: DTensor's cache must not hand this mesh's tensors another test's equal mesh.
         names = tuple(f"{axis}_{int(nodes)}_{transport}" for axis in axes)
@@ -75,10 +76,13 @@ def _grads_across_nodes(axes: tuple[str, ...], nodes: bool, transport: str = "au
         model = MLP(256)  # 2 x 256 x 1024 fp32
         fsdp2.fully_shard(model, mesh=mesh)
         x = torch.randn(4, 256, generator=torch.Generator().manual_seed(dist.get_rank()))
-        model(x).square().sum().backward()  # the first all-gather probes the shard axis
+        with fsdp2.count_comm_bytes(ranks_per_node=2) as sent, fsdp2.count_comm_bytes() as one_node:
+            model(x).square().sum().backward()  # the first all-gather probes the shard axis
     with torch.no_grad():
         grads = [p.grad.full_tensor() for p in model.parameters()]
-    return grads, _cma.usable(mesh.get_group(names[-1]))
+    counts = {"total": sent.total, "all_reduce": sent.all_reduce, "across_nodes": sent.across_nodes,
+              "one node": (one_node.total, one_node.across_nodes)}
+    return grads, _cma.usable(mesh.get_group(names[-1])), counts
 
 
 @pytest.mark.parametrize("axes", [("fsdp",), ("hsdp_replicate", "hsdp_shard")], ids=["fsdp", "hsdp"])
@@ -87,10 +91,19 @@ def test_sharding_across_nodes_matches_one_node(axes):
     # shard axis (inside a node) and all-reduces across, as on one node. Same gradients, bit for bit.
     across = run_on_ranks(_grads_across_nodes, 4, axes, True)
     one_node = run_on_ranks(_grads_across_nodes, 4, axes, False)
-    assert [read for _, read in across] == [len(axes) == 2] * 4
-    assert [read for _, read in one_node] == [True] * 4
-    for (grads, _), (expected, _) in zip(across, one_node):
+    assert [read for _, read, _ in across] == [len(axes) == 2] * 4
+    assert [read for _, read, _ in one_node] == [True] * 4
+    for (grads, _, _), (expected, _, _) in zip(across, one_node):
         assert all(torch.equal(g, e) for g, e in zip(grads, expected))
+    # count_comm_bytes' across_nodes: FSDP sends 2 of each 3 peers' bytes to the other node;
+    # HSDP only its all-reduce (over the replicate axis, which crosses). Counted by the layout,
+    # so the same with FSDP2_NODE set or not.
+    for _, _, counts in across + one_node:
+        assert counts["total"] > 0 and counts["one node"] == (counts["total"], 0)
+        if len(axes) == 1:
+            assert counts["all_reduce"] == 0 and 3 * counts["across_nodes"] == 2 * counts["total"]
+        else:
+            assert counts["across_nodes"] == counts["all_reduce"] > 0
 
 
 def _reads_demanded_across_nodes() -> str:
@@ -143,3 +156,13 @@ def test_node_names(monkeypatch):
         assert _cma.node() == value
         assert _cma._host() != host  # named nodes of one host are apart from it and from each other
         host = _cma._host()
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (0, ValueError, "ranks_per_node=0 must be at least 1"),
+    (2.0, TypeError, "ranks_per_node must be an int, got float"),
+    (True, TypeError, "ranks_per_node must be an int, got bool"),
+])
+def test_count_comm_bytes_checks_ranks_per_node(value, error, match):
+    with pytest.raises(error, match=match), fsdp2.count_comm_bytes(ranks_per_node=value):
+        pass

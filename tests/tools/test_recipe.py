@@ -83,6 +83,10 @@ def test_default_config_and_overrides():
     (["--parallelism.quantize_block_size=0"], r"parallelism.quantize_block_size must be > 0, got 0"),
     (["--parallelism.quantize_error_feedback"],
      r"parallelism.quantize_error_feedback needs parallelism.quantize_gradients=int8"),
+    (["--parallelism.quantize_gradient_axes=replicate"],
+     r"parallelism.quantize_gradient_axes=replicate needs parallelism.quantize_gradients=int8"),
+    (["--parallelism.quantize_gradients=int8", "--parallelism.quantize_gradient_axes=both"],
+     r"quantize_gradient_axes=both quantizes the all-reduce across replicas, and dp_replicate=1 has none"),
 ])
 def test_override_errors_are_clear(args, match):
     with pytest.raises(ConfigError, match=match):

@@ -112,7 +112,7 @@ class ExchangeTransport(Transport):
         A dispatch mode sees the flat all-gather this stands for (``show_flat_all_gather``)."""
         show_flat_all_gather(fmt, pg)
         if _bytes._ACTIVE and fmt.world > 1:  # counted as the flat all-gather it stands for
-            _bytes.count("all_gather", (fmt.world - 1) * fmt.slice_bytes)
+            _bytes.count("all_gather", fmt.slice_bytes, pg)
         chunks = source.targets(fmt).chunks
         if header is None:
             header = torch.zeros(HEADER, dtype=torch.uint8)
@@ -138,7 +138,7 @@ class ExchangeTransport(Transport):
                               target.root)
         show_flat_reduce_scatter(numel, world, dtype, op, target.group)  # what a dispatch mode sees
         if _bytes._ACTIVE:
-            _bytes.count("reduce_scatter", (world - 1) * numel * dtype.itemsize)
+            _bytes.count("reduce_scatter", numel * dtype.itemsize, target.group)
         full, copies = _sendable(layouts, grads, dtype, world, pre)
         if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division
             post = float(world) * (post or 1.0)
