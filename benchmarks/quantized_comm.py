@@ -52,6 +52,8 @@ from recipes.train import build_model, build_optimizer, check_command, lr_schedu
 
 RUNS = {
     "off": [],
+    # the noise floor: unquantized, every initial weight scaled by (1 + 1e-6 * N(0, 1))
+    "off_jitter": [],
     "weights": ["--parallelism.quantize_weights=int8"],
     "both": ["--parallelism.quantize_weights=int8", "--parallelism.quantize_gradients=int8"],
     "weights_int4": ["--parallelism.quantize_weights=int4"],
@@ -77,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", default=DEFAULT_RUNS,
                    help=f"which runs, comma-separated, 'off' first (default {DEFAULT_RUNS}; also: "
                         f"{', '.join(n for n in RUNS if n not in DEFAULT_RUNS.split(','))})")
+    p.add_argument("--skip-off", action="store_true",
+                   help="leave out the 'off' run (its losses from an earlier launch): no summary, --out lines only")
     p.add_argument("--seed", type=int, default=None, help="training.seed of every run (default: the config's)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="where the node boundary lies for across_nodes_per_step (default: LOCAL_WORLD_SIZE, "
@@ -105,8 +109,11 @@ def run_args(args: argparse.Namespace, name: str) -> list[str]:
     return argv
 
 
+JITTER = 1e-6
+
+
 def train_run(config: JobConfig, dims: ParallelDims, device: torch.device, corpus: torch.Tensor,
-              ranks_per_node: int | None = None) -> dict:
+              ranks_per_node: int | None = None, jitter: bool = False) -> dict:
     """Train ``config`` from its seed on ``corpus`` less its held-out tail; per step, the loss
     (averaged over ranks) and the bytes this rank sent; the held-out loss every
     ``VALIDATE_EVERY`` steps and after the last."""
@@ -114,6 +121,12 @@ def train_run(config: JobConfig, dims: ParallelDims, device: torch.device, corpu
     corpus, held_out = split_corpus(corpus, config.validation.split)
     torch.manual_seed(t.seed)
     model = build_model(config, dims, device)
+    if jitter:  # as little a change as a different summation order makes, at the start
+        g = torch.Generator(device=device).manual_seed(t.seed * 1000 + dist.get_rank())
+        with torch.no_grad():
+            for p in model.parameters():
+                local = p.to_local()
+                local.mul_(1 + JITTER * torch.randn(local.shape, generator=g, device=device, dtype=local.dtype))
     optimizer = build_optimizer(model, t)
     scheduler = lr_schedule(optimizer, t)
     dp_rank = dims.dp_rank(dist.get_rank())
@@ -201,6 +214,8 @@ def measure(args: argparse.Namespace) -> None:
     names = args.runs.split(",")
     if names[0] != "off" or any(n not in RUNS for n in names) or len(set(names)) != len(names):
         raise SystemExit(f"--runs {args.runs!r}: 'off' first, then any of {', '.join(n for n in RUNS if n != 'off')}")
+    if args.skip_off:
+        names = names[1:]
     configs = {name: check_command(run_args(args, name), world) for name in names}  # before any process group
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
@@ -212,21 +227,24 @@ def measure(args: argparse.Namespace) -> None:
         for name, (config, dims) in configs.items():
             dims.build_mesh(device.type)
             corpus = load_corpus(config.data.path)
-            runs[name] = train_run(config, dims, device, corpus, args.ranks_per_node)
+            runs[name] = train_run(config, dims, device, corpus, args.ranks_per_node, jitter=name == "off_jitter")
             if dist.get_rank() == 0:
                 print(f"{name}: final loss {final_loss(runs[name]):.4f}, held-out {final_val_loss(runs[name]):.4f}, "
                       f"{per_step(runs[name]):,} bytes/step, "
                       f"{runs[name]['seconds']:.0f} s", file=sys.stderr, flush=True)
-        config, dims = configs["off"]
-        bf16 = bf16_bytes_per_step(config, dims, device, corpus)
-        if dist.get_rank() == 0:
-            summary = summarize(runs, bf16, config, dims, args)
-            if args.out:
-                with open(args.out, "a") as f:
-                    for name, run in runs.items():
-                        f.write(json.dumps({"run": name, "steps": config.training.steps, **run}) + "\n")
-                    f.write(json.dumps(summary) + "\n")
-            print(json.dumps(summary), flush=True)
+        config, dims = next(iter(configs.values()))
+        if dist.get_rank() == 0 and args.out:
+            with open(args.out, "a") as f:
+                for name, run in runs.items():
+                    f.write(json.dumps({"run": name, "steps": config.training.steps, **run}) + "\n")
+        if "off" in runs:
+            bf16 = bf16_bytes_per_step(config, dims, device, corpus)
+            if dist.get_rank() == 0:
+                summary = summarize(runs, bf16, config, dims, args)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(summary) + "\n")
+                print(json.dumps(summary), flush=True)
     finally:
         dist.destroy_process_group()
 
