@@ -100,7 +100,8 @@ class QuantizedComm:
         error_feedback: with quantized gradients, keep what quantizing each parameter's
             gradient lost on this rank and add it to the next one before quantizing (so the
             error does not accumulate over steps). Costs one fp32 tensor of the parameter's
-            full (padded, unsharded) size per parameter per rank, kept for the run.
+            full (padded, unsharded) size per parameter per rank, kept for the run (not in
+            ``state_dict()``: a resumed run starts it at zero; docs/api.md).
 
         gradient_axes: which reductions of the gradients are quantized, on an HSDP mesh
             (replicate x shard): ``"shard"`` (the default) the reduce-scatter along the shard
@@ -134,13 +135,13 @@ class QuantizedComm:
     def __post_init__(self) -> None:
         if self.weights is not None and not isinstance(self.weights, str):
             raise TypeError(f"QuantizedComm.weights must be None or a str, got {self.weights!r}; "
-                            "pass weights='int8'")
+                            "pass weights='int8' or 'int4'")
         if self.weights is not None and self.weights not in _WEIGHT_FORMATS:
             raise ValueError(f"QuantizedComm.weights={self.weights!r} is not supported; use 'int8' or 'int4', "
                              "or None to gather the weights unquantized")
         if self.gradients is not None and not isinstance(self.gradients, str):
             raise TypeError(f"QuantizedComm.gradients must be None or a str, got {self.gradients!r}; "
-                            "pass gradients='int8'")
+                            "pass gradients='int8' or 'int4'")
         if self.gradients is not None and self.gradients not in _GRAD_FORMATS:
             raise ValueError(f"QuantizedComm.gradients={self.gradients!r} is not supported; use 'int8' or 'int4', "
                              "or None to reduce the gradients in the reduce dtype")
@@ -201,7 +202,7 @@ def as_comm_policy(policy: object) -> QuantizedComm | None:
         return policy
     raise TypeError(
         f"fully_shard: comm_policy must be None or an fsdp2.QuantizedComm, got {type(policy).__name__} "
-        f"{policy!r}; pass comm_policy=fsdp2.QuantizedComm(weights='int8')"
+        f"{policy!r}; pass for example comm_policy=fsdp2.QuantizedComm(weights='int8', gradients='int8')"
     )
 
 

@@ -125,8 +125,8 @@ class ParamGroup:
             if self._ext is not None:  # found at lazy init: fully_shard refuses those it sees
                 raise ValueError(
                     f"fsdp2: group {self.label} has parameters whose tensor subclass gathers its own data "
-                    "(fsdp_pre_all_gather), which QuantizedComm(weights='int8') cannot quantize; shard them "
-                    "in a fully_shard call without comm_policy"
+                    f"(fsdp_pre_all_gather), which comm_policy=QuantizedComm(weights='int{self.policy.weight_bits}') "
+                    "cannot quantize; shard them in a fully_shard call without comm_policy (or with weights=None)"
                 )
             raw = self._gather_format(world)
             fmt = self._quantized[world] = raw if world == 1 else GatherFormat.build(

@@ -39,9 +39,9 @@ GRAD4 = fsdp2.QuantizedComm(gradients="int4")
 # ---- the policy (no process group) --------------------------------------------------------
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"weights": "int2"}, ValueError, "weights='int2' is not supported; use 'int8' or 'int4'"),
-    ({"weights": 8}, TypeError, "weights must be None or a str"),
+    ({"weights": 8}, TypeError, "weights must be None or a str, got 8; pass weights='int8' or 'int4'"),
     ({"gradients": "int2"}, ValueError, "gradients='int2' is not supported; use 'int8' or 'int4'"),
-    ({"gradients": 8}, TypeError, "gradients must be None or a str"),
+    ({"gradients": 8}, TypeError, "gradients must be None or a str, got 8; pass gradients='int8' or 'int4'"),
     ({"block_size": 0}, ValueError, "block_size=0 must be positive"),
     ({"block_size": 2.0}, TypeError, "block_size must be an int"),
     ({"block_size": True}, TypeError, "block_size must be an int"),
