@@ -144,3 +144,20 @@ def test_gradient_axes_pick_the_reductions():
     assert (shard.grad_block, shard.replicate_grad_block) == (256, 0)
     assert (replicate.grad_block, replicate.replicate_grad_block) == (0, 256)
     assert (both.grad_block, both.replicate_grad_block) == (256, 256)
+
+
+def test_a_non_finite_value_makes_its_block_nan_and_only_its_block():
+    """What docs/api.md says of inf and NaN: the block's scale is not finite, so the whole block
+    comes back NaN (non-finite where the value was, as the finite checks need); other blocks
+    are untouched."""
+    from fsdp2.comm._quantize import GradChunks
+
+    for bad in (float("inf"), float("nan")):
+        rows = torch.randn(2, 70, generator=torch.Generator().manual_seed(0))
+        rows[0, 40] = bad
+        chunks = GradChunks(2, 70, 32)
+        packed = torch.empty(2 * chunks.chunk_bytes, dtype=torch.uint8)
+        chunks.quantize(rows, packed)
+        back = chunks.dequantize(packed, torch.float32)[:, :70]
+        assert back[0, 32:64].isnan().all()
+        assert back[0, :32].isfinite().all() and back[0, 64:].isfinite().all() and back[1].isfinite().all()
