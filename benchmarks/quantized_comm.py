@@ -295,18 +295,19 @@ def plot(paths: list[str], png: str) -> None:
                     by_seed[record["run"], record.get("seed")] = record["losses"]
     for (name, _), losses in by_seed.items():
         curves.setdefault(name, []).append(losses)
-    runs = {name: [sum(v) / len(v) for v in zip(*seeds)] for name, seeds in curves.items()}
+    most = max((len(seeds) for seeds in curves.values()), default=0)  # a mean over fewer seeds is not comparable
+    runs = {name: [sum(v) / len(v) for v in zip(*seeds)] for name, seeds in curves.items() if len(seeds) == most}
     if not runs:
         raise SystemExit(f"{', '.join(paths) or 'no files'}: no runs (write them with --out FILE)")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = {"off": "unquantized", "weights": "int8 weights", "both": "int8 weights + gradients",
               "weights_int4": "int4 weights", "both_int4": "int4 weights + gradients",
               "both_replicas": "int8 weights + gradients, replicas' all-reduce too",
-              "both_int4_replicas": "int4 weights + gradients, replicas' all-reduce too"}
+              "both_int4_replicas": "int4 weights + gradients, replicas' all-reduce too",
+              "off_jitter": "unquantized, initial weights x (1 + 1e-6 N(0, 1))"}
     for name, losses in runs.items():
         ax.plot(range(1, len(losses) + 1), losses, label=labels.get(name, name), linewidth=1)
-    seeds = max(len(v) for v in curves.values())
-    ax.set(xlabel="step", ylabel=f"training loss (mean over ranks and {seeds} seed(s))",
+    ax.set(xlabel="step", ylabel=f"training loss (mean over ranks and {most} seed(s))",
            title="tiny Llama, quantized communication")
     ax.legend()
     fig.tight_layout()
