@@ -100,6 +100,12 @@ class Chunking:
         """How many true (unpadded) rows along ``dim`` rank ``rank`` owns."""
         return max(0, min(self.chunk, self.shape[self.dim] - rank * self.chunk))
 
+    @cached_property
+    def data_ranks(self) -> int:
+        """How many ranks, from rank 0, own true rows (``rows(r) > 0`` exactly for ``r`` below it):
+        the others' chunks are padding only (a tensor of fewer rows than ranks)."""
+        return -(-self.shape[self.dim] // self.chunk) if self.chunk else 0
+
     def chunks_view(self, padded_full: torch.Tensor) -> torch.Tensor:
         """View a padded full tensor as ``(world, *local_shape)``, chunk ``r`` at index ``r``."""
         if padded_full.is_contiguous():  # the usual case, in one op (this runs per parameter per step)
@@ -204,26 +210,33 @@ class GatherFormat:
     def world(self) -> int:
         return self.layouts[0].world
 
+    @cached_property
+    def data_ranks(self) -> int:
+        """How many ranks, from rank 0, hold true rows of some entry: the slices of the ranks
+        after them hold padding only (``Chunking.data_ranks``); at least one."""
+        return max(1, max(lay.data_ranks for lay in self.layouts))
+
     def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s place in a rank's slice ``buffer``, typed and shaped ``local_shape``."""
         return self.slots(buffer)[i]
 
     def slots(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Every parameter's place in a rank's slice ``buffer`` (``slice_bytes`` bytes)."""
-        return self._views(buffer, 1)
+        return self._views(buffer, None)
 
-    def rank_major(self, output: torch.Tensor) -> list[torch.Tensor]:
-        """Every parameter's chunks in a flat all-gather ``output``, each ``(world, *local_shape)``."""
-        return self._views(output, self.world)
+    def rank_major(self, output: torch.Tensor, ranks: int | None = None) -> list[torch.Tensor]:
+        """Every parameter's chunks in a flat all-gather ``output``, each ``(world, *local_shape)``
+        (``ranks``: the first ``ranks`` slices only, ``(ranks, *local_shape)``)."""
+        return self._views(output, self.world if ranks is None else ranks)
 
-    def _views(self, buffer: torch.Tensor, ranks: int) -> list[torch.Tensor]:
+    def _views(self, buffer: torch.Tensor, ranks: int | None) -> list[torch.Tensor]:
         # One typed view of the bytes per dtype, then one as_strided per parameter: the views
         # are made for every parameter at every collective, so they take as few ops as can be.
         typed = {dtype: buffer.view(dtype) for dtype in self._dtype_set}
         views = []
         for dtype, shape, stride, offset in self._specs:
             base = typed[dtype]
-            size, strides = ((ranks, *shape), (self.slice_bytes // dtype.itemsize, *stride)) if ranks > 1 \
+            size, strides = ((ranks, *shape), (self.slice_bytes // dtype.itemsize, *stride)) if ranks is not None \
                 else (shape, stride)
             views.append(base.as_strided(size, strides, base.storage_offset() + offset))
         return views

@@ -85,18 +85,32 @@ class GatherTargets:
 
     ``chunks[i]``: entry ``i``'s padded full tensor viewed ``(world, *local_shape)``
     (``Chunking.chunks_view``), where the exchange receives and the flat copy-out writes.
+    ``ranks``: how many ranks' chunks, from rank 0, the flat copy-out writes: where the
+    unsharded parameters are all that reads the buffer, the ranks holding true rows
+    (``GatherFormat.data_ranks``; the chunks after them are padding no one reads, left as
+    they were), else all of them.
     """
 
-    def __init__(self, fmt: GatherFormat, chunks: list[torch.Tensor]) -> None:
+    def __init__(self, fmt: GatherFormat, chunks: list[torch.Tensor], ranks: int | None = None) -> None:
         self.fmt = fmt
         self.chunks = chunks
+        self.ranks = fmt.world if ranks is None else ranks
+
+    @cached_property
+    def copied_chunks(self) -> list[torch.Tensor]:
+        """``chunks``, the first ``ranks`` of each: what the flat copy-out writes."""
+        if self.ranks == self.fmt.world:
+            return self.chunks
+        with torch.inference_mode(False):
+            return [c[:self.ranks] for c in self.chunks]
 
     @cached_property
     def split(self) -> tuple[list[int], list[torch.Tensor]] | None:
-        """The flat copy-out as one ``split_with_sizes_copy`` of a rank's slice after its header:
-        the byte sizes in order (each entry, then its alignment padding where it has some) and
-        where each goes (the entry's chunks as bytes; a scratch column for padding). None where
-        an entry's chunks are not one block of memory each (``Shard(d)`` with ``d != 0``)."""
+        """The flat copy-out as one ``split_with_sizes_copy`` of the first ``ranks`` slices after
+        their headers: the byte sizes in order (each entry, then its alignment padding where it
+        has some) and where each goes (the entry's chunks as bytes; a scratch column for
+        padding). None where an entry's chunks are not one block of memory each (``Shard(d)``
+        with ``d != 0``)."""
         with torch.inference_mode(False):  # written outside inference mode too: no inference views
             return self._split()
 
@@ -104,19 +118,19 @@ class GatherTargets:
         chunks, fmt = self.chunks, self.fmt
         if not all(c.is_contiguous() for c in chunks):
             return None
-        world = fmt.world
+        world, ranks = fmt.world, self.ranks
         ends = [*fmt.offsets[1:], fmt.slice_bytes]
         sizes: list[int] = []
         places: list[torch.Tensor | None] = []  # None: padding, copied to scratch
         for chunk, start, end in zip(chunks, fmt.offsets, ends):
             data = chunk.numel() // world * chunk.element_size()
             sizes.append(data)
-            places.append(chunk.view(world, -1).view(torch.uint8))
+            places.append(chunk.view(world, -1)[:ranks].view(torch.uint8))
             if end - start > data:
                 sizes.append(end - start - data)
                 places.append(None)
         pads = [size for size, place in zip(sizes, places) if place is None]
-        scratch = iter(torch.empty(world, sum(pads), dtype=torch.uint8, device=chunks[0].device).split(pads, dim=1)
+        scratch = iter(torch.empty(ranks, sum(pads), dtype=torch.uint8, device=chunks[0].device).split(pads, dim=1)
                        if pads else ())
         return sizes, [next(scratch) if place is None else place for place in places]
 

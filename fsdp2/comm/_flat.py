@@ -241,7 +241,8 @@ def _start_all_gather(
         work = comm(output, send, group, async_op=True)
         done = streams.issued(work)
     # Read only where a header was sent (CPU, debug): the GPU path makes no views for them.
-    headers = output.view(fmt.world, fmt.slice_bytes)[:, :HEADER] if header is not None else None
+    headers = output.as_strided((fmt.world, HEADER), (fmt.slice_bytes, 1), output.storage_offset()) \
+        if header is not None else None
     return FlatAllGather(done, fmt, headers, transport, send, output)
 
 
@@ -249,7 +250,9 @@ def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:
     """Scatter the rank-major gathered bytes into the parameter-major unsharded buffer.
 
     One op for the whole group: a ``split_with_sizes_copy`` of the output's byte columns
-    (no view per parameter per step), else one foreach copy of per-entry views.
+    (no view per parameter per step), else one foreach copy of per-entry views. Only the
+    first ``targets.ranks`` slices: with more ranks than a group's tensors have rows, the
+    other ranks send padding only, which nothing reads.
     """
     fmt = inflight.fmt
     if fmt.block:  # quantized: dequantized into the chunks
@@ -259,10 +262,10 @@ def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:
     split = targets.split
     with torch.no_grad():
         if split is not None:
-            rows = inflight.output.view(fmt.world, fmt.slice_bytes)[:, HEADER:]
+            rows = inflight.output.view(fmt.world, fmt.slice_bytes)[:targets.ranks, HEADER:]
             torch.split_with_sizes_copy(rows, split[0], dim=1, out=split[1])
         else:
-            torch._foreach_copy_(targets.chunks, fmt.rank_major(inflight.output))
+            torch._foreach_copy_(targets.copied_chunks, fmt.rank_major(inflight.output, targets.ranks))
 
 
 def _start_reduce_scatter(

@@ -215,9 +215,12 @@ def _check_all_gather_headers(group: ParamGroup, headers: torch.Tensor, pg: dist
         return
     # The usual case in one comparison, whatever the world size and without a copy: the header's
     # second 8 bytes (group index and phase) are rank 0's on every rank (the iteration, in the
-    # first 8, may differ). Anything else is rare: row by row below.
-    keys = headers.view(torch.int64)[:, 1]  # (world,), a strided view of the rows
-    if torch.equal(keys, keys[:1].expand(keys.shape[0])):  # on CUDA a device sync (debug mode only)
+    # first 8, may differ). Anything else is rare: row by row below. Two strided views of the
+    # rows' bytes (``headers`` is (world, HEADER) uint8, each row contiguous): every rank's key,
+    # and rank 0's repeated (stride 0).
+    world, stride, base = headers.shape[0], headers.stride(0), headers.storage_offset() + 8
+    keys = headers.as_strided((world, 8), (stride, 1), base)
+    if torch.equal(keys, headers.as_strided((world, 8), (0, 1), base)):  # on CUDA a device sync (debug mode only)
         return
     rows = headers.contiguous().view(torch.int32).cpu().tolist()  # (world, 4)
     if any(row[0] != ALL_GATHER_MAGIC for row in rows):

@@ -330,7 +330,12 @@ class ParamGroup:
             with torch.inference_mode(False):  # views written outside inference mode too
                 chunks = [lay.chunks_view(region) for lay, region in zip(fmt.layouts, self._regions)]
             # The layout's format, not a quantized one: the chunks and the flat copy-out's split are its.
-            targets = self._chunk_views[fmt.world] = GatherTargets(self._gather_format(fmt.world), chunks)
+            # Without an extension the unsharded parameters (narrowed to their true rows) are all
+            # that reads the buffer: the ranks holding padding only are not copied out. An
+            # extension's fsdp_post_all_gather is given the padded outputs: all of them.
+            layout_fmt = self._gather_format(fmt.world)
+            ranks = layout_fmt.data_ranks if self._ext is None else None
+            targets = self._chunk_views[fmt.world] = GatherTargets(layout_fmt, chunks, ranks)
         return targets
 
     @staticmethod

@@ -101,3 +101,42 @@ def _optimizer_updates_reach_the_all_gather() -> None:
 def test_optimizer_updates_reach_the_all_gather():
     run_on_ranks(_optimizer_updates_reach_the_all_gather, 2)
 
+
+
+def _copy_out_of_padding_only_ranks() -> tuple[list[tuple[str, int]], list[float]]:
+    # One group on 4 ranks whose tensors have 2 or 3 rows: rank 3 holds padding only.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 3))
+    reference = nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 3))
+    reference.load_state_dict(model.state_dict())
+    with environ(CPU_COLLECTIVES_ENV, "flat"):
+        fsdp2.fully_shard(model)
+    with _RecordCopies() as mode:
+        model.unshard()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0)
+    model.reshard()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    losses = []
+    for step in range(3):  # the unsharded buffer's padding rows are never written: unread
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).square().sum()
+        loss.backward()
+        ref_loss = reference(x).square().sum()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        for p, r in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        losses.append(loss.item())
+    return [c for c in mode.copies if c[0] == "split_with_sizes_copy"], losses
+
+
+def test_flat_copy_out_skips_the_ranks_holding_padding_only():
+    # Each rank's slice after its 16-byte header: a (1, 8) fp32 chunk (32 bytes), then three
+    # 1- or 2-element chunks padded to 16 bytes each: 80 bytes. Ranks 0-2 hold true rows,
+    # rank 3 padding only: 3 x 80 bytes copied out, not 4 x 80.
+    results = run_on_ranks(_copy_out_of_padding_only_ranks, 4)
+    assert results[0][0] == [("split_with_sizes_copy", 3 * 80)], results[0][0]
+    assert all(r[1] == results[0][1] for r in results)
