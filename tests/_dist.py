@@ -1,7 +1,10 @@
 """Multi-process test harness: a session-wide pool of gloo ranks per world size.
 
-Starting a gloo world costs seconds, so each world size gets one pool of spawned
-worker processes that initialise ``torch.distributed`` once and then run many tests.
+Starting a gloo world costs seconds, so each world size gets one pool of worker
+processes that initialise ``torch.distributed`` once and then run many tests. Workers are
+forked by a multiprocessing forkserver that imported this module (and torch) once, so a pool
+starts without each worker importing torch again; a worker takes the test process's
+environment as it is at the pool's start, as a spawned one would.
 A test calls ``run_on_ranks(fn, world_size, *args, **kwargs)``; every rank imports
 ``fn`` by ``(module, qualname)``, runs it and sends back its return value or its
 traceback. The pool never outlives a failure it cannot vouch for: a rank that does
@@ -98,8 +101,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _context() -> mp.context.BaseContext:
+    """Workers fork from a forkserver that imported this module (and torch) once, instead of each
+    spawned worker importing torch again: 2 + 4 ranks started in 7 s instead of 33 s on 2 busy cores."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 def _start_pool(world_size: int) -> _Pool:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = _free_port()
     log_dir = Path(tempfile.mkdtemp(prefix=f"fsdp2-ws{world_size}-"))
     procs, conns = [], []
@@ -107,7 +118,7 @@ def _start_pool(world_size: int) -> _Pool:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         p = ctx.Process(
             target=_worker_main,
-            args=(rank, world_size, port, child_conn),
+            args=(rank, world_size, port, child_conn, dict(os.environ)),
             name=f"fsdp2-test-rank{rank}",
             daemon=True,
         )
@@ -334,8 +345,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> None:
+def _worker_main(rank: int, world_size: int, port: int, conn: Connection, env: dict[str, str]) -> None:
     _die_with_parent()
+    os.environ.clear()  # the test process's environment now, as a spawned worker's (not the forkserver's)
+    os.environ.update(env)
     os.environ.update(FSDP2_TEST_WORKER="1", RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
