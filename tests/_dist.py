@@ -103,7 +103,12 @@ def _free_port() -> int:
 
 def _context() -> mp.context.BaseContext:
     """Workers fork from a forkserver that imported this module (and torch) once, instead of each
-    spawned worker importing torch again: 2 + 4 ranks started in 7 s instead of 33 s on 2 busy cores."""
+    spawned worker importing torch again: 2 + 4 ranks started in 7 s instead of 33 s on 2 busy cores.
+    Where CUDA is available, spawned: importing this module queries CUDA (``skip_unless_cuda``),
+    after which torch refuses CUDA in a forked child ("Cannot re-initialize CUDA in forked
+    subprocess"; seen on the H200, 2026-11-26), and the cuda tests' workers use the GPU."""
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     return ctx
