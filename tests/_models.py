@@ -89,3 +89,16 @@ def train(model: nn.Module, steps: int, *, lr: float = 1e-2) -> list[torch.Tenso
         opt.zero_grad()
         losses.append(loss.detach())
     return losses
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, *, vocab: int = 64) -> list[float]:
+    """One step of ``opt`` per step in ``steps``, on this rank's ``make_batch`` batch of that step; the losses."""
+    losses = []
+    for step in steps:
+        tokens, targets = make_batch(dist.get_rank(), step, vocab=vocab)
+        loss = lm_loss(model(tokens), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

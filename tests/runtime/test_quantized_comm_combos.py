@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp2
 from fsdp2.runtime._state import get_state
 from tests._dist import run_on_ranks
-from tests._models import MLP, Transformer, lm_loss, make_batch
+from tests._models import MLP, Transformer, lm_loss, train_steps
 from tests._parity import full
 from tests.runtime.test_quantized_comm import BOTH8, _packed_rows
 
@@ -229,15 +229,7 @@ def _build(policy: fsdp2.QuantizedComm, seed: int = 0) -> tuple[nn.Module, torch
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        tokens, targets = make_batch(dist.get_rank(), step, vocab=_VOCAB)
-        loss = lm_loss(model(tokens), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, opt, steps, vocab=_VOCAB)
 
 
 def _checkpoint_resume(path: str, feedback: bool, before: int, after: int) -> dict:

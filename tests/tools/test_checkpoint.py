@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 import fsdp2.checkpoint as fsdp2_ckpt
 from fsdp2 import fully_shard
 from tests._dist import REPO_ROOT, run_on_ranks
-from tests._models import Transformer, lm_loss, make_batch
+from tests._models import Transformer, train_steps
 
 
 # ---- shared helpers (run on the ranks) ----------------------------------------------------
@@ -55,15 +55,7 @@ def _build(impl: str = "fsdp2", seed: int = 0, meta: bool = False) -> tuple[nn.M
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        tokens, targets = make_batch(dist.get_rank(), step, vocab=_VOCAB)
-        loss = lm_loss(model(tokens), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, opt, steps, vocab=_VOCAB)
 
 
 def _full(value):
