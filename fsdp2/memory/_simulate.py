@@ -1,0 +1,417 @@
+"""The memory planner's simulation: fsdp2 itself, run on fake tensors over a fake process group.
+
+One process plays rank 0 of the layout's world: a fake process group of ``world`` ranks
+(collectives that move nothing), the model built under ``FakeTensorMode`` (shapes, no data),
+tensor parallelism by the model's plan, the real ``fully_shard`` on each block and the root,
+and a real optimizer. One training step runs untracked (so the optimizer state exists and
+the runtime knows the forward order it prefetches by, as from a real run's second step), then
+the second is counted by a ``MemoryTracker`` (the same classification a real run gets),
+extended with the point of the step each op belongs to. No copy of the buffer schedule is
+kept: a runtime change that moves the peak moves the plan. What is still modelled: the CPU
+exchange's buffers and gloo's hidden reduce-scatter copy (``_standin.py``), the blocks not
+built (copies of block 0, here) and the optimizer step (``_planner.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .. import _compat
+from .._common import get_state
+from ..comm._transport import CPU_COLLECTIVES_ENV, GroupBytes
+from ..models import llama
+from ..runtime._fully_shard import fully_shard
+from .._api import MixedPrecisionPolicy
+from ._layout import Layout, ModelBuilder
+from ._live import LiveStorages, plain_tensors, storage_key
+from ._standin import group_bytes, planned_transport
+from ._tracker import CATEGORIES, MemoryTracker
+
+if TYPE_CHECKING:
+    from ..runtime._group import ParamGroup
+
+__all__ = ["Simulation", "simulate"]
+
+_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    # foreach: the states are the same, in fewer ops (the planner's time)
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-4, foreach=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-4, foreach=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9, foreach=True),
+}
+
+
+@dataclass
+class Simulation:
+    """What one simulated step measured on rank 0 (blocks not built included)."""
+
+    peak: int
+    peak_by_category: dict[str, int]
+    peak_point: str
+    points: dict[str, int]
+    at_end: dict[str, int]  # by category once backward is done
+    shard_values: int  # bytes of every parameter's shard in its own dtype (the sharded gradients)
+    buffers: int  # the model's buffers (rotary tables)
+    saved_per_block: int
+    root: GroupBytes
+    block: GroupBytes
+    n_blocks: int
+    param_dtype: torch.dtype
+    model_dim: int
+
+
+class _Points(LiveStorages):
+    """Live storages, plus bytes simulated for blocks not built (``offset``), with each point's peak."""
+
+    def __init__(self, tracker: _PlanTracker, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.tracker = tracker
+        self.points: dict[str, int] = {}
+
+    def check_peak(self) -> None:
+        if self._resizable is not None:
+            self.refresh(self._resizable())
+        now = self.total + self.offset
+        where = self.tracker.where()
+        if now > self.points.get(where, -1):
+            self.points[where] = now
+        if now > self.peak:
+            self.peak = now
+            self._on_peak()
+
+
+class _PlanTracker(MemoryTracker):
+    """``MemoryTracker`` that also names the point of the step (``where``) and adds the bytes of
+    blocks not built (``extra``)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model, optimizer)
+        self._live = _Points(self, on_peak=self._snapshot_peak, resizable=self._resizable)
+        self._live.count_meta = False
+        self._live.tag = self._birth_label
+        self.extra = {c: 0 for c in CATEGORIES}
+        self.at = "outside"
+        self._storages: list[torch.UntypedStorage] | None = None
+
+    def _groups(self) -> list[ParamGroup]:
+        # Read at every op; the planner's model keeps its groups: found once.
+        if not hasattr(self, "_found"):
+            self._found = super()._groups()
+        return self._found
+
+    def _resizable(self) -> list[torch.UntypedStorage]:
+        # Read at every op: the storages only change at fsdp2's events (the sizes are re-read).
+        if self._storages is None:
+            self._storages = super()._resizable()
+        return self._storages
+
+    def _on_event(self, event: str) -> None:
+        self._storages = None
+        super()._on_event(event)
+
+    def where(self) -> str:
+        # The loss's own backward runs before the root's pre-backward hook.
+        return "backward, loss" if self.at == "loss" and _compat.in_backward() else self.at
+
+    def add_bytes(self, category: str, nbytes: int) -> None:
+        self.extra[category] += nbytes
+        self._live.offset += nbytes
+        self._live.check_peak()
+
+    def by_category(self) -> dict[str, int]:
+        out = super()._by_category()
+        return {c: out[c] + self.extra[c] for c in CATEGORIES}
+
+    _by_category = by_category
+
+    def _snapshot_peak(self) -> None:
+        self._peak = (self._by_category(), self.where(), {})
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def simulate(layout: Layout, builder: ModelBuilder) -> Simulation:
+    """Rank 0's second training step of ``builder``'s model on ``layout``, on fake tensors."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_compat.fake_process_group(layout.world))
+        dims = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp}
+        mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        # Non-fake inputs allowed: the model's, loss's or inputs' functions may close over plain tensors.
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        with _environ(CPU_COLLECTIVES_ENV, "flat"):  # no real exchange is ever built (nor probed)
+            model = _build(builder, layout, mesh["tp"] if layout.tp > 1 else None)
+            n_built = len(model.layers)
+            n_blocks = builder.num_blocks or n_built
+            if n_blocks < n_built or (n_blocks > n_built and n_built < 2):
+                raise ValueError(f"num_blocks ({n_blocks}) needs a model built with at least 2 and at most "
+                                 f"num_blocks blocks; it has {n_built}")
+            pdtype = layout.param_dtype or next(model.parameters()).dtype
+            _shard(model, layout, dp_mesh)
+            opt = _OPTIMIZERS[layout.optimizer](list(model.parameters()))
+            _step(model, builder, layout, opt)  # the first step: optimizer state, forward order
+        groups = _groups(model)
+        for group in groups:  # the transport a real run picks (FSDP2_CPU_COLLECTIVES as set), or its stand-in
+            group.transport = planned_transport(group, layout.backend == "gloo", layout.cpu_reads)
+            group.refresh_transports()
+        transports = [g.transport for g in groups]
+        result = _tracked_step(model, builder, layout, opt, n_blocks - n_built)
+        if [g.transport for g in groups] != transports:
+            raise RuntimeError("fsdp2's memory planner: a group chose its transport again during the step")
+        return Simulation(**result, n_blocks=n_blocks, param_dtype=pdtype, model_dim=_model_dim(model),
+                          root=_bytes_of(model, layout.dp_shard), block=_bytes_of(model.layers[0], layout.dp_shard))
+
+
+def _bytes_of(module: nn.Module, world: int) -> GroupBytes:
+    group = get_state(module).group
+    return group_bytes(group.params if group is not None else [], world)
+
+
+def _build(builder: ModelBuilder, layout: Layout, tp_mesh: DeviceMesh | None) -> nn.Module:
+    """The model on fake tensors, tensor-parallelised, each block checkpointed if asked."""
+    model = builder.build()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ModelBuilder.build() must return an nn.Module, got {type(model).__name__}")
+    if not all(isinstance(t, FakeTensor) for t in [*model.parameters(), *model.buffers()]):
+        # Made before the call (it would be changed in place): not what a builder is for.
+        raise TypeError("ModelBuilder.build() returned a model made before the call (its tensors are not fake); "
+                        "make a new one inside the function, e.g. build=lambda: Model(args)")
+    _off_meta(model)
+    if not isinstance(getattr(model, "layers", None), nn.ModuleList) or len(model.layers) == 0:
+        raise ValueError("estimate_memory needs a model whose blocks are in a non-empty nn.ModuleList `.layers`")
+    if tp_mesh is not None:
+        _apply_tp(model, tp_mesh, builder.tp_plan)
+    if layout.activation_checkpointing:
+        from torch.utils.checkpoint import checkpoint
+
+        for b in model.layers:
+            b.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(b.forward)
+    return model
+
+
+def _off_meta(model: nn.Module) -> None:
+    """A model built on the meta device gets fake CPU tensors instead (tied ones stay tied).
+
+    As ``to_empty(device="cpu")``, which cannot be used here: under the fake mode the meta
+    tensors are fake too, and ``nn.Module._apply`` cannot swap fake tensors.
+    """
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (meta tensor, kept alive; its fake CPU one)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or t.device.type != "meta":
+                    continue
+                if id(t) not in moved:
+                    empty = torch.empty_like(t, device="cpu")
+                    moved[id(t)] = t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                table[name] = moved[id(t)][1]
+
+
+def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable[[nn.Module, DeviceMesh], None] | None) -> None:
+    """Tensor parallelism on the fake model: ``tp_plan``, or the Llama's own (``fsdp2.models.llama.tp_plan``)."""
+    tp = tp_mesh.size()
+    args = getattr(model, "args", None)
+    if args is not None:
+        heads, kv = args.n_heads, getattr(args, "kv_heads", args.n_heads)
+        if heads % tp or kv % tp:
+            raise ValueError(f"tp ({tp}) must divide the attention heads ({heads}) and kv heads ({kv})")
+    if tp_plan is None and not isinstance(model, llama.Transformer):
+        raise ValueError(
+            f"estimate_memory(tp > 1) needs the tensor-parallel plan of {type(model).__name__}: pass "
+            "ModelBuilder(build=..., tp_plan=fn) with fn(model, tp_mesh) applying its parallelize_module plan "
+            "(only fsdp2.models.llama.Transformer has a default, its tp_plan)"
+        )
+    (tp_plan or llama.tp_plan)(model, tp_mesh)
+
+
+def _shard(model: nn.Module, layout: Layout, dp_mesh: DeviceMesh) -> None:
+    """As the recipe: each block one group, then the root."""
+    mp = MixedPrecisionPolicy(param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype)
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=layout.reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=layout.root_reshard_after_forward)
+    model.set_early_release(layout.root_early_release)
+
+
+def _groups(model: nn.Module) -> list[ParamGroup]:
+    out = []
+    for module in model.modules():
+        state = get_state(module)
+        if state is not None and state.group is not None and state.group not in out:
+            out.append(state.group)
+    return out
+
+
+def _step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: torch.optim.Optimizer) -> None:
+    """The step before the one measured: the runtime learns the forward order (it prefetches by
+    it) and the optimizer makes its state. With ``grad_accum > 1`` its sharded gradients stay, as
+    the earlier micro-batches' do."""
+    tokens = builder.make_inputs(layout.batch, layout.seq)
+    builder.loss_fn(model(tokens), tokens).backward()
+    opt.step()
+    if layout.grad_accum == 1:
+        opt.zero_grad(set_to_none=True)
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        for plain in plain_tensors(t):
+            key = storage_key(plain)
+            if key is not None:
+                seen[key] = plain.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: torch.optim.Optimizer,
+                  extra_blocks: int) -> dict:
+    """The second step's forward, loss and backward under a ``_PlanTracker``."""
+    block0 = model.layers[0]
+    group0 = get_state(block0).group
+    shard_bytes = sum(p.layout.local_numel * p.orig_dtype.itemsize for p in group0.params)
+    tracker = _PlanTracker(model, opt)
+    hooks = _PointHooks(model, tracker)
+    saved = _SavedInBlock(block0, group0)
+    per_block = [0]
+
+    def block0_pre(_m: nn.Module, _a: object) -> None:
+        if not _compat.in_backward():
+            per_block[0] = -tracker.by_category()["activations"]
+
+    def block0_post(_m: nn.Module, _a: object, _o: object) -> None:
+        if _compat.in_backward():
+            return
+        per_block[0] += tracker.by_category()["activations"]
+        if extra_blocks:  # the blocks not built run here, after block 0, as copies of it
+            tracker.add_bytes("activations", extra_blocks * per_block[0])
+            if layout.reshard_after_forward is False:
+                tracker.add_bytes("unsharded_params", extra_blocks * group0._unsharded_bytes())
+
+    def block0_backward() -> None:  # their backward ran: sharded gradients left, the rest freed
+        if extra_blocks:
+            tracker.add_bytes("activations", -extra_blocks * per_block[0])
+            if layout.reshard_after_forward is False:
+                tracker.add_bytes("unsharded_params", -extra_blocks * group0._unsharded_bytes())
+            tracker.add_bytes("gradients", extra_blocks * shard_bytes)
+
+    handles = [block0.register_forward_pre_hook(block0_pre, prepend=True),
+               block0.register_forward_hook(block0_post, prepend=True)]
+    hooks.on_backward["layers.0"] = block0_backward
+    if extra_blocks:
+        states = [t for p in block0.parameters() for t in opt.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+        tracker.extra["sharded_params"] += extra_blocks * _storage_bytes(group0.held_tensors()["sharded_params"])
+        tracker.extra["optimizer_state"] += extra_blocks * _storage_bytes(states)
+        if layout.grad_accum > 1:
+            tracker.extra["gradients"] += extra_blocks * shard_bytes
+        tracker._live.offset = sum(tracker.extra.values())
+    try:
+        with tracker, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            tokens = builder.make_inputs(layout.batch, layout.seq)
+            loss = builder.loss_fn(model(tokens), tokens)
+            tracker.at = "loss"
+            loss.backward()
+            del loss, tokens
+    finally:
+        for handle in [*handles, *hooks.handles]:
+            handle.remove()
+    report = tracker.report
+    shard_values = sum(p.layout.local_numel * p.orig_dtype.itemsize for g in _groups(model) for p in g.params)
+    return dict(peak=report.peak_bytes, peak_by_category=report.peak_by_category, peak_point=report.peak_phase,
+                points=dict(tracker._live.points), at_end=report.current_by_category,
+                shard_values=shard_values + extra_blocks * shard_bytes,
+                buffers=_storage_bytes(list(model.buffers())), saved_per_block=saved.total)
+
+
+class _PointHooks:
+    """Name the point of the step: each module's forward, the loss, each module's backward, and
+    the end of backward (fsdp2's end-of-backward work)."""
+
+    def __init__(self, model: nn.Module, tracker: _PlanTracker) -> None:
+        self.tracker = tracker
+        self.on_backward: dict[str, Callable[[], None]] = {}
+        self.names = {model: "root", **{b: f"layers.{i}" for i, b in enumerate(model.layers)}}
+        self.root = model
+        self.handles = []
+        for module in self.names:  # prepended: before fsdp2's own hooks (its gathers belong to this point)
+            self.handles.append(module.register_forward_pre_hook(self.pre_forward, prepend=True))
+            self.handles.append(module.register_forward_hook(self.post_forward, prepend=True))
+
+    def pre_forward(self, module: nn.Module, _args: object) -> None:
+        if not _compat.in_backward():
+            self.tracker.at = f"forward, {self.names[module]}"
+
+    def post_forward(self, module: nn.Module, _args: object, output: object) -> None:
+        if _compat.in_backward():
+            return
+        name = self.names[module]
+        outputs = [t for t in (output if isinstance(output, tuple) else (output,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs:  # registered before fsdp2's pre-backward hook on the same outputs: runs first
+            torch.autograd.graph.register_multi_grad_hook(outputs, lambda _g: self.pre_backward(name), mode="any")
+
+    def pre_backward(self, name: str) -> None:
+        if name == "root":  # queued before fsdp2's own end-of-backward callback, so it runs first
+            _compat.queue_end_of_backward_callback(self.end_of_backward)
+        self.tracker.at = f"backward, {name}"
+        if name in self.on_backward:
+            self.on_backward[name]()
+
+    def end_of_backward(self) -> None:
+        self.tracker.at = "end of backward"
+
+
+class _SavedInBlock:
+    """Bytes autograd saves inside block 0's forward, its parameters excepted."""
+
+    def __init__(self, block: nn.Module, group: ParamGroup) -> None:
+        self.group = group
+        self.inside = False
+        self.params: set[int] | None = None
+        self.sizes: dict[int, int] = {}
+        block.register_forward_pre_hook(lambda *_: self._enter(), prepend=True)
+        block.register_forward_hook(lambda *_: setattr(self, "inside", False))
+
+    def _enter(self) -> None:
+        if not _compat.in_backward():
+            self.inside, self.params = True, None
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.inside:
+            return t
+        if self.params is None:  # the group is gathered by now
+            self.params = {storage_key(plain) for ts in self.group.held_tensors().values() for x in ts
+                           for plain in plain_tensors(x)}
+        for plain in plain_tensors(t):
+            key = storage_key(plain)
+            if key is not None and key not in self.params:
+                self.sizes[key] = plain.untyped_storage().nbytes()
+        return t
+
+
+def _model_dim(model: nn.Module) -> int:
+    norm = getattr(model, "norm", None)
+    weight = getattr(norm, "weight", None)
+    return weight.shape[0] if weight is not None else 0
