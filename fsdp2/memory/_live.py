@@ -19,6 +19,9 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["storage_key", "plain_tensors", "LiveStorages"]
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+# Queries of a tensor's metadata: no storage made. A plain tensor answers them without a
+# dispatch mode seeing them; a fake one (the memory planner's) asks every mode.
+_METADATA = (torch.ops.prim.device.default, torch.ops.prim.layout.default)
 
 
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
@@ -109,6 +112,8 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func in _METADATA:
+            return out
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 self.add(t, as_input=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -25,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .. import _compat
-from .._common import get_state
+from ..runtime._state import get_state
 from ..comm._transport import CPU_COLLECTIVES_ENV, GroupBytes
 from ..models import llama
 from ..runtime._fully_shard import fully_shard
@@ -160,6 +161,10 @@ def simulate(layout: Layout, builder: ModelBuilder) -> Simulation:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         # Non-fake inputs allowed: the model's, loss's or inputs' functions may close over plain tensors.
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        # fsdp2 compares data pointers to see whether a shard was rebound (runtime/_group.py,
+        # _param.py); a fake tensor's is 0 each time, so none ever was, as on a run that rebinds nothing.
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         with _environ(CPU_COLLECTIVES_ENV, "flat"):  # no real exchange is ever built (nor probed)
             model = _build(builder, layout, mesh["tp"] if layout.tp > 1 else None)
             n_built = len(model.layers)
@@ -265,24 +270,37 @@ def _groups(model: nn.Module) -> list[ParamGroup]:
 
 def _step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: torch.optim.Optimizer) -> None:
     """The step before the one measured: the runtime learns the forward order (it prefetches by
-    it) and the optimizer makes its state. A forward without autograd and an optimizer step on
-    zero gradients do both, in half the time of a whole step. A whole step where the next needs
-    more: with ``grad_accum > 1`` its sharded gradients stay, as the earlier micro-batches' do;
-    the root's early release learns in a backward which of its gradients are final when."""
+    it) in a forward without autograd. A whole step where the next needs more: with
+    ``grad_accum > 1`` its sharded gradients stay, as the earlier micro-batches' do; the root's
+    early release learns in a backward which of its gradients are final when. The optimizer's
+    state is then made as its first step makes it (``_first_state``), without the step's
+    arithmetic (on fake DTensors, most of a plan's time)."""
     tokens = builder.make_inputs(layout.batch, layout.seq)
     if layout.grad_accum > 1 or layout.root_early_release:
         builder.loss_fn(model(tokens), tokens).backward()
-        opt.step()
-        if layout.grad_accum == 1:
-            opt.zero_grad(set_to_none=True)
-        return
+    else:
+        with torch.no_grad():
+            model(tokens)
+    _first_state(opt, layout.optimizer)
+    if layout.grad_accum == 1:
+        opt.zero_grad(set_to_none=True)
+
+
+def _first_state(opt: torch.optim.Optimizer, name: str) -> None:
+    """The state ``opt`` makes at its first step, as torch's optimizers make it (``_init_group``):
+    Adam(W) a scalar step and two zeros the shape of each parameter (its shard), SGD with momentum
+    one buffer the shape of its gradient (its shard), plain SGD none."""
     with torch.no_grad():
-        model(tokens)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                if name in ("adam", "adamw"):
+                    opt.state[p].update(step=torch.zeros((), dtype=torch.float32),
+                                        exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                        exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                elif name == "sgd_momentum":
+                    opt.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
