@@ -30,7 +30,7 @@ from ..runtime._state import get_state
 from ..comm._transport import CPU_COLLECTIVES_ENV, GroupBytes
 from ..models import llama
 from ..runtime._fully_shard import fully_shard
-from .._api import MixedPrecisionPolicy
+from .._api import MixedPrecisionPolicy, QuantizedComm
 from ._layout import Layout, ModelBuilder
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._standin import group_bytes, planned_transport
@@ -253,10 +253,30 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable[[nn.Modul
 def _shard(model: nn.Module, layout: Layout, dp_mesh: DeviceMesh) -> None:
     """As the recipe: each block one group, then the root."""
     mp = MixedPrecisionPolicy(param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype)
+    comm = _comm_policy(layout)
     for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=layout.reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=layout.root_reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=layout.reshard_after_forward,
+                    comm_policy=comm)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=layout.root_reshard_after_forward,
+                comm_policy=comm)
     model.set_early_release(layout.root_early_release)
+
+
+def _comm_policy(layout: Layout) -> QuantizedComm | None:
+    """The layout's quantized communication, if it has any (``Layout.comm_policy``)."""
+    return getattr(layout, "comm_policy", None)
+
+
+def _keeps_residuals(layout: Layout) -> bool:
+    """Quantized gradients with error feedback: each parameter's residual, made at its first
+    reduction, is kept from step to step (``runtime/_reduction.py``)."""
+    comm = _comm_policy(layout)
+    return comm is not None and comm.gradients is not None and comm.error_feedback
+
+
+def _residuals(module: nn.Module) -> list[torch.Tensor]:
+    group = get_state(module).group
+    return [p.grad_residual for p in group.params if p.grad_residual is not None] if group is not None else []
 
 
 def _groups(model: nn.Module) -> list[ParamGroup]:
@@ -272,11 +292,12 @@ def _step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: torch.op
     """The step before the one measured: the runtime learns the forward order (it prefetches by
     it) in a forward without autograd. A whole step where the next needs more: with
     ``grad_accum > 1`` its sharded gradients stay, as the earlier micro-batches' do; the root's
-    early release learns in a backward which of its gradients are final when. The optimizer's
+    early release learns in a backward which of its gradients are final when; quantized
+    gradients with error feedback keep the residuals their first reduction made. The optimizer's
     state is then made as its first step makes it (``_first_state``), without the step's
     arithmetic (on fake DTensors, most of a plan's time)."""
     tokens = builder.make_inputs(layout.batch, layout.seq)
-    if layout.grad_accum > 1 or layout.root_early_release:
+    if layout.grad_accum > 1 or layout.root_early_release or _keeps_residuals(layout):
         builder.loss_fn(model(tokens), tokens).backward()
     else:
         with torch.no_grad():
@@ -323,6 +344,7 @@ def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: 
     hooks = _PointHooks(model, tracker)
     saved = _SavedInBlock(block0, group0)
     per_block = [0]
+    residuals = _residuals(block0)  # quantized gradients' error feedback (kept from step to step)
 
     def block0_pre(_m: nn.Module, _a: object) -> None:
         if not _compat.in_backward():
@@ -342,7 +364,12 @@ def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: 
             tracker.add_bytes("activations", -extra_blocks * per_block[0])
             if layout.reshard_after_forward is False:
                 tracker.add_bytes("unsharded_params", -extra_blocks * group0._unsharded_bytes())
-            tracker.add_bytes("gradients", extra_blocks * shard_bytes)
+            if layout.grad_accum == 1:  # (accumulating, they were there from the start)
+                tracker.add_bytes("gradients", extra_blocks * shard_bytes)
+            if residuals and held is None:  # the tracker sees a residual once its reduction reads it
+                seen = [r for r in _residuals(model.layers[-1]) if storage_key(r) in tracker._live.labels]
+                category = tracker._live.labels[storage_key(seen[0])] if seen else "communication"
+                tracker.add_bytes(category, extra_blocks * _storage_bytes(residuals))
 
     handles = [block0.register_forward_pre_hook(block0_pre, prepend=True),
                block0.register_forward_hook(block0_post, prepend=True)]
@@ -353,6 +380,9 @@ def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: 
         tracker.extra["optimizer_state"] += extra_blocks * _storage_bytes(states)
         if layout.grad_accum > 1:
             tracker.extra["gradients"] += extra_blocks * shard_bytes
+        held = tracker._roles().get(storage_key(residuals[0])) if residuals else None
+        if held is not None:  # kept all step long where the tracker counts them from the start
+            tracker.extra[held] += extra_blocks * _storage_bytes(residuals)
         tracker._live.offset = sum(tracker.extra.values())
     try:
         with tracker, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
