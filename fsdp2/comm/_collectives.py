@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GatherTargets", "AllGatherInFlight", "ReduceTarget", "ReduceScatterInFlight", "AcrossReplicas",
     "reduce_op", "check_reduce_headers", "wait_reduce_scatter", "reduce_across_replicas", "show_flat_all_gather",
-    "show_flat_reduce_scatter",
+    "show_flat_reduce_scatter", "quantized_all_reduce",
 ]
 
 
@@ -312,19 +312,40 @@ def reduce_across_replicas(inflight: ReduceScatterInFlight, out: torch.Tensor) -
 
 
 def _quantized_all_reduce(out: torch.Tensor, target: ReduceTarget, average: bool, sizes: str) -> None:
-    """HSDP's all-reduce of ``out`` over the replicas with quantized values, in place: each
-    replica quantizes its ``out`` cut into ``R`` chunks (per ``target.replicate_block``), one
-    all-to-all sends chunk ``r`` to replica ``r``, which sums the ``R`` it got in fp32 (or
-    wider), quantizes the sum and all-gathers it; every replica then dequantizes the same bytes,
-    so the replicas keep equal gradients. ``average``: divided by ``R`` (the all-reduce's AVG)."""
+    """HSDP's all-reduce of ``out`` over the replicas with quantized values, in place
+    (:func:`quantized_all_reduce` over ``target.replicate_group``)."""
     group, replicas = target.replicate_group, target.replicate_world
+
+    def all_to_all(recv: torch.Tensor, send: torch.Tensor) -> None:
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
+
+    def all_gather(gathered: torch.Tensor, packed: torch.Tensor) -> None:
+        work = _compat.all_gather_flat(gathered, packed, group=group, async_op=True)
+        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
+
+    if _bytes._ACTIVE:
+        chunk, block, bits = -(-out.numel() // replicas), target.replicate_block, target.replicate_bits
+        _bytes.count("all_reduce", GradChunks(replicas, chunk, block, bits).chunk_bytes
+                     + GradChunks(1, chunk, block, bits).chunk_bytes, group)
+    quantized_all_reduce(out, replicas, target.replicate_block, target.replicate_bits, average, all_to_all, all_gather)
+
+
+def quantized_all_reduce(out: torch.Tensor, replicas: int, block: int, bits: int, average: bool,
+                         all_to_all: Callable[[torch.Tensor, torch.Tensor], None],
+                         all_gather: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """The all-reduce of ``out`` over ``replicas`` ranks with quantized values, in place: each
+    replica quantizes its ``out`` cut into ``replicas`` chunks (``block`` values per scale,
+    ``bits`` per value), one ``all_to_all(recv, send)`` sends chunk ``r`` to replica ``r``, which
+    sums the ones it got in fp32 (or wider), quantizes the sum and ``all_gather(output, input)``s
+    it; every replica then dequantizes the same bytes, so the replicas keep equal gradients.
+    ``average``: divided by ``replicas`` (the all-reduce's AVG). The memory planner runs it on
+    fake tensors with collectives that do nothing."""
     acc = out.dtype if out.dtype.itemsize > 4 else torch.float32
     n = out.numel()
     chunk = -(-n // replicas)
-    scatter = GradChunks(replicas, chunk, target.replicate_block, target.replicate_bits)
-    gather = GradChunks(1, chunk, target.replicate_block, target.replicate_bits)
-    if _bytes._ACTIVE:
-        _bytes.count("all_reduce", scatter.chunk_bytes + gather.chunk_bytes, group)
+    scatter = GradChunks(replicas, chunk, block, bits)
+    gather = GradChunks(1, chunk, block, bits)
     with torch.no_grad():
         rows = torch.zeros(replicas * chunk, dtype=acc, device=out.device)
         rows[:n].copy_(out.reshape(-1))
@@ -332,16 +353,14 @@ def _quantized_all_reduce(out: torch.Tensor, target: ReduceTarget, average: bool
         scatter.quantize(rows.view(replicas, chunk), send)
         del rows
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
+        all_to_all(recv, send)
         mine = scatter.dequantize_sum(recv, acc)
         del send, recv
         packed = torch.empty(gather.chunk_bytes, dtype=torch.uint8, device=out.device)
         gather.quantize(mine[None], packed)
         gathered = torch.empty(replicas * gather.chunk_bytes, dtype=torch.uint8, device=out.device)
-        work = _compat.all_gather_flat(gathered, packed, group=group, async_op=True)
-        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
-        summed = GradChunks(replicas, chunk, target.replicate_block, target.replicate_bits).dequantize(gathered, acc)
+        all_gather(gathered, packed)
+        summed = GradChunks(replicas, chunk, block, bits).dequantize(gathered, acc)
         summed = summed[:, :chunk].reshape(-1)[:n]
         if average:
             summed /= replicas

@@ -28,7 +28,8 @@ from ._transport import BufferNeeds, GatherSource, GroupBytes, Transport
 if TYPE_CHECKING:
     from .._format import Chunking
 
-__all__ = ["FlatAllGather", "FlatReduceScatter", "QuantizedReduceScatter", "FlatTransport", "send_aliases_shards"]
+__all__ = ["FlatAllGather", "FlatReduceScatter", "QuantizedReduceScatter", "FlatTransport", "send_aliases_shards",
+           "sum_received"]
 
 
 class FlatAllGather(AllGatherInFlight):
@@ -93,7 +94,7 @@ class QuantizedReduceScatter(ReduceScatterInFlight):
         kind = f" (int{self.chunks.bits} all-to-all)"
         _debug.wait(self.done, "reduce_scatter", target.label, sizes + kind, target.root)
         if self.output is None:  # CPU: the bytes are here now
-            self.output = _sum_received(self.chunks, self.recv, self.acc, self.divide, self.dtype)
+            self.output = sum_received(self.chunks, self.recv, self.acc, self.divide, self.dtype)
         return self.output
 
     def buffers(self) -> list[torch.Tensor]:
@@ -366,13 +367,13 @@ def _start_quantized_reduce_scatter(
         if streams.cuda:  # the side stream waits for the bytes, then sums them
             work.wait()
             work = None
-            output = _sum_received(chunks, recv, acc, divide, dtype)
+            output = sum_received(chunks, recv, acc, divide, dtype)
         done = streams.issued(work)
     return QuantizedReduceScatter(done, tuple(layouts), tuple(offs), op, post, target, chunks, recv, acc, divide,
                                   dtype, output, held)
 
 
-def _sum_received(chunks: GradChunks, recv: torch.Tensor, acc: torch.dtype, divide: float,
+def sum_received(chunks: GradChunks, recv: torch.Tensor, acc: torch.dtype, divide: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """This rank's reduced row from the received packed rows: summed in ``acc``, divided, in ``dtype``."""
     with torch.no_grad():

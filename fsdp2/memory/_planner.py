@@ -13,8 +13,9 @@ over that activation curve at the points where the peak can happen.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -26,7 +27,9 @@ from .._compat import fake_process_group, in_backward
 from ..models import llama
 from ..runtime._release import segment_bounds
 from ._layout import OPTIMIZER_STATES, Layout, ModelBuilder, positive_int
+from .._api import QuantizedComm
 from ._live import LiveStorages, plain_tensors, storage_key
+from ._quantized import residual_bytes, wire_bytes
 from ._schedule import _add_param, _Group, _Schedule
 from ._tracker import CATEGORIES, format_bytes, format_table
 
@@ -180,12 +183,50 @@ class _Timeline(LiveStorages):
         self.check_peak()
 
     def categories(self) -> dict[str, int]:
-        grads = sum(self.sizes.get(k, 0) for k, label in list(self.labels.items()) if label == "gradients")
-        acts = self.total + self.offset - sum(self.extra.values()) - grads
+        labelled = {c: 0 for c in CATEGORIES}
+        for key, label in list(self.labels.items()):
+            labelled[label] += self.sizes.get(key, 0)
         out = dict(self.extra)
-        out["gradients"] += grads
-        out["activations"] += acts
+        for category, nbytes in labelled.items():
+            out[category] += nbytes
+        out["activations"] += self.total + self.offset - sum(self.extra.values()) - sum(labelled.values())
         return out
+
+    def label(self, t: torch.Tensor, category: str) -> None:
+        """Count ``t``'s storage (registered already) under ``category`` from now on."""
+        for plain in plain_tensors(t):
+            key = storage_key(plain)
+            if key in self.sizes:
+                self.labels[key] = category
+
+    @contextlib.contextmanager
+    def born_as(self, category: str) -> Iterator[None]:
+        """Storages made inside the block are ``category`` (activations otherwise)."""
+        tag, self.tag = self.tag, lambda _as_input: category
+        try:
+            yield
+        finally:
+            self.tag = tag
+
+    def forget(self, t: torch.Tensor) -> None:
+        """Stop counting ``t``'s storage: fsdp2 let go of it (whoever else still holds it here)."""
+        for plain in plain_tensors(t):
+            key = storage_key(plain)
+            if key is not None:
+                self._free(key)
+
+    def uncounted(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new fake tensor standing for memory the schedule counts apart (a shard, the
+        unsharded buffer), registered with no bytes so that neither it nor ops on it add any."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        self.offset -= nbytes  # its birth below adds as much: no new peak from it
+        t = torch.empty(shape, dtype=dtype)
+        key = storage_key(t)
+        if key in self.sizes:
+            self.total -= self.sizes[key]
+            self.sizes[key] = 0
+        self.offset += nbytes
+        return t
 
     def _where(self) -> str:
         # The loss's own backward runs before the root's pre-backward hook.
@@ -289,6 +330,10 @@ def _grad_hook(group: str, ready: dict[str, list[torch.Tensor]], model: nn.Modul
         if len(ready[group]) == len(members):
             def drop() -> None:
                 for q in members:
+                    # The quantized reduction's temporaries come after the gradients are freed,
+                    # while autograd still holds the last one until this hook returns: not counted.
+                    if q.grad is not None and sched.policy is not None:
+                        line.forget(q.grad)
                     q.grad = None
             sched.post_backward(group, drop)
             line.check_peak()
@@ -383,7 +428,7 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
         root_params, root_segments = _root_parts(module, shard, pdtype, rdtype)
         block, root = sizes["layers.0"], sizes["root"]
         constants, shard_values = _constants(module, sizes, n_blocks - n_built, layout.optimizer, layout.grad_accum,
-                                             shard)
+                                             shard, layout.comm_policy)
         if pdtype != orig_dtype:
             _cast_parameters(module, pdtype)
         line = _Timeline()
@@ -392,7 +437,8 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
                           alias=alias, reshard=layout.reshard_after_forward,
                           root_reshard=layout.root_reshard_after_forward, grad_accum=layout.grad_accum,
                           gloo=layout.backend == "gloo", reads=layout.cpu_reads, root_params=root_params,
-                          root_segments=root_segments, early_release=layout.root_early_release)
+                          root_segments=root_segments, early_release=layout.root_early_release,
+                          policy=layout.comm_policy, reduce_dtype=rdtype, replicas=layout.dp_replicate)
         for category, nbytes in constants.items():
             line.extra[category] += nbytes
         run = _simulate(module, sched, line, layout, builder, n_blocks - n_built, block)
@@ -500,8 +546,9 @@ def _describe(layout: Layout, n_blocks: int, pdtype: torch.dtype) -> str:
 
 
 def _constants(model: nn.Module, sizes: dict[str, _Group], extra_blocks: int, optimizer: str,
-               grad_accum: int, shard: int) -> tuple[dict[str, int], int]:
-    """Bytes live for the whole step (shards, optimizer state, buffers and inputs), and the shards' values."""
+               grad_accum: int, shard: int, policy: QuantizedComm | None) -> tuple[dict[str, int], int]:
+    """Bytes live for the whole step (shards, optimizer state, error-feedback residuals, buffers
+    and inputs), and the shards' values."""
     groups = [*sizes.values(), *[sizes["layers.0"]] * extra_blocks]
     sharded = sum(g.sharded for g in groups)
     # AdamW's states are zeros_like the sharded parameters, plus a 4-byte step per tensor.
@@ -509,14 +556,15 @@ def _constants(model: nn.Module, sizes: dict[str, _Group], extra_blocks: int, op
     states = OPTIMIZER_STATES[optimizer] * sharded + steps
     other = sum(b.untyped_storage().nbytes() for b in model.buffers())  # the inputs: added by _simulate
     return dict(sharded_params=sum(g.shard_storage(shard) for g in groups), optimizer_state=states, other=other,
-                gradients=sharded if grad_accum > 1 else 0), sharded
+                gradients=sharded if grad_accum > 1 else 0,
+                communication=sum(residual_bytes(g, policy, shard) for g in groups)), sharded
 
 
 def _optimizer_step(constants: dict[str, int], shard_values: int, optimizer: str) -> dict[str, int]:
     """The optimizer step: shards, their gradients, states, and foreach temporaries (other)."""
     out = {c: 0 for c in CATEGORIES}
     out.update(sharded_params=constants["sharded_params"], optimizer_state=constants["optimizer_state"],
-               gradients=shard_values,  # (inputs freed by then)
+               gradients=shard_values, communication=constants["communication"],  # (inputs freed by then)
                other=constants["other"] + (shard_values if optimizer != "sgd" else 0))
     return out
 
@@ -553,9 +601,11 @@ def _comm_bytes(root: _Group, block: _Group, n_blocks: int, layout: Layout, mode
     shard, replicate, tp, reshard = layout.dp_shard, layout.dp_replicate, layout.tp, layout.reshard_after_forward
     ac, batch, seq = layout.activation_checkpointing, layout.batch, layout.seq
     # The root is gathered once; blocks again in backward when resharded after forward.
-    all_gather = (root.unsharded + block.unsharded * n_blocks * (2 if reshard else 1)) * frac(shard)
-    reduce_scatter = (root.reduce + block.reduce * n_blocks) * frac(shard)
-    all_reduce = 2 * frac(replicate) * (root.reduce + block.reduce * n_blocks) / shard
+    (root_g, root_r, root_a), (block_g, block_r, block_a) = (
+        wire_bytes(g, layout.comm_policy, shard, replicate) for g in (root, block))
+    all_gather = (root_g + block_g * n_blocks * (2 if reshard else 1)) * frac(shard)
+    reduce_scatter = (root_r + block_r * n_blocks) * frac(shard)
+    all_reduce = frac(replicate) * (root_a + block_a * n_blocks)
     # Sequence-parallel TP: per block 2 all-gathers + 2 reduce-scatters of (batch, seq, dim) in
     # forward, as many in backward, and the forward ones again when recomputing.
     tp_traffic = (4 * (3 if ac else 2) * n_blocks * batch * seq * model_dim * act_itemsize * frac(tp)) if tp > 1 else 0

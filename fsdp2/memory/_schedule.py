@@ -9,14 +9,17 @@ and gradients, driven by hooks on the planner's fake model. It mirrors ``runtime
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..comm._transport import BufferNeeds, GroupBytes, Transport, choose_transport
-from .._format import HEADER, aligned, chunk_rows
+from .._api import QuantizedComm
+from ..comm._transport import BufferNeeds, GroupBytes, Transport, choose_transport, flat_transport
+from .._format import HEADER, Chunking, aligned, chunk_rows
+
+from ._quantized import QuantizedGroup
 
 if TYPE_CHECKING:
     from ._planner import _Timeline
@@ -27,11 +30,19 @@ class _Group(GroupBytes):
 
     sharded: int = 0  # original dtype
     same_grad_dtype: bool = True  # reduce dtype == the parameters' dtype (sharded grads view the output)
+    # Per tensor, for the quantized collectives (``_quantized.py``): how it is cut, its gathered
+    # dtype, its shard's dtype, whether it is trained (has an error-feedback residual).
+    layouts: list[Chunking] = field(default_factory=list)
+    gather_dtypes: list[torch.dtype] = field(default_factory=list)
+    shard_dtypes: list[torch.dtype] = field(default_factory=list)
+    trained: list[bool] = field(default_factory=list)
 
     def __add__(self, other: _Group) -> _Group:
         return _Group(self.unsharded + other.unsharded, self.slice + other.slice, self.reduce + other.reduce,
                       self.packed and other.packed, self.entries + other.entries, self.sharded + other.sharded,
-                      self.same_grad_dtype and other.same_grad_dtype)
+                      self.same_grad_dtype and other.same_grad_dtype, self.layouts + other.layouts,
+                      self.gather_dtypes + other.gather_dtypes, self.shard_dtypes + other.shard_dtypes,
+                      self.trained + other.trained)
 
     def transport(self, gloo: bool) -> Transport:
         """The transport fsdp2 picks for this group (``comm/_transport.choose_transport``)."""
@@ -61,6 +72,10 @@ def _add_param(group: _Group, p: torch.Tensor, shard: int, param_dtype: torch.dt
     group.entries.append((chunk * rest * pdtype.itemsize, reduced, copied))
     group.same_grad_dtype &= not p.dtype.is_floating_point or reduce_dtype == p.dtype
     group.packed &= pdtype == p.dtype
+    group.layouts.append(Chunking(torch.Size(shape or [1]), 0, shard, chunk))
+    group.gather_dtypes.append(pdtype)
+    group.shard_dtypes.append(p.dtype)
+    group.trained.append(p.dtype.is_floating_point and p.requires_grad)
 
 
 class _Schedule:
@@ -95,18 +110,32 @@ class _Schedule:
     def __init__(self, line: _Timeline, sizes: dict[str, _Group], order: list[str], *, shard: int,
                  alias: bool, reshard: bool, root_reshard: bool, grad_accum: int, gloo: bool,
                  reads: bool, root_params: dict[str, _Group], root_segments: list[list[str]],
-                 early_release: bool = False) -> None:
+                 early_release: bool = False, policy: QuantizedComm | None = None,
+                 reduce_dtype: torch.dtype = torch.float32, replicas: int = 1) -> None:
         self.line, self.sizes, self.order = line, sizes, order
         self.shard, self.alias, self.grad_accum = shard, alias, grad_accum
-        # What each group's transport holds for its collectives (reads: gloo exchanges read the
-        # peers' memory, one host, instead of messages).
+        # QuantizedComm (more than one rank): its collectives are the flat transport's, run on
+        # fake tensors (``_quantized.py``); ``held`` keeps each group's quantized all-gather.
+        self.policy = policy if policy is not None and shard > 1 and not alias else None
+        self._reduce_dtype, self._replicas = reduce_dtype, replicas
+        self.quantized = {name: self._quantized(g) for name, g in sizes.items()}
+        self.held: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.kept: list[torch.Tensor] = []  # reduce-scatter outputs the sharded gradients view
+        # What each group's transports hold for their collectives (reads: gloo exchanges read the
+        # peers' memory, one host, instead of messages); quantized collectives are flat.
         transports = {name: g.transport(gloo) for name, g in sizes.items()}
-        self.in_place = {name: t.gathers_in_place for name, t in transports.items()}
-        self.limit = {name: t.reduce_scatters_in_flight(shard) for name, t in transports.items()}
+        gathers = {name: flat_transport() if self.quantized[name] and self.quantized[name].gathers else t
+                   for name, t in transports.items()}
+        reduces = {name: flat_transport() if self.quantized[name] and self.quantized[name].reduces else t
+                   for name, t in transports.items()}
+        self.in_place = {name: t.gathers_in_place for name, t in gathers.items()}
+        self.limit = {name: t.reduce_scatters_in_flight(shard) for name, t in reduces.items()}
         backend = "gloo" if gloo else "nccl"
         self.needs: dict[str, BufferNeeds] = {
-            name: t.buffer_needs(sizes[name], shard, backend, reads) for name, t in transports.items()}
-        self._root_transport, self._needs_args = transports["root"], (shard, backend, reads)
+            name: t.buffer_needs(sizes[name], shard, backend, reads) for name, t in reduces.items()}
+        self.gather_needs: dict[str, BufferNeeds] = {
+            name: t.buffer_needs(sizes[name], shard, backend, reads) for name, t in gathers.items()}
+        self._root_transport, self._needs_args = reduces["root"], (shard, backend, reads)
         # The root's parameters (by name) and, with early_release, its segments (EarlyRelease):
         # after forward the segments forward saved nothing of are freed (release_unsaved); in
         # backward, at each block's pre-backward, the root's final gradients are reduced and
@@ -126,13 +155,18 @@ class _Schedule:
         self.pending: list[tuple[str, Callable[[], None] | None, _Group | None]] = []
         self.reduced: set[str] = set()
 
+    def _quantized(self, group: _Group) -> QuantizedGroup | None:
+        if self.policy is None:
+            return None
+        return QuantizedGroup(self.line, group, self.policy, self.shard, self._reduce_dtype, self._replicas)
+
     def _gather_bytes(self, name: str) -> int:
         """Communication buffers of a group's all-gather in flight."""
-        return 0 if self.alias else self.needs[name].gather
+        return 0 if self.alias else self.gather_needs[name].gather
 
     def _released_at_reshard(self, name: str) -> bool:
         """Read all-gathers keep their buffers until the unsharded buffer is freed (peers read it)."""
-        return not self.alias and self.needs[name].gather_until_reshard
+        return not self.alias and self.gather_needs[name].gather_until_reshard
 
     def _unsharded_bytes(self, name: str) -> int:
         return 0 if self.alias else self.sizes[name].unsharded
@@ -140,7 +174,11 @@ class _Schedule:
     def unshard(self, name: str) -> None:
         if self.state[name] == "sharded":
             self.state[name] = "gathering"
-            self.line.add_bytes("communication", self._gather_bytes(name))
+            q = self.quantized[name]
+            if q is not None and q.gathers:
+                self.held[name] = q.start_all_gather()
+            else:
+                self.line.add_bytes("communication", self._gather_bytes(name))
             if self.in_place[name]:
                 self._hold_unsharded(name)
 
@@ -154,7 +192,10 @@ class _Schedule:
             self.state[name] = "unsharded"
             if not self.in_place[name]:
                 self._hold_unsharded(name)
-            if self._released_at_reshard(name):
+            if name in self.held:  # quantized: dequantized into the unsharded buffer, then freed
+                self.quantized[name].finish_all_gather(self.held.pop(name))
+                self.line.check_peak()
+            elif self._released_at_reshard(name):
                 self.gather_held[name] = True
             else:
                 self.line.add_bytes("communication", -self._gather_bytes(name))
@@ -265,6 +306,13 @@ class _Schedule:
             return
         while len(self.pending) >= self.limit[name]:
             self.finish(*self.pending.pop(0))
+        q = self.quantized[name]
+        if q is not None and q.reduces:
+            if part is not None:
+                q = self._quantized(part)
+            self.pending.append((name, None, part, (q, q.start_reduce_scatter(drop_grads))))
+            self.line.check_peak()
+            return
         # The exchange sends from the gradients themselves unless every one was copied.
         needs = self._needs(name, part)
         held, copies_in = needs.reduce_holds_gradients, needs.reduce_copies_in
@@ -276,12 +324,18 @@ class _Schedule:
         if not copies_in and not held:
             drop_grads()  # only now: the reducing function holds them until it returns
 
-    def finish(self, name: str, drop_grads: Callable[[], None] | None, part: _Group | None = None) -> None:
+    def finish(self, name: str, drop_grads: Callable[[], None] | None, part: _Group | None = None,
+               quantized: tuple[QuantizedGroup, tuple[torch.Tensor, ...]] | None = None) -> None:
         """The reduce-scatter's output becomes the sharded gradients (a view of it).
 
         gloo's flat reduce-scatter holds a full-size copy of its input, which ops (and so the
         tracker) see once it is waited on, until the finished collective is dropped.
         """
+        if quantized is not None:
+            self._finish_quantized(name, part, *quantized)
+            return
+        if self.quantized[name] is not None:  # HSDP's all-reduce quantized, the reduce-scatter not
+            (self.quantized[name] if part is None else self._quantized(part)).all_reduce(None)
         sent, received = self._rs_bytes(name, part)
         g = self.sizes[name] if part is None else part
         out = g.reduce // self.shard if self.shard > 1 else 0
@@ -298,6 +352,22 @@ class _Schedule:
         self.line.add_bytes("communication", -(sent + received - out) - gloo_copy)
         if drop_grads is not None:
             drop_grads()
+
+    def _finish_quantized(self, name: str, part: _Group | None, q: QuantizedGroup,
+                          held: tuple[torch.Tensor, ...]) -> None:
+        """A quantized reduce-scatter's output, summed from what arrived, becomes the sharded
+        gradients (a view of it where the dtypes agree, else a copy), or is added into the
+        earlier micro-batches' (``grad_accum``)."""
+        g = self.sizes[name] if part is None else part
+        out = q.finish_reduce_scatter(held)
+        q.all_reduce(out)
+        if self.grad_accum == 1 and g.same_grad_dtype:
+            self.line.label(out, "gradients")
+            self.kept.append(out)
+        elif self.grad_accum == 1:
+            self.line.add_bytes("gradients", g.sharded)
+        del out, held
+        self.line.check_peak()
 
     def end_backward(self) -> None:
         self.line.where = "end of backward"

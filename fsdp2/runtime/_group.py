@@ -408,7 +408,8 @@ class ParamGroup:
         grads = []
         for p in self.params:
             grads += [p.sharded.grad, p.accumulated_grad, p.unsharded.grad if p.unsharded is not None else None]
-        comm = [self._partial_send, *self.partial_sums.values()]
+        # (QuantizedComm's error-feedback residuals: kept between steps, for the next reduction.)
+        comm = [self._partial_send, *self.partial_sums.values(), *(p.grad_residual for p in self.params)]
         for gather in (self._gather, self._unreleased):  # (a read all-gather's, until the peers read)
             if gather is not None:  # packed shards are sent as they are: still sharded parameters
                 comm += [t for t in gather.buffers() if t is not self._packed]
