@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GatherTargets", "AllGatherInFlight", "ReduceTarget", "ReduceScatterInFlight", "AcrossReplicas",
     "QuantizedReduction", "reduce_op", "check_reduce_headers", "wait_reduce_scatter", "reduce_across_replicas",
-    "show_flat_all_gather", "show_flat_reduce_scatter", "copy_rank_major",
+    "show_flat_all_gather", "show_flat_reduce_scatter", "show_flat_all_to_all", "copy_rank_major",
 ]
 
 
@@ -332,6 +332,14 @@ def show_flat_reduce_scatter(numel: int, world: int, dtype: torch.dtype, op: dis
         meta = torch.device("meta")
         out = torch.empty(numel, dtype=dtype, device=meta)
         _compat.reduce_scatter_flat(out, torch.empty(world * numel, dtype=dtype, device=meta), op=op, group=pg)
+
+
+def show_flat_all_to_all(nbytes: int, pg: dist.ProcessGroup) -> None:
+    """As :func:`show_flat_all_gather`, for a quantized reduction's all-to-all of ``nbytes`` bytes
+    (the flat transport's ``all_to_all_single``)."""
+    if _compat.dispatch_modes_active():
+        send = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("meta"))
+        dist.all_to_all_single(torch.empty_like(send), send, group=pg)
 
 
 def check_reduce_headers(target: ReduceTarget, headers: torch.Tensor) -> None:

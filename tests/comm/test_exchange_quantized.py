@@ -22,7 +22,7 @@ import fsdp2
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.runtime._state import get_state
 from tests._dist import environ, run_on_ranks
-from tests._models import Transformer, train_steps
+from tests._models import MLP, Transformer, train_steps
 
 TRANSPORTS = ("flat", "exchange", "read")
 POLICIES = {
@@ -123,3 +123,27 @@ def test_exchange_quantized_hsdp_matches_flat(policy):
     for r in range(4):
         for name, shard in results[r]["exchange"]["shards"].items():
             assert torch.equal(shard, results[r ^ 2]["exchange"]["shards"][name]), (r, name)
+
+
+def _seen_by_comm_debug_mode(transport: str) -> dict[str, int]:
+    """The collectives ``CommDebugMode`` counts in one step of a quantized MLP on ``transport``."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with environ(CPU_COLLECTIVES_ENV, transport):
+        model = MLP(32)
+        fsdp2.fully_shard(model, mesh=_mesh(False), comm_policy=POLICIES["int8"])
+    x = torch.randn(2, 32, requires_grad=True)
+    model(x).sum().backward()  # lazy init's bookkeeping outside the mode
+    with CommDebugMode() as mode:
+        model(x).sum().backward()
+    return {str(op): n for op, n in mode.get_comm_counts().items()}
+
+
+def test_comm_debug_mode_sees_the_flat_transports_collectives():
+    # An exchange shows the flat collective it stands for, on meta tensors: here the all-gather
+    # of the quantized slice and the reduction's all-to-all (docs/design.md, CommDebugMode).
+    # (the root keeps its parameters after forward: one all-gather)
+    counts = {t: run_on_ranks(_seen_by_comm_debug_mode, 2, t) for t in TRANSPORTS}
+    assert counts["flat"] == [{"c10d._allgather_base_": 1, "c10d.alltoall_base_": 1}] * 2
+    for t in ("exchange", "read"):
+        assert counts[t] == counts["flat"], (t, counts)

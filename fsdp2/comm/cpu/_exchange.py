@@ -23,6 +23,11 @@ parameter, each one from where it lives to where it is needed:
   16-byte header saying which gradients the rank reduces travels first (ranks
   that disagree get a clear error instead of sums of mismatched chunks).
 
+Quantized communication (``QuantizedComm``, ``_transport.py``) runs the same two exchanges on
+bytes: the all-gather of each rank's quantized slice (its own chunk filled already), and the
+reduce-scatter of the packed gradient rows, each peer's received into its row of one buffer
+(``into``) that the caller dequantizes and sums.
+
 Ranks on one host (probed once per group, ``_cma.py``) move the data by reading each
 other's memory instead (``ReadExchange``): after the header, each rank sends every peer
 a descriptor of where its chunks are, the peer reads them straight into place (no

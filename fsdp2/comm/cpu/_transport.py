@@ -19,7 +19,7 @@ from ... import _compat
 from ..._format import HEADER, GatherFormat, aligned
 from .._collectives import (AllGatherInFlight, GatherTargets, QuantizedReduction, ReduceScatterInFlight, ReduceTarget,
                            check_reduce_headers, copy_rank_major, reduce_op, show_flat_all_gather,
-                           show_flat_reduce_scatter)
+                           show_flat_all_to_all, show_flat_reduce_scatter)
 from .._quantize import dequantize_entries, quantize_entries
 from .._streams import Completion
 from .._transport import (CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupBytes, Transport, cpu_transport,
@@ -206,7 +206,7 @@ class ExchangeTransport(Transport):
         row for this rank received into its row of ``recv``."""
         world, group = target.world, target.group
         plan = QuantizedReduction.plan(layouts, dtype, target, self.grad_block, self.grad_bits)
-        show_flat_reduce_scatter(plan.chunks.numel, world, dtype, plan.op, group)  # what a dispatch mode sees
+        show_flat_all_to_all(world * plan.chunks.chunk_bytes, group)  # what a dispatch mode sees
         staged = torch.empty((world, plan.chunks.numel), dtype=dtype, device=device)
         copy_rank_major(staged, layouts, grads, plan.offsets)
         grads.clear()  # the caller's list: the gradients are freed before the rows are sent
