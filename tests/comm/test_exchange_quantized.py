@@ -7,7 +7,8 @@ destination rank's row of the gradients as the flat all-to-all does and moves th
 rows point to point, and each rank sums the rows it received in the same order. The same ops
 on the same bytes: training matches the flat transport's quantized training bit for bit
 (losses and parameters), on 2 and 4 ranks and on HSDP 2 x 2 (``gradient_axes``), with error
-feedback, int8 and int4; ``count_comm_bytes`` counts the quantized bytes on the exchange as
+feedback, int8 and int4, bf16 mixed precision; ``CommDebugMode`` sees the flat transport's
+collectives; ``count_comm_bytes`` counts the quantized bytes on the exchange as
 on the flat transport; with the policy off the exchange is unchanged.
 """
 
@@ -45,15 +46,19 @@ def _mesh(hsdp: bool):
     return _MESHES["hsdp"]
 
 
-def _train(transport: str, policy: fsdp2.QuantizedComm | None, hsdp: bool, dim: int, steps: int) -> dict:
+def _train(transport: str, policy: fsdp2.QuantizedComm | None, hsdp: bool, dim: int, steps: int,
+           bf16: bool = False) -> dict:
     """``steps`` AdamW steps of a 2-block Transformer of width ``dim``, every group built on
-    ``transport``: losses, this rank's parameter shards, the groups' transports, bytes counted."""
+    ``transport`` (``bf16``: gathered in bf16, reduced in fp32): losses, this rank's parameter
+    shards, the groups' transports, bytes counted."""
+    mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"comm_policy": policy, **({"mp_policy": mp} if bf16 else {})}
     with environ(CPU_COLLECTIVES_ENV, transport):
         mesh = _mesh(hsdp)
         model = Transformer(dim=dim, n_layers=2)
         for block in model.layers:
-            fsdp2.fully_shard(block, mesh=mesh, comm_policy=policy)
-        fsdp2.fully_shard(model, mesh=mesh, comm_policy=policy)
+            fsdp2.fully_shard(block, mesh=mesh, **kwargs)
+        fsdp2.fully_shard(model, mesh=mesh, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with fsdp2.count_comm_bytes() as sent:
         losses = train_steps(model, opt, range(steps))
@@ -68,11 +73,11 @@ def _train(transport: str, policy: fsdp2.QuantizedComm | None, hsdp: bool, dim: 
     }
 
 
-def _every_transport(policy_name: str, hsdp: bool, dim: int) -> dict:
+def _every_transport(policy_name: str, hsdp: bool, dim: int, bf16: bool = False) -> dict:
     policy = POLICIES[policy_name]
-    runs = {t: _train(t, policy, hsdp, dim, 3) for t in TRANSPORTS}
-    runs["exchange off"] = _train("exchange", None, hsdp, dim, 3)
-    runs["exchange empty policy"] = _train("exchange", fsdp2.QuantizedComm(), hsdp, dim, 3)
+    runs = {t: _train(t, policy, hsdp, dim, 3, bf16) for t in TRANSPORTS}
+    runs["exchange off"] = _train("exchange", None, hsdp, dim, 3, bf16)
+    runs["exchange empty policy"] = _train("exchange", fsdp2.QuantizedComm(), hsdp, dim, 3, bf16)
     return runs
 
 
@@ -93,7 +98,7 @@ def _check_matches_flat(runs: dict, shard_axis_quantized: bool = True) -> None:
     for name, shard in off["shards"].items():  # nothing quantized: bit for bit the exchange's own path
         assert torch.equal(empty["shards"][name], shard), name
     # fewer bytes on the quantized collectives, the same number of them
-    assert flat["sent"][0] < off["sent"][0] / 3
+    assert flat["sent"][0] < 0.6 * off["sent"][0]  # int8 against bf16 about 0.5x, against fp32 about 0.26x
     if shard_axis_quantized:
         assert flat["sent"][1] < off["sent"][1] / 3
     else:  # the shard axis' reduce-scatter unquantized, as on the flat transport
@@ -101,14 +106,15 @@ def _check_matches_flat(runs: dict, shard_axis_quantized: bool = True) -> None:
     assert flat["sent"][3] == off["sent"][3]
 
 
-@pytest.mark.parametrize("world, policy, dim", [
-    (2, "int8", 128),  # chunks of 64 KiB and more: one message each
-    (2, "int4-ef", 32),  # small chunks: packed into one message per peer
-    (4, "int8", 32),
-    (4, "int4-ef", 64),
+@pytest.mark.parametrize("world, policy, dim, bf16", [
+    (2, "int8", 128, False),  # chunks of 64 KiB and more: one message each
+    (2, "int4-ef", 32, False),  # small chunks: packed into one message per peer
+    (2, "int8", 64, True),  # bf16 weights quantized, fp32 gradients
+    (4, "int8", 32, False),
+    (4, "int4-ef", 64, False),
 ])
-def test_exchange_quantized_training_matches_flat(world, policy, dim):
-    results = run_on_ranks(_every_transport, world, policy, False, dim, timeout=300)
+def test_exchange_quantized_training_matches_flat(world, policy, dim, bf16):
+    results = run_on_ranks(_every_transport, world, policy, False, dim, bf16, timeout=300)
     for runs in results:
         _check_matches_flat(runs)
 

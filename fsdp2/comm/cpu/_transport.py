@@ -160,8 +160,9 @@ class ExchangeTransport(Transport):
             gather = _exchange.start_all_gather(None, [quantized[:, HEADER:]], header.view(torch.uint8), pg,
                                                 key=key, read=read)
             return ExchangeAllGatherInFlight(fmt, self, gather, quantized)
-        gather = _exchange.start_all_gather(source.entries(fmt), source.targets(fmt).chunks,
-                                            header.view(torch.uint8), pg, key=key, read=read)
+        chunks = source.targets(fmt).chunks  # the unsharded buffer, allocated now
+        gather = _exchange.start_all_gather(source.entries(fmt), chunks, header.view(torch.uint8), pg, key=key,
+                                            read=read)
         return ExchangeAllGatherInFlight(fmt, self, gather)
 
     def finish_all_gather(self, inflight: ExchangeAllGatherInFlight, targets: GatherTargets) -> None:
