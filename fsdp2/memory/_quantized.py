@@ -8,8 +8,8 @@ functions the flat transport calls (``comm/_quantize.py``), so the timeline coun
 temporary op by op as ``MemoryTracker`` counts it on a real run. Buffers made while a
 collective is issued are communication, as the tracker labels them; the dequantization at
 the wait makes activations there, and here. The order of the allocations follows
-``comm/_flat.py``'s ``_quantized_slice``, ``_start_quantized_reduce_scatter`` and
-``sum_received``.
+``comm/_flat.py``'s ``_quantized_slice`` and ``_start_quantized_reduce_scatter`` (whose
+quantization and sum are ``comm/_collectives.QuantizedReduction``'s, called here too).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.distributed as dist
 
 from .._api import QuantizedComm
-from .._format import HEADER, GatherFormat
-from ..comm._collectives import quantized_all_reduce
-from ..comm._flat import sum_received
+from .._format import HEADER, GatherFormat, packed_offsets
+from ..comm._collectives import QuantizedReduction, quantized_all_reduce
 from ..comm._quantize import GradChunks, dequantize_entries, quantize_entries
 
 if TYPE_CHECKING:
@@ -69,10 +69,13 @@ class QuantizedGroup:
         self.error_feedback = policy.error_feedback
         self.fmt = GatherFormat.build(group.layouts, group.gather_dtypes, policy.weight_block, policy.weight_bits) \
             if policy.weight_block else None
-        total = sum(lay.local_numel for lay in group.layouts)
-        self.chunks = GradChunks(world, total, policy.grad_block, policy.grad_bits) if policy.grad_block else None
         self.dtype = reduce_dtype
-        self.acc = reduce_dtype if reduce_dtype.itemsize > 4 else torch.float32
+        self.reduction = None
+        if policy.grad_block:
+            offsets, total = packed_offsets([lay.local_numel for lay in group.layouts], align=False)
+            acc = reduce_dtype if reduce_dtype.itemsize > 4 else torch.float32
+            self.reduction = QuantizedReduction(GradChunks(world, total, policy.grad_block, policy.grad_bits),
+                                                tuple(offsets), dist.ReduceOp.SUM, None, float(world), acc)
 
     @property
     def gathers(self) -> bool:
@@ -80,7 +83,7 @@ class QuantizedGroup:
 
     @property
     def reduces(self) -> bool:
-        return self.chunks is not None
+        return self.reduction is not None
 
     def start_all_gather(self) -> tuple[torch.Tensor, ...]:
         """This rank's quantized slice, written from its shards, and the output (communication)."""
@@ -102,23 +105,25 @@ class QuantizedGroup:
         dequantize_entries(fmt, held[1], targets)
 
     def start_reduce_scatter(self, drop_grads: Callable[[], None]) -> tuple[torch.Tensor, ...]:
-        """The gradients copied rank-major, freed, quantized per destination rank, and the
-        receive buffer: what stays in flight (communication)."""
-        chunks = self.chunks
+        """The gradients copied rank-major, freed, quantized per destination rank (with the
+        residuals, uncounted here: they are the step's constants), and the receive buffer:
+        what stays in flight (communication)."""
+        chunks = self.reduction.chunks
+        residuals = [self.line.uncounted((self.world, lay.local_numel), torch.float32)
+                     for lay, trained in zip(self.group.layouts, self.group.trained) if trained] \
+            if self.error_feedback else None
         with self.line.born_as("communication"):
             staged = torch.empty((self.world, chunks.numel), dtype=self.dtype)
             drop_grads()
             send = torch.empty(self.world * chunks.chunk_bytes, dtype=torch.uint8)
-            rows = staged.to(self.acc, copy=self.error_feedback)
-            error = torch.empty_like(rows) if self.error_feedback else None
-            chunks.quantize(rows, send, error)
-            del rows, error, staged
+            self.reduction.quantize(staged, send, residuals)
+            del staged
             recv = torch.empty(self.world * chunks.chunk_bytes, dtype=torch.uint8)
         return send, recv
 
     def finish_reduce_scatter(self, held: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """This rank's reduced row, summed from the received chunks (the reduce-scatter's output)."""
-        return sum_received(self.chunks, held[1], self.acc, float(self.world), self.dtype)
+        """This rank's reduced row, summed from the received rows (the reduce-scatter's output)."""
+        return self.reduction.summed(held[1], self.dtype)
 
     def all_reduce(self, out: torch.Tensor | None) -> None:
         """HSDP's quantized all-reduce of the reduce-scatter's output ``out`` (None: one the

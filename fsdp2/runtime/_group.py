@@ -384,10 +384,9 @@ class ParamGroup:
         reduce_scatter = policy.custom_reduce_scatter or reduce_scatter
         own = self.transport.with_comms(all_gather, reduce_scatter)
         flat = flat_transport(all_gather, reduce_scatter)
-        # Quantized weights are the flat transport's (the exchanges send the chunks as they are).
-        self.gather_transport = flat if policy.custom_all_gather is not None or policy.weight_block else own
-        if policy.grad_block:  # quantized gradients: the flat transport's all-to-all, on CPU too
-            self.reduce_transport = flat_transport(all_gather, reduce_scatter, policy.grad_block, policy.grad_bits)
+        self.gather_transport = flat if policy.custom_all_gather is not None else own
+        if policy.grad_block:  # quantized gradients: the group's transport (no custom comm can run them)
+            self.reduce_transport = own.quantizing_gradients(policy.grad_block, policy.grad_bits)
         else:
             self.reduce_transport = flat if policy.custom_reduce_scatter is not None else own
 

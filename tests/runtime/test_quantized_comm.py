@@ -467,10 +467,11 @@ def _exchange_group_quantized(which: str) -> dict:
         del os.environ["FSDP2_CPU_COLLECTIVES"]
 
 
-def test_exchange_transport_groups_gather_flat_when_quantized():
+def test_exchange_transport_groups_keep_the_exchange_when_weights_quantized():
+    # tests/comm/test_exchange_quantized.py: the exchange's quantized training equals the flat transport's
     result = run_on_ranks(_exchange_group_quantized, 2, "weights")[0]
-    assert result["names"][0] != ("flat", "flat")  # the exchange, as asked
-    assert result["names"][1][0] == "flat" and result["names"][1][1] == result["names"][0][1]
+    assert result["names"][0] == ("exchange", "exchange")  # as asked
+    assert result["names"][1] == result["names"][0]
     assert 0 < result["out_diff"] < 0.05 and result["grad_diff"] < 0.05
 
 
@@ -647,12 +648,13 @@ def test_int8_weights_and_gradients_against_bf16_bytes(block, low, high):
     assert abs(quant[-1] - base[-1]) <= 0.02 * base[-1]
 
 
-def test_exchange_transport_groups_reduce_flat_when_gradients_quantized():
+def test_exchange_transport_groups_keep_the_exchange_when_gradients_quantized():
     result = run_on_ranks(_exchange_group_quantized, 2, "gradients")[0]
-    assert result["names"][0] != ("flat", "flat")
-    assert result["names"][1] == (result["names"][0][0], "flat")
+    assert result["names"][0] == ("exchange", "exchange")
+    assert result["names"][1] == result["names"][0]
     assert 0 < result["grad_diff"] < 0.05
-    assert "cannot run" in result["refused"] and "grad_block=256" in result["transport"]
+    assert "cannot run" in result["refused"]
+    assert result["transport"] == "ExchangeTransport(may_read=False, must_read=False, grad_block=256)"
 
 
 def _summed_over_steps(steps: int) -> dict:

@@ -13,8 +13,9 @@ import pytest
 
 from fsdp2 import QuantizedComm
 from fsdp2.memory import Layout, estimate_memory
-from tests._dist import run_on_ranks
-from tests.tools.test_memory import _RECIPE, _RECIPE_BATCH, _RECIPE_SEQ, TESTS_TRANSFORMER, _track_recipe
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
+from tests._dist import environ, run_on_ranks
+from tests.tools.test_memory import _RECIPE, _RECIPE_BATCH, _RECIPE_SEQ, TESTS_TRANSFORMER, _track_recipe_on
 
 
 @pytest.mark.parametrize("world,layout,param_dtype,quantized", [
@@ -35,8 +36,9 @@ def test_planner_matches_tracker_byte_for_byte_with_quantized_comm(world, layout
 
     case = {"layout": layout, "param_dtype": param_dtype, "reshard_after_forward": True,
             "activation_checkpointing": True, "quantized": quantized}
-    measured = run_on_ranks(_track_recipe, world, case)[0]
-    est = plan(ModelArgs(**_RECIPE), case, world, _RECIPE_BATCH, _RECIPE_SEQ)
+    measured = run_on_ranks(_track_recipe_on, world, "flat", case)[0]
+    with environ(CPU_COLLECTIVES_ENV, "flat"):  # the path NCCL takes
+        est = plan(ModelArgs(**_RECIPE), case, world, _RECIPE_BATCH, _RECIPE_SEQ)
     rows = compare(measured, est)
     assert {k: (r["tracker"], r["planner"]) for k, r in rows.items() if r["tracker"] != r["planner"]} == {}
     assert rows["communication"]["tracker"] > 0
