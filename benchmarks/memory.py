@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/ next to fsdp2/
 
-from fsdp2 import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from fsdp2 import MixedPrecisionPolicy, QuantizedComm, fully_shard  # noqa: E402
 from fsdp2.memory import CATEGORIES, Layout, MemoryTracker, ModelBuilder, estimate_memory  # noqa: E402
 from fsdp2.memory._tracker import format_bytes, format_table  # noqa: E402
 from recipes.llama.model import ModelArgs, Transformer  # noqa: E402
@@ -50,7 +50,8 @@ LAYOUTS = {"fsdp": (1, 1), "hsdp": (2, 1), "tp": (1, 2)}  # (dp_replicate, tp); 
 
 
 def build(margs: ModelArgs, param_dtype: torch.dtype, reshard: bool, ac: bool,
-          layout: str = "fsdp", early_release: bool = False) -> tuple[Transformer, ParallelDims]:
+          layout: str = "fsdp", early_release: bool = False,
+          comm_policy: QuantizedComm | None = None) -> tuple[Transformer, ParallelDims]:
     """As the recipe: TP, AC wrappers, then fully_shard per block and the root, on meta, then init."""
     replicate, tp = LAYOUTS[layout]
     dims = ParallelDims(dp_replicate=replicate, dp_shard=-1, tp=tp, world_size=dist.get_world_size())
@@ -63,8 +64,9 @@ def build(margs: ModelArgs, param_dtype: torch.dtype, reshard: bool, ac: bool,
         apply_activation_checkpointing(model)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers:
-        fully_shard(block, mesh=dims.dp_mesh(), mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dims.dp_mesh(), mp_policy=mp)  # the root keeps its parameters (recipe default)
+        fully_shard(block, mesh=dims.dp_mesh(), mp_policy=mp, reshard_after_forward=reshard, comm_policy=comm_policy)
+    # The root keeps its parameters (recipe default).
+    fully_shard(model, mesh=dims.dp_mesh(), mp_policy=mp, comm_policy=comm_policy)
     model.set_early_release(early_release)
     model.to_empty(device="cpu")
     model.init_weights()
@@ -83,7 +85,8 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, gen: torch.Genera
 def track(margs: ModelArgs, case: dict, batch: int, seq: int):
     """This rank's MemoryReport of the second step of ``case``."""
     model, dims = build(margs, DTYPES[case["param_dtype"]], case["reshard_after_forward"],
-                        case["activation_checkpointing"], case.get("layout", "fsdp"), case.get("early_release", False))
+                        case["activation_checkpointing"], case.get("layout", "fsdp"), case.get("early_release", False),
+                        _comm_policy(case))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(dims.dp_rank(dist.get_rank()))  # a TP group shares its batch
     train_step(model, opt, gen, batch, seq)
@@ -98,9 +101,15 @@ def plan(margs: ModelArgs, case: dict, world: int, batch: int, seq: int):
                     param_dtype=DTYPES[case["param_dtype"]], reduce_dtype=torch.float32,
                     reshard_after_forward=case["reshard_after_forward"],
                     activation_checkpointing=case["activation_checkpointing"], backend="gloo",
-                    cpu_reads=case.get("cpu_reads", True), root_early_release=case.get("early_release", False))
+                    cpu_reads=case.get("cpu_reads", True), root_early_release=case.get("early_release", False),
+                    comm_policy=_comm_policy(case))
     # Every block built (no extrapolation); with tp, the Llama's own tp_plan, as build() above applies.
     return estimate_memory(layout, ModelBuilder(build=lambda: Transformer(margs), make_inputs=_inputs))
+
+
+def _comm_policy(case: dict) -> QuantizedComm | None:
+    """A case's ``"quantized"`` entry (``QuantizedComm``'s keyword arguments), if any."""
+    return QuantizedComm(**case["quantized"]) if case.get("quantized") else None
 
 
 def _inputs(batch: int, seq: int) -> torch.Tensor:

@@ -112,15 +112,15 @@ class QuantizedComm:
             dequantizes the same bytes, so replicas stay equal. ``"replicate"`` and ``"both"``
             need an HSDP mesh; error feedback covers the shard axis' quantization only.
 
-    With quantized gradients on the shard axis the group's reduce-scatter runs on the flat
-    transport as an all-to-all (counted under ``count_comm_bytes().reduce_scatter``);
+    With quantized gradients on the shard axis the group's reduce-scatter runs as an
+    all-to-all (counted under ``count_comm_bytes().reduce_scatter``);
     ``set_custom_reduce_scatter`` is refused on such a group. The quantized all-reduce is
     counted under ``count_comm_bytes().all_reduce``.
 
     Notes:
-        Groups with quantized weights use the flat collectives (the path NCCL takes) for
-        their all-gather, on CPU too; their reduce-scatter keeps its transport unless the gradients
-        are quantized. Parameters
+        A group keeps its transport: the flat collectives (the path NCCL takes), or on CPU
+        the exchange (messages or same-host reads), which moves the same quantized bytes
+        point to point with the same result, bit for bit. Parameters
         whose tensor subclass gathers its own data (``fsdp_pre_all_gather``) and an ``int``
         ``reshard_after_forward`` are refused (``ValueError``). At world size 1 nothing is
         sent and nothing is quantized.

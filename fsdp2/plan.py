@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ._api import QuantizedComm
 from .memory import Layout, MemoryEstimate, ModelBuilder, Reserve, estimate_memory
 from .memory._tracker import format_bytes, format_table
 from .models.llama import LLAMA3, ModelArgs
@@ -146,6 +147,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="full: every block recomputes its forward in backward (true/false also accepted)")
     run.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd_momentum"],
                      help="its state per parameter: adamw/adam 2 values, sgd_momentum 1, sgd none")
+    run.add_argument("--quantize-weights", choices=["int8", "int4"], default=None,
+                     help="all-gather the weights quantized (QuantizedComm(weights=...))")
+    run.add_argument("--quantize-gradients", choices=["int8", "int4"], default=None,
+                     help="reduce the gradients quantized (QuantizedComm(gradients=...))")
+    run.add_argument("--quantize-gradient-axes", choices=["shard", "replicate", "both"], default="shard",
+                     help="with HSDP, which reductions of the gradients are quantized")
+    run.add_argument("--error-feedback", action="store_true",
+                     help="keep each rank's gradient quantization error (an fp32 copy of the model per rank)")
     fit = p.add_argument_group("the verdict")
     fit.add_argument("--gpu-memory", type=_size, default=None, help="memory per GPU, e.g. 80GiB")
     fit.add_argument("--reserve-context", type=parse_bytes, default=RESERVE_DEFAULTS["context"],
@@ -221,6 +230,14 @@ def _layout(args: argparse.Namespace, **fields: object) -> Layout:
                  param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype],
                  reshard_after_forward=args.reshard_after_forward, grad_accum=args.grad_accum,
                  activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer)
+    for flag, given in (("--error-feedback", args.error_feedback),
+                        ("--quantize-gradient-axes", args.quantize_gradient_axes != "shard")):
+        if given and not args.quantize_gradients:
+            raise ValueError(f"{flag} needs --quantize-gradients int8 (or int4): it concerns quantized gradients")
+    if args.quantize_weights or args.quantize_gradients:
+        flags["comm_policy"] = QuantizedComm(weights=args.quantize_weights, gradients=args.quantize_gradients,
+                                             error_feedback=args.error_feedback,
+                                             gradient_axes=args.quantize_gradient_axes)
     return Layout(**{**flags, **fields})
 
 

@@ -79,26 +79,25 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def train(model: nn.Module, steps: int, *, lr: float = 1e-2) -> list[torch.Tensor]:
     """``steps`` AdamW steps of ``model`` on this rank's ``make_batch`` batches; the losses."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        inputs, targets = make_batch(dist.get_rank(), step)
-        loss = lm_loss(model(inputs), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
+    return _steps(model, torch.optim.AdamW(model.parameters(), lr=lr), range(steps))
 
 
-def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, *, vocab: int = 64) -> list[float]:
-    """One step of ``opt`` per step in ``steps``, on this rank's ``make_batch`` batch of that step; the losses."""
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, *, vocab: int = 64,
+                seq: int = 16, data_rank: int | None = None) -> list[float]:
+    """One step of ``opt`` per step in ``steps``, on the ``make_batch`` batch of that step for
+    ``data_rank`` (default: this rank; the ranks of one tensor-parallel group share one); the losses."""
+    return [loss.item() for loss in _steps(model, opt, steps, vocab=vocab, seq=seq, data_rank=data_rank)]
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, *, vocab: int = 64, seq: int = 16,
+           data_rank: int | None = None) -> list[torch.Tensor]:
+    rank = dist.get_rank() if data_rank is None else data_rank
     losses = []
     for step in steps:
-        tokens, targets = make_batch(dist.get_rank(), step, vocab=vocab)
+        tokens, targets = make_batch(rank, step, vocab=vocab, seq=seq)
         loss = lm_loss(model(tokens), targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss.detach())
     return losses

@@ -24,13 +24,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import _compat
-from .._format import REDUCE_MAGIC
+from .._format import REDUCE_MAGIC, packed_offsets
 from ..diagnostics import _bytes, _debug, _trace
 from ._quantize import GradChunks
 from ._streams import Completion
@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GatherTargets", "AllGatherInFlight", "ReduceTarget", "ReduceScatterInFlight", "AcrossReplicas",
-    "reduce_op", "check_reduce_headers", "wait_reduce_scatter", "reduce_across_replicas", "show_flat_all_gather",
-    "show_flat_reduce_scatter",
+    "QuantizedReduction", "reduce_op", "check_reduce_headers", "wait_reduce_scatter", "reduce_across_replicas",
+    "show_flat_all_gather", "show_flat_reduce_scatter", "show_flat_all_to_all", "copy_rank_major",
+    "quantized_all_reduce",
 ]
 
 
@@ -220,6 +221,97 @@ def _divide_before(factor: float) -> float:
     return float(next(p for p in powers if factor % p or p * p >= factor))
 
 
+class QuantizedReduction(NamedTuple):
+    """One quantized reduce-scatter (``QuantizedComm(gradients=...)``) as every transport runs it:
+    the gradients laid out rank-major, each destination rank's row quantized per block
+    (``GradChunks``), the rows exchanged (the flat transport's all-to-all, the exchange's messages
+    or reads), and the ``world`` rows a rank received dequantized and summed in ``acc``, divided
+    and cast. The same ops on the same bytes on either transport: bit-identical results.
+
+    The division: all of it after the sum without HSDP (an fp32 sum needs no pre-divide); with
+    HSDP what the shard axis' reduce-scatter would have divided (``reduce_op``'s AVG, or its
+    pre-divide), the rest after the replicas' all-reduce (``op``, ``post_divide``), unchanged.
+    """
+
+    chunks: GradChunks  # the packed rows, one per destination rank
+    offsets: tuple[int, ...]  # of each gradient's chunk in a row, in elements
+    op: dist.ReduceOp  # what HSDP's all-reduce then runs
+    post_divide: float | None  # after it
+    divide: float  # the local sum's division
+    acc: torch.dtype  # the sum's dtype: fp32, or the reduce dtype where wider
+
+    @classmethod
+    def plan(cls, layouts: Sequence[Chunking], dtype: torch.dtype, target: ReduceTarget, block: int,
+             bits: int) -> QuantizedReduction:
+        """The reduction of gradients cut as ``layouts`` in ``dtype`` over ``target``; logged
+        (debug mode) and its bytes counted: every rank's packed row, to its owner."""
+        world = target.world
+        offs, total = packed_offsets([lay.local_numel for lay in layouts], align=False)
+        op, pre, post = reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
+        if target.replicate_group is None:
+            op, divide, post = dist.ReduceOp.SUM, target.divide_factor, None
+        elif op == dist.ReduceOp.AVG:
+            divide = float(world)  # the all-reduce's AVG divides by the replicas
+        else:
+            divide = pre or 1.0
+        chunks = GradChunks(world, total, block, bits)
+        sizes = f"{world} x {total} elements, int{bits} all-to-all of {chunks.chunk_bytes} bytes per rank"
+        _debug.log_collective("reduce_scatter", target.label, target.group, sizes, dtype, target.root)
+        if _bytes._ACTIVE:
+            _bytes.count("reduce_scatter", chunks.chunk_bytes, target.group)
+        return cls(chunks, tuple(offs), op, post, divide, dtype if dtype.itemsize > 4 else torch.float32)
+
+    def quantize(self, staged: torch.Tensor, send: torch.Tensor, residuals: Sequence[torch.Tensor] | None) -> None:
+        """Quantize the rank-major gradients ``staged`` (``(world, numel)``) into ``send``'s rows.
+        ``residuals`` (error feedback): each gradient's ``(world, local_numel)`` fp32 residual,
+        added to its columns first, then overwritten with what the quantization lost there."""
+        with torch.no_grad():
+            rows = staged.to(self.acc, copy=residuals is not None)
+            if residuals is not None:
+                for res, off in zip(residuals, self.offsets):
+                    rows[:, off:off + res.shape[1]] += res
+            error = torch.empty_like(rows) if residuals is not None else None
+            self.chunks.quantize(rows, send, error)
+            if residuals is not None:
+                for res, off in zip(residuals, self.offsets):
+                    res.copy_(error[:, off:off + res.shape[1]])
+
+    def summed(self, recv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's reduced row from the packed rows ``recv`` it received (row ``q`` from rank
+        ``q``): summed in ``acc``, divided, in ``dtype``."""
+        with torch.no_grad():
+            summed = self.chunks.dequantize_sum(recv, self.acc)
+            if self.divide != 1:
+                summed.div_(self.divide)
+            return summed.to(dtype) if dtype != self.acc else summed.contiguous()
+
+
+def copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: Sequence[torch.Tensor],
+                    offsets: Sequence[int]) -> None:
+    """Copy each full gradient's chunk ``r`` into row ``r`` of ``by_rank`` (world, total)."""
+    world = by_rank.shape[0]
+    if all(lay.dim == 0 and lay.local_numel for lay in layouts):  # the usual case: one op
+        with torch.no_grad():
+            _compat.chunk_cat(list(grads), world, by_rank)
+        return
+    targets, sources = [], []  # even shards: one foreach copy for all of them
+    with torch.no_grad():
+        for lay, grad, off in zip(layouts, grads, offsets):
+            dst = by_rank.as_strided((world, *lay.local_shape), (by_rank.stride(0), *lay.local_stride),
+                                     by_rank.storage_offset() + off)
+            if lay.shape[lay.dim] == lay.chunk * world:
+                targets.append(dst)
+                sources.append(lay.chunks_view(grad.contiguous()))
+            else:  # uneven: zero the padding, then copy each rank's true rows
+                dst.zero_()
+                for r in range(world):
+                    rows = lay.rows(r)
+                    if rows:
+                        dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
+
 def show_flat_all_gather(fmt: GatherFormat, pg: dist.ProcessGroup) -> None:
     """Under a dispatch mode (``CommDebugMode``): the flat all-gather a transport's messages or
     reads stand for, issued on meta tensors of its shapes, so the mode sees the collective
@@ -241,6 +333,14 @@ def show_flat_reduce_scatter(numel: int, world: int, dtype: torch.dtype, op: dis
         meta = torch.device("meta")
         out = torch.empty(numel, dtype=dtype, device=meta)
         _compat.reduce_scatter_flat(out, torch.empty(world * numel, dtype=dtype, device=meta), op=op, group=pg)
+
+
+def show_flat_all_to_all(nbytes: int, pg: dist.ProcessGroup) -> None:
+    """As :func:`show_flat_all_gather`, for a quantized reduction's all-to-all of ``nbytes`` bytes
+    (the flat transport's ``all_to_all_single``)."""
+    if _compat.dispatch_modes_active():
+        send = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("meta"))
+        dist.all_to_all_single(torch.empty_like(send), send, group=pg)
 
 
 def check_reduce_headers(target: ReduceTarget, headers: torch.Tensor) -> None:
@@ -312,19 +412,40 @@ def reduce_across_replicas(inflight: ReduceScatterInFlight, out: torch.Tensor) -
 
 
 def _quantized_all_reduce(out: torch.Tensor, target: ReduceTarget, average: bool, sizes: str) -> None:
-    """HSDP's all-reduce of ``out`` over the replicas with quantized values, in place: each
-    replica quantizes its ``out`` cut into ``R`` chunks (per ``target.replicate_block``), one
-    all-to-all sends chunk ``r`` to replica ``r``, which sums the ``R`` it got in fp32 (or
-    wider), quantizes the sum and all-gathers it; every replica then dequantizes the same bytes,
-    so the replicas keep equal gradients. ``average``: divided by ``R`` (the all-reduce's AVG)."""
+    """HSDP's all-reduce of ``out`` over the replicas with quantized values, in place
+    (:func:`quantized_all_reduce` over ``target.replicate_group``)."""
     group, replicas = target.replicate_group, target.replicate_world
+
+    def all_to_all(recv: torch.Tensor, send: torch.Tensor) -> None:
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
+
+    def all_gather(gathered: torch.Tensor, packed: torch.Tensor) -> None:
+        work = _compat.all_gather_flat(gathered, packed, group=group, async_op=True)
+        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
+
+    if _bytes._ACTIVE:
+        chunk, block, bits = -(-out.numel() // replicas), target.replicate_block, target.replicate_bits
+        _bytes.count("all_reduce", GradChunks(replicas, chunk, block, bits).chunk_bytes
+                     + GradChunks(1, chunk, block, bits).chunk_bytes, group)
+    quantized_all_reduce(out, replicas, target.replicate_block, target.replicate_bits, average, all_to_all, all_gather)
+
+
+def quantized_all_reduce(out: torch.Tensor, replicas: int, block: int, bits: int, average: bool,
+                         all_to_all: Callable[[torch.Tensor, torch.Tensor], None],
+                         all_gather: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """The all-reduce of ``out`` over ``replicas`` ranks with quantized values, in place: each
+    replica quantizes its ``out`` cut into ``replicas`` chunks (``block`` values per scale,
+    ``bits`` per value), one ``all_to_all(recv, send)`` sends chunk ``r`` to replica ``r``, which
+    sums the ones it got in fp32 (or wider), quantizes the sum and ``all_gather(output, input)``s
+    it; every replica then dequantizes the same bytes, so the replicas keep equal gradients.
+    ``average``: divided by ``replicas`` (the all-reduce's AVG). The memory planner runs it on
+    fake tensors with collectives that do nothing."""
     acc = out.dtype if out.dtype.itemsize > 4 else torch.float32
     n = out.numel()
     chunk = -(-n // replicas)
-    scatter = GradChunks(replicas, chunk, target.replicate_block, target.replicate_bits)
-    gather = GradChunks(1, chunk, target.replicate_block, target.replicate_bits)
-    if _bytes._ACTIVE:
-        _bytes.count("all_reduce", scatter.chunk_bytes + gather.chunk_bytes, group)
+    scatter = GradChunks(replicas, chunk, block, bits)
+    gather = GradChunks(1, chunk, block, bits)
     with torch.no_grad():
         rows = torch.zeros(replicas * chunk, dtype=acc, device=out.device)
         rows[:n].copy_(out.reshape(-1))
@@ -332,16 +453,14 @@ def _quantized_all_reduce(out: torch.Tensor, target: ReduceTarget, average: bool
         scatter.quantize(rows.view(replicas, chunk), send)
         del rows
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
+        all_to_all(recv, send)
         mine = scatter.dequantize_sum(recv, acc)
         del send, recv
         packed = torch.empty(gather.chunk_bytes, dtype=torch.uint8, device=out.device)
         gather.quantize(mine[None], packed)
         gathered = torch.empty(replicas * gather.chunk_bytes, dtype=torch.uint8, device=out.device)
-        work = _compat.all_gather_flat(gathered, packed, group=group, async_op=True)
-        _debug.wait(work, "all_reduce", target.label, sizes, target.root)
-        summed = GradChunks(replicas, chunk, target.replicate_block, target.replicate_bits).dequantize(gathered, acc)
+        all_gather(gathered, packed)
+        summed = GradChunks(replicas, chunk, block, bits).dequantize(gathered, acc)
         summed = summed[:, :chunk].reshape(-1)[:n]
         if average:
             summed /= replicas

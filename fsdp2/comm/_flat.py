@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import _compat
 from ..diagnostics import _bytes, _debug
 from .._format import HEADER, GatherFormat, packed_offsets
-from ._collectives import AllGatherInFlight, GatherTargets, ReduceScatterInFlight, ReduceTarget, reduce_op
-from ._quantize import GradChunks, dequantize_entries, quantize_entries
+from ._collectives import (AllGatherInFlight, GatherTargets, QuantizedReduction, ReduceScatterInFlight, ReduceTarget,
+                           copy_rank_major, reduce_op)
+from ._quantize import dequantize_entries, quantize_entries
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
 from ._streams import Completion, streams_for
 from ._transport import BufferNeeds, GatherSource, GroupBytes, Transport
@@ -73,27 +73,26 @@ class FlatReduceScatter(ReduceScatterInFlight):
 
 class QuantizedReduceScatter(ReduceScatterInFlight):
     """A quantized reduce-scatter in flight (``QuantizedComm(gradients="int8")``): ``recv``
-    receives every rank's packed chunk for this rank (``_quantize.GradChunks``); dequantized and
-    summed into ``output``, this rank's reduced row, at issue time on CUDA (on the side stream,
-    after the all-to-all) or at the wait on CPU (after gloo's thread received it)."""
+    receives every rank's packed chunk for this rank (``plan``, ``_collectives.QuantizedReduction``);
+    dequantized and summed into ``output``, this rank's reduced row, at issue time on CUDA (on
+    the side stream, after the all-to-all) or at the wait on CPU (after gloo's thread received it)."""
 
-    __slots__ = ("chunks", "recv", "output", "acc", "divide", "dtype", "held")
+    __slots__ = ("plan", "recv", "output", "dtype", "held")
 
-    def __init__(self, done: Completion, layouts: tuple[Chunking, ...], offsets: tuple[int, ...], op: dist.ReduceOp,
-                 post_divide: float | None, target: ReduceTarget, chunks: GradChunks, recv: torch.Tensor,
-                 acc: torch.dtype, divide: float, dtype: torch.dtype, output: torch.Tensor | None,
+    def __init__(self, done: Completion, layouts: tuple[Chunking, ...], target: ReduceTarget,
+                 plan: QuantizedReduction, recv: torch.Tensor, dtype: torch.dtype, output: torch.Tensor | None,
                  held: tuple[torch.Tensor, ...]) -> None:
-        super().__init__(done, layouts, offsets, op, post_divide, target)
-        self.chunks, self.recv, self.acc, self.divide, self.dtype = chunks, recv, acc, divide, dtype
+        super().__init__(done, layouts, plan.offsets, plan.op, plan.post_divide, target)
+        self.plan, self.recv, self.dtype = plan, recv, dtype
         self.output = output
         self.held = held
 
     def wait(self, sizes: str) -> torch.Tensor:
         target = self.target
-        kind = f" (int{self.chunks.bits} all-to-all)"
+        kind = f" (int{self.plan.chunks.bits} all-to-all)"
         _debug.wait(self.done, "reduce_scatter", target.label, sizes + kind, target.root)
         if self.output is None:  # CPU: the bytes are here now
-            self.output = _sum_received(self.chunks, self.recv, self.acc, self.divide, self.dtype)
+            self.output = self.plan.summed(self.recv, self.dtype)
         return self.output
 
     def buffers(self) -> list[torch.Tensor]:
@@ -155,6 +154,9 @@ class FlatTransport(Transport):
 
     def with_comms(self, all_gather: AllGather, reduce_scatter: ReduceScatter) -> Transport:
         return FlatTransport(all_gather, reduce_scatter, self.grad_block, self.grad_bits)
+
+    def quantizing_gradients(self, block: int, bits: int) -> Transport:
+        return FlatTransport(self.all_gather, self.reduce_scatter, block, bits)
 
     def __repr__(self) -> str:
         block = f", grad_block={self.grad_block}" if self.grad_block else ""
@@ -288,7 +290,7 @@ def _start_reduce_scatter(
     streams = streams_for(device)
     with streams.side("reduce_scatter"):
         send = comm.allocate((world * total,), dtype=dtype, device=device)
-        _copy_rank_major(send.view(world, total), layouts, grads, offs)
+        copy_rank_major(send.view(world, total), layouts, grads, offs)
         held_grads = tuple(grads) if streams.cuda else ()
         grads.clear()  # the caller's list: the gradients are freed before the output exists
         if pre is not None and pre != 1:
@@ -312,52 +314,22 @@ def _start_quantized_reduce_scatter(
 ) -> ReduceScatterInFlight:
     """The reduce-scatter of ``grads`` as an int8 (``bits=4``: int4) all-to-all (``target.world > 1``).
 
-    ``residuals`` (error feedback): each gradient's ``(world, local_numel)`` fp32 residual,
-    added to its columns of the rank-major copy before quantizing, then overwritten with
-    what the quantization lost there.
-
     The gradients are laid out rank-major as for the flat reduce-scatter, in ``dtype``; each
-    destination rank's row is quantized per ``block`` (``GradChunks``) and the rows exchanged
-    with one ``all_to_all_single`` of bytes; the receiver dequantizes the ``world`` rows it got
-    and sums them in fp32 (the reduce dtype where wider), divides, and casts to ``dtype``.
-    The division: all of it here without HSDP (a fp32 sum needs no pre-divide); with HSDP
-    what the shard axis' reduce-scatter would have divided (``reduce_op``'s AVG, or its
-    pre-divide), the rest after the replicas' all-reduce, unchanged.
+    destination rank's row is quantized per ``block`` (with ``residuals``: error feedback) and
+    the rows exchanged with one ``all_to_all_single`` of bytes; the receiver dequantizes the
+    ``world`` rows it got and sums them (``_collectives.QuantizedReduction``).
     """
     world, group = target.world, target.group
-    offs, total = packed_offsets([lay.local_numel for lay in layouts], align=False)
-    op, pre, post = reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
-    if target.replicate_group is None:
-        op, divide, post = dist.ReduceOp.SUM, target.divide_factor, None
-    elif op == dist.ReduceOp.AVG:
-        divide = float(world)  # the all-reduce's AVG divides by the replicas
-    else:
-        divide = pre or 1.0
-    acc = dtype if dtype.itemsize > 4 else torch.float32
-    chunks = GradChunks(world, total, block, bits)
-    _debug.log_collective("reduce_scatter", target.label, group,
-                          f"{world} x {total} elements, int{bits} all-to-all of {chunks.chunk_bytes} bytes per rank",
-                          dtype, target.root)
-    if _bytes._ACTIVE:
-        _bytes.count("reduce_scatter", chunks.chunk_bytes, group)
+    plan = QuantizedReduction.plan(layouts, dtype, target, block, bits)
+    chunks = plan.chunks
     streams = streams_for(device)
     with streams.side("reduce_scatter"):
-        staged = torch.empty((world, total), dtype=dtype, device=device)
-        _copy_rank_major(staged, layouts, grads, offs)
+        staged = torch.empty((world, chunks.numel), dtype=dtype, device=device)
+        copy_rank_major(staged, layouts, grads, plan.offsets)
         held_grads = tuple(grads) if streams.cuda else ()
         grads.clear()  # the caller's list: the gradients are freed before the output exists
         send = comm.allocate((world * chunks.chunk_bytes,), dtype=torch.uint8, device=device)
-        with torch.no_grad():
-            rows = staged.to(acc, copy=residuals is not None)
-            if residuals is not None:
-                for res, off in zip(residuals, offs):
-                    rows[:, off:off + res.shape[1]] += res
-            error = torch.empty_like(rows) if residuals is not None else None
-            chunks.quantize(rows, send, error)
-            if residuals is not None:
-                for res, off in zip(residuals, offs):
-                    res.copy_(error[:, off:off + res.shape[1]])
-            del rows, error
+        plan.quantize(staged, send, residuals)
         held = (staged, send, *held_grads) if streams.cuda else (send,)
         del staged
         recv = comm.allocate((world * chunks.chunk_bytes,), dtype=torch.uint8, device=device)
@@ -366,43 +338,6 @@ def _start_quantized_reduce_scatter(
         if streams.cuda:  # the side stream waits for the bytes, then sums them
             work.wait()
             work = None
-            output = _sum_received(chunks, recv, acc, divide, dtype)
+            output = plan.summed(recv, dtype)
         done = streams.issued(work)
-    return QuantizedReduceScatter(done, tuple(layouts), tuple(offs), op, post, target, chunks, recv, acc, divide,
-                                  dtype, output, held)
-
-
-def _sum_received(chunks: GradChunks, recv: torch.Tensor, acc: torch.dtype, divide: float,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """This rank's reduced row from the received packed rows: summed in ``acc``, divided, in ``dtype``."""
-    with torch.no_grad():
-        summed = chunks.dequantize_sum(recv, acc)
-        if divide != 1:
-            summed.div_(divide)
-        return summed.to(dtype) if dtype != acc else summed.contiguous()
-
-
-def _copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: Sequence[torch.Tensor],
-                     offsets: Sequence[int]) -> None:
-    """Copy each full gradient's chunk ``r`` into row ``r`` of ``by_rank`` (world, total)."""
-    world = by_rank.shape[0]
-    if all(lay.dim == 0 and lay.local_numel for lay in layouts):  # the usual case: one op
-        with torch.no_grad():
-            _compat.chunk_cat(list(grads), world, by_rank)
-        return
-    targets, sources = [], []  # even shards: one foreach copy for all of them
-    with torch.no_grad():
-        for lay, grad, off in zip(layouts, grads, offsets):
-            dst = by_rank.as_strided((world, *lay.local_shape), (by_rank.stride(0), *lay.local_stride),
-                                     by_rank.storage_offset() + off)
-            if lay.shape[lay.dim] == lay.chunk * world:
-                targets.append(dst)
-                sources.append(lay.chunks_view(grad.contiguous()))
-            else:  # uneven: zero the padding, then copy each rank's true rows
-                dst.zero_()
-                for r in range(world):
-                    rows = lay.rows(r)
-                    if rows:
-                        dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
-        if targets:
-            torch._foreach_copy_(targets, sources)
+    return QuantizedReduceScatter(done, tuple(layouts), target, plan, recv, dtype, output, held)

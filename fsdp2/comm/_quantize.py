@@ -4,8 +4,9 @@ Symmetric, per block of ``block`` consecutive elements of a padded chunk (flatte
 scale is the block's largest magnitude over 127 (fp32), each value is rounded to the nearest
 multiple of it (ties to even) and stored as int8 in [-127, 127]. Dequantized, a value is off
 by at most half a scale, ``absmax / 254``; an all-zero block has scale 0 and comes back as
-zeros. The slice's layout is ``_format.GatherFormat``'s (quantized form); the flat transport
-fills it at issue time and reads it back into the unsharded buffer after the wait.
+zeros. The slice's layout is ``_format.GatherFormat``'s (quantized form); the transport (flat,
+or the CPU exchange) fills it at issue time and reads every rank's back into the unsharded
+buffer after the wait.
 
 Gradients (``QuantizedComm(gradients="int8")``) use the same rounding on each destination
 rank's chunk of a reduce-scatter's rank-major buffer (:class:`GradChunks`): the blocks

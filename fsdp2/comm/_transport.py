@@ -129,9 +129,9 @@ class Transport(ABC):
                              residuals: Sequence[torch.Tensor] | None = None) -> ReduceScatterInFlight:
         """Issue the reduce-scatter of the full gradients ``grads`` (cut as ``layouts``) in
         ``dtype``. The transport empties ``grads`` where it no longer needs them (so they can be
-        freed early). ``residuals`` (quantized gradients with error feedback, flat transport
-        only): one fp32 ``(world, local_numel)`` tensor per gradient, added to it before
-        quantizing and overwritten with what this quantization lost."""
+        freed early). ``residuals`` (quantized gradients with error feedback): one fp32
+        ``(world, local_numel)`` tensor per gradient, added to it before quantizing and
+        overwritten with what this quantization lost."""
 
     @abstractmethod
     def buffer_needs(self, sizes: GroupBytes, world: int, backend: str, reads: bool) -> BufferNeeds:
@@ -142,6 +142,11 @@ class Transport(ABC):
         """This transport with its flat collectives run by these comms (``_comm.py``): the
         exchanges have none to run, so they are unchanged."""
         return self
+
+    def quantizing_gradients(self, block: int, bits: int) -> Transport:
+        """This transport reducing gradients quantized (``QuantizedComm(gradients=...)``):
+        ``bits``-bit values (8 or 4) with an fp32 scale per ``block`` elements."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reduce quantized gradients")
 
     def reduce_scatters_in_flight(self, world: int) -> int:
         """How many reduce-scatters may be in flight by default once a group issued its own

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .._format import HEADER, GatherFormat, packed_offsets
+from ..comm._flat import FlatTransport
 from ..comm._collectives import AllGatherInFlight, ReduceScatterInFlight, ReduceTarget, reduce_op
 from ..comm._streams import Completion
 from ..comm._transport import GatherSource, GroupBytes, Transport
@@ -19,7 +20,8 @@ from ..comm.cpu._transport import ExchangeTransport
 
 if TYPE_CHECKING:
     from .._format import Chunking
-    from ..comm._collectives import GatherTargets
+    from ..comm._flat import FlatTransport
+from ..comm._collectives import GatherTargets
 
 __all__ = ["PlannedExchange"]
 
@@ -77,10 +79,18 @@ class PlannedExchange(ExchangeTransport):
     def reads(self, pg: dist.ProcessGroup) -> bool:
         return self._plan_reads
 
+    def quantizing_gradients(self, block: int, bits: int) -> Transport:
+        """Quantized gradients: planned as the flat transport reduces them (its all-to-all's
+        buffers), not as the exchange does."""
+        return FlatTransport().quantizing_gradients(block, bits)
+
     def start_all_gather(self, source: GatherSource, fmt: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
         """The unsharded buffer now (received into in place), and the headers and descriptors
-        or packed small chunks, kept until the peers have read (reads) or the wait."""
+        or packed small chunks, kept until the peers have read (reads) or the wait. Quantized
+        weights (``fmt.block``): planned as the flat transport gathers them."""
+        if fmt.block:
+            return FlatTransport().start_all_gather(source, fmt, pg, header, explicit)
         source.targets(fmt)  # allocates the unsharded buffer
         sizes = GroupBytes(entries=[(lay.local_numel * dt.itemsize, 0, False)
                                     for lay, dt in zip(fmt.layouts, fmt.dtypes)])

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._api import QuantizedComm
 from ..models.llama import LLAMA3, ModelArgs, Transformer
 
 __all__ = ["Layout", "ModelBuilder", "OPTIMIZER_STATES", "positive_int"]
@@ -62,6 +63,9 @@ class Layout:
         cpu_reads: with ``backend="gloo"``, whether the exchanges read the peers' memory
             (ranks on one host, fsdp2's default where the kernel allows it) or send messages
             (across hosts, or ``FSDP2_CPU_COLLECTIVES=exchange``).
+        comm_policy: the ``QuantizedComm`` every group is sharded with (None: unquantized): its
+            quantized slices and outputs, the quantized reduction's buffers and the error-feedback
+            residuals are counted (communication).
     """
 
     world: int
@@ -79,6 +83,7 @@ class Layout:
     grad_accum: int = 1
     backend: str = "nccl"
     cpu_reads: bool = True
+    comm_policy: QuantizedComm | None = None
 
     def __post_init__(self) -> None:
         for name in ("world", "batch", "seq", "dp_replicate", "tp", "grad_accum"):
@@ -102,6 +107,12 @@ class Layout:
             raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
+        if self.comm_policy is not None and not isinstance(self.comm_policy, QuantizedComm):
+            raise TypeError(f"Layout.comm_policy must be a fsdp2.QuantizedComm or None, got {self.comm_policy!r}")
+        if self.comm_policy is not None and self.comm_policy.gradient_axes != "shard" and self.dp_replicate == 1:
+            raise ValueError(f"Layout.comm_policy quantizes the replicas' all-reduce (gradient_axes="
+                             f"{self.comm_policy.gradient_axes!r}), which needs dp_replicate > 1; use "
+                             "gradient_axes='shard' or set dp_replicate")
 
     @property
     def dp_shard(self) -> int:

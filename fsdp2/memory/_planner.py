@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..comm._transport import GroupBytes
 from ._layout import Layout, ModelBuilder, positive_int
-from ._simulate import Simulation, simulate
+from ._quantized import wire_bytes
+from ._simulate import GroupSizes, Simulation, simulate
 from ._tracker import CATEGORIES, format_bytes, format_table
 
 __all__ = ["MemoryEstimate", "Reserve", "estimate_memory"]
@@ -210,15 +210,17 @@ def _describe(layout: Layout, n_blocks: int, pdtype: torch.dtype) -> str:
 
 
 def _optimizer_step(sim: Simulation, optimizer: str) -> dict[str, int]:
-    """The optimizer step, modelled: the shards, their gradients, the states, and one foreach
-    temporary the size of the shards (other), besides the model's buffers (the inputs are freed)."""
+    """The optimizer step, modelled: the shards, their gradients, the states, what fsdp2 keeps
+    between steps (error feedback's residuals: communication) and one foreach temporary the
+    size of the shards (other), besides the model's buffers (the inputs are freed)."""
     out = {c: 0 for c in CATEGORIES}
     out.update(sharded_params=sim.at_end["sharded_params"], optimizer_state=sim.at_end["optimizer_state"],
-               gradients=sim.shard_values, other=sim.buffers + (sim.shard_values if optimizer != "sgd" else 0))
+               communication=sim.at_end["communication"], gradients=sim.shard_values,
+               other=sim.buffers + (sim.shard_values if optimizer != "sgd" else 0))
     return out
 
 
-def _comm_bytes(root: GroupBytes, block: GroupBytes, n_blocks: int, layout: Layout, model_dim: int,
+def _comm_bytes(root: GroupSizes, block: GroupSizes, n_blocks: int, layout: Layout, model_dim: int,
                 act_itemsize: int) -> int:
     """Bytes each rank receives per step (ring collectives: (n - 1) / n of the full size)."""
     def frac(n: int) -> float:
@@ -227,9 +229,11 @@ def _comm_bytes(root: GroupBytes, block: GroupBytes, n_blocks: int, layout: Layo
     shard, replicate, tp, reshard = layout.dp_shard, layout.dp_replicate, layout.tp, layout.reshard_after_forward
     ac, batch, seq = layout.activation_checkpointing, layout.batch, layout.seq
     # The root is gathered once; blocks again in backward when resharded after forward.
-    all_gather = (root.unsharded + block.unsharded * n_blocks * (2 if reshard else 1)) * frac(shard)
-    reduce_scatter = (root.reduce + block.reduce * n_blocks) * frac(shard)
-    all_reduce = 2 * frac(replicate) * (root.reduce + block.reduce * n_blocks) / shard
+    (root_g, root_r, root_a), (block_g, block_r, block_a) = (
+        wire_bytes(g, layout.comm_policy, shard, replicate) for g in (root, block))
+    all_gather = (root_g + block_g * n_blocks * (2 if reshard else 1)) * frac(shard)
+    reduce_scatter = (root_r + block_r * n_blocks) * frac(shard)
+    all_reduce = frac(replicate) * (root_a + block_a * n_blocks)
     # Sequence-parallel TP: per block 2 all-gathers + 2 reduce-scatters of (batch, seq, dim) in
     # forward, as many in backward, and the forward ones again when recomputing.
     tp_traffic = (4 * (3 if ac else 2) * n_blocks * batch * seq * model_dim * act_itemsize * frac(tp)) if tp > 1 else 0

@@ -18,7 +18,7 @@ import contextlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -27,16 +27,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .. import _compat
 from ..runtime._state import get_state
-from ..comm._transport import CPU_COLLECTIVES_ENV, GroupBytes
+from ..comm._transport import CPU_COLLECTIVES_ENV
 from ..models import llama
 from ..runtime._fully_shard import fully_shard
-from .._api import MixedPrecisionPolicy, QuantizedComm
+from .._api import MixedPrecisionPolicy
 from ._layout import Layout, ModelBuilder
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._standin import group_bytes, planned_transport
 from ._tracker import CATEGORIES, MemoryTracker
 
 if TYPE_CHECKING:
+    from .._format import Chunking
     from ..runtime._group import ParamGroup
 
 __all__ = ["Simulation", "simulate"]
@@ -62,8 +63,8 @@ class Simulation:
     shard_values: int  # bytes of every parameter's shard in its own dtype (the sharded gradients)
     buffers: int  # the model's buffers (rotary tables)
     saved_per_block: int
-    root: GroupBytes
-    block: GroupBytes
+    root: GroupSizes
+    block: GroupSizes
     n_blocks: int
     param_dtype: torch.dtype
     model_dim: int
@@ -188,9 +189,21 @@ def simulate(layout: Layout, builder: ModelBuilder) -> Simulation:
                           root=_bytes_of(model, layout.dp_shard), block=_bytes_of(model.layers[0], layout.dp_shard))
 
 
-def _bytes_of(module: nn.Module, world: int) -> GroupBytes:
+class GroupSizes(NamedTuple):
+    """One group's sizes over the shard axis, for the bytes a step moves (``_quantized.wire_bytes``)."""
+
+    layouts: list[Chunking]
+    gather_dtypes: list[torch.dtype]
+    unsharded: int  # the unsharded buffer's bytes (every entry padded and aligned)
+    reduce: int  # the full gradients' bytes in the reduce dtype
+
+
+def _bytes_of(module: nn.Module, world: int) -> GroupSizes:
     group = get_state(module).group
-    return group_bytes(group.params if group is not None else [], world)
+    params = group.params if group is not None else []
+    sizes = group_bytes(params, world)
+    layouts = [p.layout.with_world(world) if p.layout.world != world else p.layout for p in params]
+    return GroupSizes(layouts, [p.param_dtype for p in params], sizes.unsharded, sizes.reduce)
 
 
 def _build(builder: ModelBuilder, layout: Layout, tp_mesh: DeviceMesh | None) -> nn.Module:
@@ -253,7 +266,7 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable[[nn.Modul
 def _shard(model: nn.Module, layout: Layout, dp_mesh: DeviceMesh) -> None:
     """As the recipe: each block one group, then the root."""
     mp = MixedPrecisionPolicy(param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype)
-    comm = _comm_policy(layout)
+    comm = layout.comm_policy
     for block in model.layers:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=layout.reshard_after_forward,
                     comm_policy=comm)
@@ -262,15 +275,10 @@ def _shard(model: nn.Module, layout: Layout, dp_mesh: DeviceMesh) -> None:
     model.set_early_release(layout.root_early_release)
 
 
-def _comm_policy(layout: Layout) -> QuantizedComm | None:
-    """The layout's quantized communication, if it has any (``Layout.comm_policy``)."""
-    return getattr(layout, "comm_policy", None)
-
-
 def _keeps_residuals(layout: Layout) -> bool:
     """Quantized gradients with error feedback: each parameter's residual, made at its first
     reduction, is kept from step to step (``runtime/_reduction.py``)."""
-    comm = _comm_policy(layout)
+    comm = layout.comm_policy
     return comm is not None and comm.gradients is not None and comm.error_feedback
 
 

@@ -124,7 +124,7 @@ def fully_shard(
                 group.policy.grad_bits = args.comm_policy.grad_bits or 8
                 group.policy.weight_bits = args.comm_policy.weight_bits or 8
                 group.policy.error_feedback = args.comm_policy.error_feedback
-                group.refresh_transports()  # the quantized collectives are the flat transport's
+                group.refresh_transports()  # the reduce transport quantizes the gradients
         if device.type != "cpu":
             _move_buffers(modules, device)
         state = ModuleState(tuple(modules), group, mp_policy)

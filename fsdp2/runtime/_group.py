@@ -384,10 +384,9 @@ class ParamGroup:
         reduce_scatter = policy.custom_reduce_scatter or reduce_scatter
         own = self.transport.with_comms(all_gather, reduce_scatter)
         flat = flat_transport(all_gather, reduce_scatter)
-        # Quantized weights are the flat transport's (the exchanges send the chunks as they are).
-        self.gather_transport = flat if policy.custom_all_gather is not None or policy.weight_block else own
-        if policy.grad_block:  # quantized gradients: the flat transport's all-to-all, on CPU too
-            self.reduce_transport = flat_transport(all_gather, reduce_scatter, policy.grad_block, policy.grad_bits)
+        self.gather_transport = flat if policy.custom_all_gather is not None else own
+        if policy.grad_block:  # quantized gradients: the group's transport (no custom comm can run them)
+            self.reduce_transport = own.quantizing_gradients(policy.grad_block, policy.grad_bits)
         else:
             self.reduce_transport = flat if policy.custom_reduce_scatter is not None else own
 
@@ -408,7 +407,8 @@ class ParamGroup:
         grads = []
         for p in self.params:
             grads += [p.sharded.grad, p.accumulated_grad, p.unsharded.grad if p.unsharded is not None else None]
-        comm = [self._partial_send, *self.partial_sums.values()]
+        # (QuantizedComm's error-feedback residuals: kept between steps, for the next reduction.)
+        comm = [self._partial_send, *self.partial_sums.values(), *(p.grad_residual for p in self.params)]
         for gather in (self._gather, self._unreleased):  # (a read all-gather's, until the peers read)
             if gather is not None:  # packed shards are sent as they are: still sharded parameters
                 comm += [t for t in gather.buffers() if t is not self._packed]

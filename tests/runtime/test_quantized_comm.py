@@ -115,12 +115,16 @@ def test_quantized_slice_layout_and_error_bound(device, bits):
     pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                      reason="needs CUDA")]),
 ])
-def test_gradient_chunks_layout_and_sum(device):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gradient_chunks_layout_and_sum(device, bits):
     """``GradChunks`` by hand: 3 ranks' rows of 70 elements in blocks of 32 pack as 80 bytes of
-    int8 (70, aligned) and 3 scales; the dequantized sum is within the ranks' half-scales."""
+    int8 (70, aligned; int4: 35 bytes, 48 aligned) and 3 scales; the dequantized sum is within
+    the ranks' half-scales (``absmax / 254``; int4 ``absmax / 14``), and one rank alone comes
+    close to that bound."""
     world, numel, block = 3, 70, 32
-    chunks = GradChunks(world, numel, block)
-    assert (chunks.blocks, chunks.values_bytes, chunks.chunk_bytes) == (3, 80, 92)
+    half_step = 254 if bits == 8 else 14
+    chunks = GradChunks(world, numel, block, bits)
+    assert (chunks.blocks, chunks.values_bytes, chunks.chunk_bytes) == ((3, 80, 92) if bits == 8 else (3, 48, 60))
     g = torch.Generator().manual_seed(0)
     sources = [torch.randn(world, numel, generator=g).to(device) * 10 ** r for r in range(world)]
     sources[0][:, :32] = 0  # an all-zero block travels as zeros
@@ -128,16 +132,33 @@ def test_gradient_chunks_layout_and_sum(device):
     errors = [torch.empty(world, numel, device=device) for _ in sources]
     for src, buf, err in zip(sources, packed, errors):
         chunks.quantize(src, buf, err)
+
+    def bound(row: torch.Tensor) -> torch.Tensor:
+        return F.pad(row, (0, 26)).view(-1, block).abs().amax(1).repeat_interleave(block)[:numel] / half_step
+
+    worst = 0.0
     for dest in range(world):  # what rank ``dest`` receives: row ``dest`` of every source
         received = torch.stack([buf.view(world, -1)[dest] for buf in packed])
         got = chunks.dequantize_sum(received, torch.float32)
         want = sum(src[dest] for src in sources)
         assert torch.allclose(got, want - sum(err[dest] for err in errors), rtol=1e-6, atol=1e-5)
-        bound = sum(F.pad(src[dest], (0, 26)).view(-1, block).abs().amax(1).repeat_interleave(block)[:numel] / 254
-                    for src in sources)
-        assert ((got - want).abs() <= bound * (1 + 1e-5) + 1e-6).all()
+        assert ((got - want).abs() <= sum(bound(src[dest]) for src in sources) * (1 + 1e-5) + 1e-6).all()
+        for src in sources:  # one rank alone: the bound is reached closely
+            one = GradChunks(1, numel, block, bits)
+            buf = torch.empty(one.chunk_bytes, dtype=torch.uint8, device=device)
+            one.quantize(src[dest:dest + 1], buf)
+            e1 = (one.dequantize_sum(buf, torch.float32) - src[dest]).abs()
+            assert (e1 <= bound(src[dest]) * (1 + 1e-5) + 1e-6).all()
+            worst = max(worst, (e1 / (bound(src[dest]) + 1e-30)).max().item())
+    assert 0.8 < worst <= 1.0 + 1e-5
     values, scales = chunks.views(packed[0])
-    assert values.dtype == torch.int8 and values.abs().max() == 127 and scales[:, 0].eq(0).all()
+    assert scales[:, 0].eq(0).all()
+    if bits == 8:
+        assert values.dtype == torch.int8 and values.abs().max() == 127
+    else:
+        assert values.dtype == torch.uint8 and values.shape == (world, 35)
+        q = unpack_values(values, numel, 4)
+        assert q.abs().max() == 7 and q[:, :32].eq(0).all()
 
 
 def test_int4_packing_is_low_nibble_first():
@@ -150,48 +171,6 @@ def test_int4_packing_is_low_nibble_first():
     every = torch.arange(-7, 8).repeat(2, 1)
     assert torch.equal(unpack_values(pack_values(every, 4), 15, 4), every.to(torch.int8))
     assert value_bytes(5, 4) == 3 and value_bytes(5, 8) == 5
-
-
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                     reason="needs CUDA")]),
-])
-def test_int4_gradient_chunks_layout_and_sum(device):
-    """As the int8 case with ``bits=4``: 70 elements pack as 35 bytes (48, aligned) and 3
-    scales; each value is off by at most ``absmax / 14`` (half of a scale of ``absmax / 7``)."""
-    world, numel, block = 3, 70, 32
-    chunks = GradChunks(world, numel, block, bits=4)
-    assert (chunks.blocks, chunks.values_bytes, chunks.chunk_bytes) == (3, 48, 60)
-    g = torch.Generator().manual_seed(0)
-    sources = [torch.randn(world, numel, generator=g).to(device) * 10 ** r for r in range(world)]
-    sources[0][:, :32] = 0
-    packed = [torch.empty(world * chunks.chunk_bytes, dtype=torch.uint8, device=device) for _ in sources]
-    errors = [torch.empty(world, numel, device=device) for _ in sources]
-    for src, buf, err in zip(sources, packed, errors):
-        chunks.quantize(src, buf, err)
-    worst = 0.0
-    for dest in range(world):
-        received = torch.stack([buf.view(world, -1)[dest] for buf in packed])
-        got = chunks.dequantize_sum(received, torch.float32)
-        want = sum(src[dest] for src in sources)
-        assert torch.allclose(got, want - sum(err[dest] for err in errors), rtol=1e-6, atol=1e-5)
-        bound = sum(F.pad(src[dest], (0, 26)).view(-1, block).abs().amax(1).repeat_interleave(block)[:numel] / 14
-                    for src in sources)
-        assert ((got - want).abs() <= bound * (1 + 1e-5) + 1e-6).all()
-        for src in sources:  # one rank alone: the bound is reached closely
-            one = GradChunks(1, numel, block, bits=4)
-            buf = torch.empty(one.chunk_bytes, dtype=torch.uint8, device=device)
-            one.quantize(src[dest:dest + 1], buf)
-            b1 = F.pad(src[dest], (0, 26)).view(-1, block).abs().amax(1).repeat_interleave(block)[:numel] / 14
-            e1 = (one.dequantize_sum(buf, torch.float32) - src[dest]).abs()
-            assert (e1 <= b1 * (1 + 1e-5) + 1e-6).all()
-            worst = max(worst, (e1 / (b1 + 1e-30)).max().item())
-    assert 0.8 < worst <= 1.0 + 1e-5
-    values, scales = chunks.views(packed[0])
-    assert values.dtype == torch.uint8 and values.shape == (world, 35) and scales[:, 0].eq(0).all()
-    q = unpack_values(values, numel, 4)
-    assert q.abs().max() == 7 and q[:, :32].eq(0).all()
 
 
 # ---- off: bit for bit --------------------------------------------------------------------------
@@ -467,10 +446,11 @@ def _exchange_group_quantized(which: str) -> dict:
         del os.environ["FSDP2_CPU_COLLECTIVES"]
 
 
-def test_exchange_transport_groups_gather_flat_when_quantized():
+def test_exchange_transport_groups_keep_the_exchange_when_weights_quantized():
+    # tests/comm/test_exchange_quantized.py: the exchange's quantized training equals the flat transport's
     result = run_on_ranks(_exchange_group_quantized, 2, "weights")[0]
-    assert result["names"][0] != ("flat", "flat")  # the exchange, as asked
-    assert result["names"][1][0] == "flat" and result["names"][1][1] == result["names"][0][1]
+    assert result["names"][0] == ("exchange", "exchange")  # as asked
+    assert result["names"][1] == result["names"][0]
     assert 0 < result["out_diff"] < 0.05 and result["grad_diff"] < 0.05
 
 
@@ -647,12 +627,13 @@ def test_int8_weights_and_gradients_against_bf16_bytes(block, low, high):
     assert abs(quant[-1] - base[-1]) <= 0.02 * base[-1]
 
 
-def test_exchange_transport_groups_reduce_flat_when_gradients_quantized():
+def test_exchange_transport_groups_keep_the_exchange_when_gradients_quantized():
     result = run_on_ranks(_exchange_group_quantized, 2, "gradients")[0]
-    assert result["names"][0] != ("flat", "flat")
-    assert result["names"][1] == (result["names"][0][0], "flat")
+    assert result["names"][0] == ("exchange", "exchange")
+    assert result["names"][1] == result["names"][0]
     assert 0 < result["grad_diff"] < 0.05
-    assert "cannot run" in result["refused"] and "grad_block=256" in result["transport"]
+    assert "cannot run" in result["refused"]
+    assert result["transport"] == "ExchangeTransport(may_read=False, must_read=False, grad_block=256)"
 
 
 def _summed_over_steps(steps: int) -> dict:

@@ -28,7 +28,7 @@ from fsdp2 import fully_shard
 from tests._dist import run_on_ranks
 from tests.parallel.test_2d import Attention
 from tests.tools.test_checkpoint import _assert_same, _dcp_load, _dcp_save
-from tests._models import Transformer, lm_loss, make_batch
+from tests._models import Transformer, train_steps
 
 LAYOUTS = ["hsdp", "fsdp_tp"]
 
@@ -97,16 +97,8 @@ def _build(layout: str, mesh: DeviceMesh, seed: int = 0) -> tuple[nn.Module, tor
 def _train(model: nn.Module, opt: torch.optim.Optimizer, layout: str, steps: range) -> list[float]:
     # TP ranks of one data-parallel replica must see the same batch.
     data_rank = dist.get_rank() if layout == "hsdp" else dist.get_rank() // 2
-    vocab = _HSDP_VOCAB if layout == "hsdp" else _TP_VOCAB
-    losses = []
-    for step in steps:
-        tokens, targets = make_batch(data_rank, step, vocab=vocab, seq=8)
-        loss = lm_loss(model(tokens), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, opt, steps, vocab=_HSDP_VOCAB if layout == "hsdp" else _TP_VOCAB, seq=8,
+                       data_rank=data_rank)
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:

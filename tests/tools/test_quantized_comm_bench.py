@@ -22,16 +22,18 @@ def test_quantized_comm_benchmark_reports_fewer_bytes_and_close_losses(tmp_path)
     out = tmp_path / "qc.jsonl"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(BENCH),
-           "--steps", "3", "--seeds", "0,1", "--val-batches", "2", "--out", str(out)]
+           "--steps", "3", "--seeds", "0,1", "--val-batches", "2", "--runs", "off,weights,both", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert KEYS <= summary.keys(), summary
     sent = summary["bytes_per_step"]
     assert sent["off"] > sent["weights"] > sent["both"] > 0, sent
-    assert 0 < summary["bytes_ratio_both"] < summary["bytes_ratio_weights"] < 1
+    assert 0 < summary["bytes_ratio_both_vs_off"] < summary["bytes_ratio_weights_vs_off"] < 1
     # fp32 all-gathers and reduce-scatters: bf16 everywhere is about half of them
     assert summary["bf16_bytes_per_step"] == pytest.approx(sent["off"] / 2, rel=0.02)
+    for name in ("weights", "both"):  # the issue's ratios: against bf16's bytes
+        assert summary[f"bytes_ratio_{name}"] == pytest.approx(sent[name] / summary["bf16_bytes_per_step"], abs=1e-4)
     assert summary["across_nodes_per_step"] == {"off": 0, "weights": 0, "both": 0}  # one torchrun: one node
     for name in ("off", "weights", "both"):
         assert summary[f"final_loss_{name}"] == pytest.approx(summary["final_loss_off"], rel=0.01)

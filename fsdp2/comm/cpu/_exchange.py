@@ -23,6 +23,11 @@ parameter, each one from where it lives to where it is needed:
   16-byte header saying which gradients the rank reduces travels first (ranks
   that disagree get a clear error instead of sums of mismatched chunks).
 
+Quantized communication (``QuantizedComm``, ``_transport.py``) runs the same two exchanges on
+bytes: the all-gather of each rank's quantized slice (its own chunk filled already), and the
+reduce-scatter of the packed gradient rows, each peer's received into its row of one buffer
+(``into``) that the caller dequantizes and sums.
+
 Ranks on one host (probed once per group, ``_cma.py``) move the data by reading each
 other's memory instead (``ReadExchange``): after the header, each rank sends every peer
 a descriptor of where its chunks are, the peer reads them straight into place (no
@@ -198,13 +203,14 @@ class ExchangeAllGather(NamedTuple):
 
 
 def start_all_gather(
-    sources: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor], header: torch.Tensor,
+    sources: Sequence[torch.Tensor] | None, chunks: Sequence[torch.Tensor], header: torch.Tensor,
     pg: dist.ProcessGroup, key: str, read: bool = False,
 ) -> ExchangeAllGather:
     """Fill this rank's chunks from ``sources`` and exchange chunks with every peer.
 
     Args:
-        sources: this rank's shard of each parameter (``local_shape``; cast on the copy).
+        sources: this rank's shard of each parameter (``local_shape``; cast on the copy);
+            None: this rank's chunks are filled already (a quantized all-gather's slice).
         chunks: each parameter's padded full tensor in the unsharded buffer, viewed as
             ``(world, *local_shape)`` (chunk ``q`` belongs to group rank ``q``).
         header: this rank's 16-byte schedule header.
@@ -215,8 +221,9 @@ def start_all_gather(
     """
     me, world = pg.rank(), pg.size()
     own = [c[me] for c in chunks]
-    with torch.no_grad():
-        torch._foreach_copy_(own, list(sources))
+    if sources is not None:
+        with torch.no_grad():
+            torch._foreach_copy_(own, list(sources))
     if read:
         return _read_all_gather(own, chunks, header, pg, key)
     small = [i for i, t in enumerate(own) if _is_small(t)]
@@ -356,6 +363,7 @@ class ExchangeReduceScatter(NamedTuple):
 def start_reduce_scatter(
     chunks: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], copies: Sequence[torch.Tensor],
     dtype: torch.dtype, header: torch.Tensor, pg: dist.ProcessGroup, key: str, read: bool = False,
+    into: torch.Tensor | None = None,
 ) -> ExchangeReduceScatter:
     """Send chunk ``q`` of every gradient to rank ``q``; receive this rank's chunk from every peer.
 
@@ -369,6 +377,8 @@ def start_reduce_scatter(
         header: 16 bytes saying what this rank reduces, sent ahead of the data.
         key: names this exchange the same on every rank (group and dtype): its messages' tags.
         read: each peer reads its chunks out of this process (``_cma.py``), no messages.
+        into: ``(world, total)``, where each peer's row is received (row ``q`` from rank ``q``;
+            a quantized reduction's packed rows, summed by the caller); None: rows of their own.
     """
     pids = _cma.pids(pg) if read else ()
     if read:  # its messages on the group's pipes, where the ranks connected them (``_pipes.py``)
@@ -387,14 +397,15 @@ def start_reduce_scatter(
     works: list[dist.Work] = []
     made = list(copies)
     if read:
-        reads = _read_reduce_scatter(chunks, made, offsets, sizes, total, dtype, device, received, pg, key, pids)
+        reads = _read_reduce_scatter(chunks, made, offsets, sizes, total, dtype, device, received, pg, key, pids,
+                                     into)
         reads.with_headers(header, headers, header_works)
         return ExchangeReduceScatter(Exchange(header_works), reads, headers, header, me, tuple(offsets),
                                      tuple(received), tuple(c[me] for c in chunks), tuple(sent), tuple(made))
     for peer in range(world):
         if peer == me:
             continue
-        row = torch.empty(total, dtype=dtype, device=device)
+        row = into[peer] if into is not None else torch.empty(total, dtype=dtype, device=device)
         received[peer] = row
         outgoing, places = [], []
         if small:
@@ -421,10 +432,10 @@ def start_reduce_scatter(
 def _read_reduce_scatter(chunks: Sequence[torch.Tensor], made: list[torch.Tensor], offsets: Sequence[int],
                          sizes: Sequence[int], total: int, dtype: torch.dtype, device: torch.device,
                          received: list[torch.Tensor | None], pg: Link, key: str,
-                         pids: Sequence[int] = ()) -> ReadExchange:
+                         pids: Sequence[int] = (), into: torch.Tensor | None = None) -> ReadExchange:
     """The reduce-scatter by reading: each peer reads its chunk of every gradient from here.
 
-    Fills ``received`` with one row per peer (read into at ``wait()``) and ``made`` with
+    Fills ``received`` with one row per peer (``into``'s where given; read into at ``wait()``) and ``made`` with
     the contiguous copies of chunks that are not contiguous where they are.
     """
     me, world = pg.rank(), pg.size()
@@ -435,7 +446,7 @@ def _read_reduce_scatter(chunks: Sequence[torch.Tensor], made: list[torch.Tensor
     for peer in range(world):
         if peer == me:
             continue
-        row = torch.empty(total, dtype=dtype, device=device)
+        row = into[peer] if into is not None else torch.empty(total, dtype=dtype, device=device)
         received[peer] = row
         offered = []
         for c in chunks:

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from ...diagnostics import _bytes, _debug
 from ... import _compat
 from ..._format import HEADER, GatherFormat, aligned
-from .._collectives import (AllGatherInFlight, GatherTargets, ReduceScatterInFlight, ReduceTarget,
-                           check_reduce_headers, reduce_op, show_flat_all_gather, show_flat_reduce_scatter)
+from .._collectives import (AllGatherInFlight, GatherTargets, QuantizedReduction, ReduceScatterInFlight, ReduceTarget,
+                           check_reduce_headers, copy_rank_major, reduce_op, show_flat_all_gather,
+                           show_flat_all_to_all, show_flat_reduce_scatter)
+from .._quantize import dequantize_entries, quantize_entries
 from .._streams import Completion
 from .._transport import (CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupBytes, Transport, cpu_transport,
                           flat_transport)
@@ -32,16 +34,20 @@ __all__ = ["ExchangeAllGatherInFlight", "ExchangeReduceScatterInFlight", "Exchan
 
 
 class ExchangeAllGatherInFlight(AllGatherInFlight):
-    """An exchange all-gather in flight: the chunks land in the unsharded buffer itself;
-    ``exchange`` (``_exchange.ExchangeAllGather``) holds the rest. The headers arrive first;
-    a read exchange's peers may read this rank's chunks after its own wait returned
-    (``release``: its lease)."""
+    """An exchange all-gather in flight: the chunks land in the unsharded buffer itself, or
+    (quantized weights) every rank's quantized slice in ``quantized``, rank-major as the flat
+    all-gather's output, dequantized into the buffer at the finish; ``exchange``
+    (``_exchange.ExchangeAllGather``) holds the rest. The headers arrive first; a read
+    exchange's peers may read this rank's chunks after its own wait returned (``release``: its
+    lease)."""
 
-    __slots__ = ("exchange", "_headers_done", "_release")
+    __slots__ = ("exchange", "quantized", "_headers_done", "_release")
 
-    def __init__(self, fmt: GatherFormat, transport: Transport, gather: _exchange.ExchangeAllGather) -> None:
+    def __init__(self, fmt: GatherFormat, transport: Transport, gather: _exchange.ExchangeAllGather,
+                 quantized: torch.Tensor | None = None) -> None:
         super().__init__(Completion(work=gather.exchange), fmt, gather.headers, transport)
         self.exchange = gather
+        self.quantized = quantized
         self._headers_done = Completion(work=gather.header_exchange)
         reads = gather.exchange
         self._release = reads.release if isinstance(reads, _exchange.ReadExchange) and reads.defer else None
@@ -53,7 +59,7 @@ class ExchangeAllGatherInFlight(AllGatherInFlight):
         return self._release
 
     def buffers(self) -> list[torch.Tensor]:
-        return self.exchange.buffers()
+        return self.exchange.buffers() + ([self.quantized] if self.quantized is not None else [])
 
 
 class ExchangeReduceScatterInFlight(ReduceScatterInFlight):
@@ -74,10 +80,34 @@ class ExchangeReduceScatterInFlight(ReduceScatterInFlight):
         _debug.wait(self.exchange.header_exchange, "reduce_scatter", target.label, sizes, target.root)
         check_reduce_headers(target, self.exchange.headers)
         _debug.wait(self.done, "reduce_scatter", target.label, sizes, target.root)
+        return self._result()
+
+    def _result(self) -> torch.Tensor:
         return self.exchange.reduced()
 
     def buffers(self) -> list[torch.Tensor]:
         return self.exchange.buffers()
+
+
+class ExchangeQuantizedReduceScatterInFlight(ExchangeReduceScatterInFlight):
+    """A quantized reduce-scatter by exchange (``QuantizedComm(gradients=...)``): each peer's
+    packed row for this rank arrives in its row of ``recv`` (this rank's own copied in), which
+    ``plan`` dequantizes and sums as the flat transport's all-to-all does."""
+
+    __slots__ = ("plan", "recv", "dtype")
+
+    def __init__(self, layouts: tuple[Chunking, ...], target: ReduceTarget, rs: _exchange.ExchangeReduceScatter,
+                 plan: QuantizedReduction, recv: torch.Tensor, dtype: torch.dtype) -> None:
+        ReduceScatterInFlight.__init__(self, Completion(work=rs.exchange), layouts, plan.offsets, plan.op,
+                                       plan.post_divide, target)
+        self.exchange = rs
+        self.plan, self.recv, self.dtype = plan, recv, dtype
+
+    def _result(self) -> torch.Tensor:
+        return self.plan.summed(self.recv, self.dtype)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [*self.exchange.buffers(), self.recv]
 
 
 class ExchangeTransport(Transport):
@@ -85,13 +115,17 @@ class ExchangeTransport(Transport):
 
     ``may_read``: read the peers' memory where the ranks of a process group allow it (found
     out by :meth:`probe`); ``must_read``: a "no" is an error (``FSDP2_CPU_COLLECTIVES=read``).
+    ``grad_block``: the gradients reduced quantized (``grad_bits``-bit values and an fp32 scale
+    per ``grad_block`` elements; ``_collectives.QuantizedReduction``). A quantized all-gather
+    format (``fmt.block``) sends the weights quantized.
     """
 
     gathers_in_place = True
     reduce_headers = True
 
-    def __init__(self, may_read: bool, must_read: bool) -> None:
+    def __init__(self, may_read: bool, must_read: bool, grad_block: int = 0, grad_bits: int = 8) -> None:
         self.may_read, self.must_read = may_read, must_read
+        self.grad_block, self.grad_bits = grad_block, grad_bits
         self.name = "read" if may_read else "exchange"
         self._local = flat_transport()  # world size 1: no peers, the local copy the flat path makes
 
@@ -109,29 +143,47 @@ class ExchangeTransport(Transport):
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
         """Straight into the unsharded buffer: this rank's entries are copied into their own
         chunks and sent from there (never aliasing the shards), the peers' received in place.
+        Quantized (``fmt.block``): this rank's entries quantized into its row of a rank-major
+        buffer of slices (``_quantize.quantize_entries``, the flat transport's slice), which is
+        sent, the peers' rows received, all dequantized at the finish.
         A dispatch mode sees the flat all-gather this stands for (``show_flat_all_gather``)."""
         show_flat_all_gather(fmt, pg)
         if _bytes._ACTIVE and fmt.world > 1:  # counted as the flat all-gather it stands for
             _bytes.count("all_gather", fmt.slice_bytes, pg)
-        chunks = source.targets(fmt).chunks
         if header is None:
             header = torch.zeros(HEADER, dtype=torch.uint8)
-        gather = _exchange.start_all_gather(source.entries(fmt), chunks, header.view(torch.uint8), pg,
-                                            key=f"all_gather {source.label} {fmt.world}", read=self.reads(pg))
+        key, read = f"all_gather {source.label} {fmt.world}", self.reads(pg)
+        if fmt.block:  # the header travels on its own: the slices' bytes after it
+            quantized = torch.empty(fmt.world, fmt.slice_bytes, dtype=torch.uint8, device=source.device)
+            with torch.no_grad():
+                quantize_entries(fmt, source.entries(fmt), quantized[pg.rank()])
+            gather = _exchange.start_all_gather(None, [quantized[:, HEADER:]], header.view(torch.uint8), pg,
+                                                key=key, read=read)
+            return ExchangeAllGatherInFlight(fmt, self, gather, quantized)
+        chunks = source.targets(fmt).chunks  # the unsharded buffer, allocated now
+        gather = _exchange.start_all_gather(source.entries(fmt), chunks, header.view(torch.uint8), pg, key=key,
+                                            read=read)
         return ExchangeAllGatherInFlight(fmt, self, gather)
 
     def finish_all_gather(self, inflight: ExchangeAllGatherInFlight, targets: GatherTargets) -> None:
         inflight.exchange.finish()
+        if inflight.quantized is not None:
+            with torch.no_grad():
+                dequantize_entries(inflight.fmt, inflight.quantized, targets.chunks)
 
     def start_reduce_scatter(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
                              target: ReduceTarget, device: torch.device,
                              header: torch.Tensor | None,
                              residuals: Sequence[torch.Tensor] | None = None) -> ReduceScatterInFlight:
         """Send each gradient's chunks from where they are: copies only to cast, pad or pre-divide.
-        Never quantized (``residuals`` is the flat transport's)."""
+        Quantized (``grad_block``): the packed rows instead (:meth:`_start_quantized`)."""
         world = target.world
         if world == 1:
             return self._local.start_reduce_scatter(layouts, grads, dtype, target, device, header)
+        if header is None:
+            header = torch.zeros(HEADER, dtype=torch.uint8)
+        if self.grad_block:
+            return self._start_quantized(layouts, grads, dtype, target, device, header, residuals)
         op, pre, post = reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
         numel = sum(lay.local_numel for lay in layouts)
         _debug.log_collective("reduce_scatter", target.label, target.group, f"{world} x {numel} elements", dtype,
@@ -142,12 +194,36 @@ class ExchangeTransport(Transport):
         full, copies = _sendable(layouts, grads, dtype, world, pre)
         if op == dist.ReduceOp.AVG:  # the exchange sums; the average over this axis is a division
             post = float(world) * (post or 1.0)
-        if header is None:
-            header = torch.zeros(HEADER, dtype=torch.uint8)
         chunks = [lay.chunks_view(t) for lay, t in zip(layouts, full)]
         rs = _exchange.start_reduce_scatter(chunks, full, copies, dtype, header, target.group,
                                             key=f"reduce_scatter {target.label} {dtype}", read=self.reads(target.group))
         return ExchangeReduceScatterInFlight(tuple(layouts), op, post, target, rs)
+
+    def _start_quantized(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
+                         target: ReduceTarget, device: torch.device, header: torch.Tensor,
+                         residuals: Sequence[torch.Tensor] | None) -> ReduceScatterInFlight:
+        """The flat transport's quantized reduction (the same rows, quantized the same way), its
+        all-to-all an exchange: packed row ``q`` to rank ``q`` as one chunk of bytes, each peer's
+        row for this rank received into its row of ``recv``."""
+        world, group = target.world, target.group
+        plan = QuantizedReduction.plan(layouts, dtype, target, self.grad_block, self.grad_bits)
+        show_flat_all_to_all(world * plan.chunks.chunk_bytes, group)  # what a dispatch mode sees
+        staged = torch.empty((world, plan.chunks.numel), dtype=dtype, device=device)
+        copy_rank_major(staged, layouts, grads, plan.offsets)
+        grads.clear()  # the caller's list: the gradients are freed before the rows are sent
+        send = torch.empty(world, plan.chunks.chunk_bytes, dtype=torch.uint8, device=device)
+        plan.quantize(staged, send, residuals)
+        del staged
+        recv = torch.empty_like(send)
+        me = group.rank()
+        recv[me].copy_(send[me])
+        rs = _exchange.start_reduce_scatter([send], [send], [send], torch.uint8, header, group,
+                                            key=f"reduce_scatter {target.label} {dtype} int{self.grad_bits}",
+                                            read=self.reads(group), into=recv)
+        return ExchangeQuantizedReduceScatterInFlight(tuple(layouts), target, rs, plan, recv, dtype)
+
+    def quantizing_gradients(self, block: int, bits: int) -> Transport:
+        return ExchangeTransport(self.may_read, self.must_read, block, bits)
 
     def reduce_scatters_in_flight(self, world: int) -> int:
         """Two: each exchange waits for the peers to reach the same group's reduction; one more
@@ -182,7 +258,9 @@ class ExchangeTransport(Transport):
                            reduce_copies_in=False)
 
     def __repr__(self) -> str:
-        return f"ExchangeTransport(may_read={self.may_read}, must_read={self.must_read})"
+        block = f", grad_block={self.grad_block}" if self.grad_block else ""
+        block += f", grad_bits={self.grad_bits}" if self.grad_block and self.grad_bits != 8 else ""
+        return f"ExchangeTransport(may_read={self.may_read}, must_read={self.must_read}{block})"
 
 
 def probe_reads(pg: dist.ProcessGroup, must_read: bool | None = None) -> bool:

@@ -1,0 +1,112 @@
+"""The memory planner with quantized communication (``Layout.comm_policy``): byte for byte
+against ``MemoryTracker`` on real quantized runs, the error-feedback residuals, the wire bytes,
+the checks and the command line."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from fsdp2 import QuantizedComm
+from fsdp2.memory import Layout, estimate_memory
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
+from tests._dist import environ, run_on_ranks
+from tests.tools.test_memory import _RECIPE, _RECIPE_BATCH, _RECIPE_SEQ, TESTS_TRANSFORMER, _track_recipe_on
+
+
+@pytest.mark.parametrize("world,layout,param_dtype,quantized", [
+    (2, "fsdp", "fp32", {"weights": "int8", "gradients": "int8"}),
+    (2, "fsdp", "bf16", {"weights": "int4", "gradients": "int4", "error_feedback": True}),
+    (2, "fsdp", "fp32", {"weights": "int4"}),
+    (2, "fsdp", "fp32", {"gradients": "int8", "block_size": 64}),
+    (4, "hsdp", "fp32", {"weights": "int8", "gradients": "int8", "gradient_axes": "both"}),
+    (4, "hsdp", "fp32", {"gradients": "int8", "gradient_axes": "replicate"}),
+    (4, "tp", "bf16", {"weights": "int8", "gradients": "int8", "error_feedback": True}),
+])
+@pytest.mark.slow
+def test_planner_matches_tracker_byte_for_byte_with_quantized_comm(world, layout, param_dtype, quantized):
+    # The planner runs fsdp2's own quantize and dequantize functions on fake tensors where the
+    # flat transport calls them; the tracker watches a real run (gloo, the recipe's model).
+    from benchmarks.memory import compare, plan
+    from recipes.llama.model import ModelArgs
+
+    case = {"layout": layout, "param_dtype": param_dtype, "reshard_after_forward": True,
+            "activation_checkpointing": True, "quantized": quantized}
+    measured = run_on_ranks(_track_recipe_on, world, "flat", case)[0]
+    with environ(CPU_COLLECTIVES_ENV, "flat"):  # the path NCCL takes
+        est = plan(ModelArgs(**_RECIPE), case, world, _RECIPE_BATCH, _RECIPE_SEQ)
+    rows = compare(measured, est)
+    assert {k: (r["tracker"], r["planner"]) for k, r in rows.items() if r["tracker"] != r["planner"]} == {}
+    assert rows["communication"]["tracker"] > 0
+
+
+def _padded_fp32_bytes(world: int) -> int:
+    """Every trainable parameter's full size, its rows padded to a multiple of ``world``, in fp32."""
+    from tests.tools.test_memory import _build_meta_transformer
+
+    total = 0
+    for p in _build_meta_transformer().parameters():
+        rows = p.shape[0]
+        total += -(-rows // world) * world * math.prod(p.shape[1:]) * 4
+    return total
+
+
+def test_error_feedback_residuals_are_counted_for_the_whole_step():
+    base = Layout(world=4, batch=1, seq=16, comm_policy=QuantizedComm(gradients="int8"))
+    plain = estimate_memory(base, TESTS_TRANSFORMER)
+    fed = estimate_memory(replace(base, comm_policy=QuantizedComm(gradients="int8", error_feedback=True)),
+                          TESTS_TRANSFORMER)
+    residuals = _padded_fp32_bytes(4)
+    # Kept from the first reduction on: at the optimizer step exactly them; at the peak them and
+    # more (quantizing with error feedback copies the rank-major gradients and their error).
+    assert fed.points["optimizer step"] - plain.points["optimizer step"] == residuals
+    assert fed.peak_by_category["communication"] - plain.peak_by_category["communication"] > residuals
+    # One rank sends nothing and keeps no residual.
+    one = Layout(world=1, batch=1, seq=16)
+    assert estimate_memory(replace(one, comm_policy=QuantizedComm(gradients="int8", error_feedback=True)),
+                           TESTS_TRANSFORMER).peak_bytes == estimate_memory(one, TESTS_TRANSFORMER).peak_bytes
+
+
+def test_quantized_wire_bytes_per_step():
+    # fp32 on the wire unquantized; int8 values and an fp32 scale per 256: about a quarter.
+    base = Layout(world=4, batch=1, seq=16)
+    plain = estimate_memory(base, TESTS_TRANSFORMER).comm_bytes_per_step
+    both = estimate_memory(replace(base, comm_policy=QuantizedComm(weights="int8", gradients="int8")),
+                           TESTS_TRANSFORMER).comm_bytes_per_step
+    int4 = estimate_memory(replace(base, comm_policy=QuantizedComm(weights="int4", gradients="int4")),
+                           TESTS_TRANSFORMER).comm_bytes_per_step
+    assert 0.25 < both / plain < 0.27, both / plain
+    assert 0.125 < int4 / plain < 0.14, int4 / plain
+    # HSDP: the replicas' all-reduce quantized too.
+    hsdp = replace(base, dp_replicate=2, comm_policy=QuantizedComm(gradients="int8"))
+    axes = estimate_memory(replace(hsdp, comm_policy=QuantizedComm(gradients="int8", gradient_axes="both")),
+                           TESTS_TRANSFORMER).comm_bytes_per_step
+    assert axes < estimate_memory(hsdp, TESTS_TRANSFORMER).comm_bytes_per_step
+
+
+def test_layout_checks_the_comm_policy():
+    with pytest.raises(TypeError, match="comm_policy must be a fsdp2.QuantizedComm"):
+        Layout(world=2, batch=1, seq=16, comm_policy={"weights": "int8"})
+    with pytest.raises(ValueError, match="needs dp_replicate > 1"):
+        Layout(world=2, batch=1, seq=16, comm_policy=QuantizedComm(gradients="int8", gradient_axes="both"))
+
+
+def test_plan_cli_quantized_flags():
+    def plan(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fsdp2.plan", "--config", "llama3_8b", "--world", "64",
+                               "--seq", "2048", *flags], capture_output=True, text=True)
+
+    plain, fed = plan(), plan("--quantize-weights", "int8", "--quantize-gradients", "int8", "--error-feedback")
+    assert plain.returncode == 0 and fed.returncode == 0, (plain.stderr, fed.stderr)
+    comm = [float(line.split()[-2]) for out in (plain.stdout, fed.stdout) for line in out.splitlines()
+            if line.startswith("communication per step per rank")]
+    # bf16 weights as int8 (a half), fp32 gradients as int8 (a quarter), plus the scales.
+    assert 0.3 * comm[0] < comm[1] < 0.45 * comm[0], comm
+    needs = [line for out in (plain.stdout, fed.stdout) for line in out.splitlines() if line.startswith("total")]
+    assert float(needs[1].split()[1]) > float(needs[0].split()[1]), needs  # the residuals: 4 bytes a parameter
+    refused = plan("--error-feedback")
+    assert refused.returncode == 2 and "--error-feedback needs --quantize-gradients" in refused.stderr
