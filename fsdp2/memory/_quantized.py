@@ -4,12 +4,15 @@ A group whose weights or gradients are quantized holds different buffers from an
 unquantized one, and its quantize and dequantize steps make temporaries several times the
 size of a chunk. Rather than keep their sizes by hand, the schedule (``_schedule.py``)
 allocates the collectives' buffers as fake tensors in the planner's timeline and calls the
-functions the flat transport calls (``comm/_quantize.py``), so the timeline counts every
+functions the transports call (``comm/_quantize.py``), so the timeline counts every
 temporary op by op as ``MemoryTracker`` counts it on a real run. Buffers made while a
 collective is issued are communication, as the tracker labels them; the dequantization at
-the wait makes activations there, and here. The order of the allocations follows
-``comm/_flat.py``'s ``_quantized_slice`` and ``_start_quantized_reduce_scatter`` (whose
-quantization and sum are ``comm/_collectives.QuantizedReduction``'s, called here too).
+the wait makes activations there, and here. The order of the allocations follows the
+group's transport: the flat one's ``_quantized_slice`` and ``_start_quantized_reduce_scatter``
+(``comm/_flat.py``), or the CPU exchange's ``start_all_gather`` and ``_start_quantized``
+(``comm/cpu/_transport.py``), whose small buffers of its own (headers, packed chunks,
+descriptors) are counted by its ``quantized_buffer_needs``. The quantization and the sum
+are ``comm/_collectives.QuantizedReduction``'s on both, called here too.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .._api import QuantizedComm
 from .._format import HEADER, GatherFormat, packed_offsets
 from ..comm._collectives import QuantizedReduction, quantized_all_reduce
 from ..comm._quantize import GradChunks, dequantize_entries, quantize_entries
+from ..comm._transport import Transport, flat_transport
 
 if TYPE_CHECKING:
     from ._planner import _Timeline
@@ -59,10 +63,13 @@ def wire_bytes(group: _Group, policy: QuantizedComm | None, world: int, replicas
 
 
 class QuantizedGroup:
-    """One group's quantized collectives on the planner's timeline (world > 1)."""
+    """One group's quantized collectives on the planner's timeline (world > 1), on ``transport``
+    (the group's, as ``runtime/_group.refresh_transports`` picks it; default the flat one)
+    over ``backend``; ``reads``: the exchanges read the peers' memory."""
 
     def __init__(self, line: _Timeline, group: _Group, policy: QuantizedComm, world: int,
-                 reduce_dtype: torch.dtype, replicas: int = 1) -> None:
+                 reduce_dtype: torch.dtype, replicas: int = 1, transport: Transport | None = None,
+                 backend: str = "nccl", reads: bool = False) -> None:
         self.line, self.group, self.world, self.replicas = line, group, world, replicas
         self.replicate_block = policy.replicate_grad_block if replicas > 1 else 0
         self.replicate_bits = policy.grad_bits or 8
@@ -76,6 +83,14 @@ class QuantizedGroup:
             acc = reduce_dtype if reduce_dtype.itemsize > 4 else torch.float32
             self.reduction = QuantizedReduction(GradChunks(world, total, policy.grad_block, policy.grad_bits),
                                                 tuple(offsets), dist.ReduceOp.SUM, None, float(world), acc)
+        transport = transport if transport is not None else flat_transport()
+        # The exchange receives the slices in place, into a rank-major buffer that this rank's own
+        # is quantized into; the flat transport quantizes into a send slice, then allocates its output.
+        self.in_place = transport.gathers_in_place
+        self.header = transport.reduce_headers  # a reduce header, made before the gradients are staged
+        self.needs = transport.quantized_buffer_needs(self.fmt.slice_bytes if self.fmt is not None else 0,
+                                                      self.reduction.chunks.chunk_bytes if self.reduction else 0,
+                                                      world, backend, reads)
 
     @property
     def gathers(self) -> bool:
@@ -85,12 +100,22 @@ class QuantizedGroup:
     def reduces(self) -> bool:
         return self.reduction is not None
 
+    @property
+    def reduce_bytes(self) -> int:
+        """The transport's own buffers of a reduce-scatter in flight, made after the packed rows."""
+        return self.needs.reduce_sent + self.needs.reduce_received
+
     def start_all_gather(self) -> tuple[torch.Tensor, ...]:
-        """This rank's quantized slice, written from its shards, and the output (communication)."""
+        """This rank's quantized slice, written from its shards, and the output (communication):
+        the flat transport's send slice and output, or the exchange's rank-major slices."""
         fmt = self.fmt
         entries = [self.line.uncounted(lay.local_shape, dt)
                    for lay, dt in zip(fmt.layouts, self.group.shard_dtypes)]
         with self.line.born_as("communication"):
+            if self.in_place:
+                output = torch.empty((self.world, fmt.slice_bytes), dtype=torch.uint8)
+                quantize_entries(fmt, entries, output[0])
+                return (output,)
             send = torch.empty(fmt.slice_bytes, dtype=torch.uint8)
             quantize_entries(fmt, entries, send)
             output = torch.empty(self.world * fmt.slice_bytes, dtype=torch.uint8)
@@ -102,26 +127,29 @@ class QuantizedGroup:
         fmt = self.fmt
         targets = [self.line.uncounted((self.world, *lay.local_shape), dt)
                    for lay, dt in zip(fmt.layouts, fmt.dtypes)]
-        dequantize_entries(fmt, held[1], targets)
+        dequantize_entries(fmt, held[-1], targets)
 
-    def start_reduce_scatter(self, drop_grads: Callable[[], None]) -> tuple[torch.Tensor, ...]:
+    def start_reduce_scatter(self, drop_grads: Callable[[], None]) -> tuple[torch.Tensor | None, ...]:
         """The gradients copied rank-major, freed, quantized per destination rank (with the
         residuals, uncounted here: they are the step's constants), and the receive buffer:
-        what stays in flight (communication)."""
+        what stays in flight (communication), with the reduce header where the transport
+        sends one, and after them the transport's own buffers (``reduce_bytes``)."""
         chunks = self.reduction.chunks
         residuals = [self.line.uncounted((self.world, lay.local_numel), torch.float32)
                      for lay, trained in zip(self.group.layouts, self.group.trained) if trained] \
             if self.error_feedback else None
         with self.line.born_as("communication"):
+            header = torch.empty(HEADER, dtype=torch.uint8) if self.header else None
             staged = torch.empty((self.world, chunks.numel), dtype=self.dtype)
             drop_grads()
             send = torch.empty(self.world * chunks.chunk_bytes, dtype=torch.uint8)
             self.reduction.quantize(staged, send, residuals)
             del staged
             recv = torch.empty(self.world * chunks.chunk_bytes, dtype=torch.uint8)
-        return send, recv
+        self.line.add_bytes("communication", self.reduce_bytes)
+        return send, recv, header
 
-    def finish_reduce_scatter(self, held: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def finish_reduce_scatter(self, held: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         """This rank's reduced row, summed from the received rows (the reduce-scatter's output)."""
         return self.reduction.summed(held[1], self.dtype)
 

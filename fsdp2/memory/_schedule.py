@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._api import QuantizedComm
-from ..comm._transport import BufferNeeds, GroupBytes, Transport, choose_transport, flat_transport
+from ..comm._transport import BufferNeeds, GroupBytes, Transport, choose_transport
 from .._format import HEADER, Chunking, aligned, chunk_rows
 
 from ._quantized import QuantizedGroup
@@ -105,6 +105,12 @@ class _Schedule:
       take the flat path, whose reduce-scatter keeps a full-size copy of its input.
       With ``reads`` (one host) nothing is packed; small descriptors and acknowledgements
       replace the data messages.
+
+    ``QuantizedComm`` groups run fsdp2's quantization on fake tensors (``_quantized.py``) in
+    their transport's order: on the exchange the quantized slices land in a rank-major buffer
+    allocated at issue (the unsharded buffer only at the wait, dequantized into), kept until
+    reshard where the peers read it; the gradients' packed rows are sent and received beside
+    the exchange's own headers, packed chunks or descriptors (``quantized_buffer_needs``).
     """
 
     def __init__(self, line: _Timeline, sizes: dict[str, _Group], order: list[str], *, shard: int,
@@ -114,28 +120,32 @@ class _Schedule:
                  reduce_dtype: torch.dtype = torch.float32, replicas: int = 1) -> None:
         self.line, self.sizes, self.order = line, sizes, order
         self.shard, self.alias, self.grad_accum = shard, alias, grad_accum
-        # QuantizedComm (more than one rank): its collectives are the flat transport's, run on
-        # fake tensors (``_quantized.py``); ``held`` keeps each group's quantized all-gather.
+        # QuantizedComm (more than one rank): its collectives run on fake tensors (``_quantized.py``)
+        # in the order of the group's transport; ``held`` keeps each group's quantized all-gather.
         self.policy = policy if policy is not None and shard > 1 and not alias else None
         self._reduce_dtype, self._replicas = reduce_dtype, replicas
-        self.quantized = {name: self._quantized(g) for name, g in sizes.items()}
+        backend = "gloo" if gloo else "nccl"
+        self._needs_args = (shard, backend, reads)
+        # What each group's transports hold for their collectives (reads: gloo exchanges read the
+        # peers' memory, one host, instead of messages). As ``runtime/_group.refresh_transports``:
+        # quantized gradients are reduced by the group's transport, quantizing.
+        self.transports = {name: g.transport(gloo) for name, g in sizes.items()}
+        self.quantized = {name: self._quantized(g, name) for name, g in sizes.items()}
         self.held: dict[str, tuple[torch.Tensor, ...]] = {}
         self.kept: list[torch.Tensor] = []  # reduce-scatter outputs the sharded gradients view
-        # What each group's transports hold for their collectives (reads: gloo exchanges read the
-        # peers' memory, one host, instead of messages); quantized collectives are flat.
-        transports = {name: g.transport(gloo) for name, g in sizes.items()}
-        gathers = {name: flat_transport() if self.quantized[name] and self.quantized[name].gathers else t
-                   for name, t in transports.items()}
-        reduces = {name: flat_transport() if self.quantized[name] and self.quantized[name].reduces else t
-                   for name, t in transports.items()}
-        self.in_place = {name: t.gathers_in_place for name, t in gathers.items()}
+        reduces = {name: t.quantizing_gradients(self.policy.grad_block, self.policy.grad_bits)
+                   if self.quantized[name] and self.quantized[name].reduces else t
+                   for name, t in self.transports.items()}
+        # A quantized all-gather receives into its quantized buffer, never the unsharded one.
+        self.in_place = {name: t.gathers_in_place and not (self.quantized[name] and self.quantized[name].gathers)
+                         for name, t in self.transports.items()}
         self.limit = {name: t.reduce_scatters_in_flight(shard) for name, t in reduces.items()}
-        backend = "gloo" if gloo else "nccl"
         self.needs: dict[str, BufferNeeds] = {
-            name: t.buffer_needs(sizes[name], shard, backend, reads) for name, t in reduces.items()}
+            name: t.buffer_needs(sizes[name], *self._needs_args) for name, t in reduces.items()}
         self.gather_needs: dict[str, BufferNeeds] = {
-            name: t.buffer_needs(sizes[name], shard, backend, reads) for name, t in gathers.items()}
-        self._root_transport, self._needs_args = reduces["root"], (shard, backend, reads)
+            name: self.quantized[name].needs if self.quantized[name] and self.quantized[name].gathers
+            else t.buffer_needs(sizes[name], *self._needs_args) for name, t in self.transports.items()}
+        self._root_transport = reduces["root"]
         # The root's parameters (by name) and, with early_release, its segments (EarlyRelease):
         # after forward the segments forward saved nothing of are freed (release_unsaved); in
         # backward, at each block's pre-backward, the root's final gradients are reduced and
@@ -155,10 +165,12 @@ class _Schedule:
         self.pending: list[tuple[str, Callable[[], None] | None, _Group | None]] = []
         self.reduced: set[str] = set()
 
-    def _quantized(self, group: _Group) -> QuantizedGroup | None:
+    def _quantized(self, group: _Group, name: str) -> QuantizedGroup | None:
+        """``group`` (group ``name``'s parameters, or some of the root's) quantized, on ``name``'s transport."""
         if self.policy is None:
             return None
-        return QuantizedGroup(self.line, group, self.policy, self.shard, self._reduce_dtype, self._replicas)
+        return QuantizedGroup(self.line, group, self.policy, self.shard, self._reduce_dtype, self._replicas,
+                              self.transports[name], *self._needs_args[1:])
 
     def _gather_bytes(self, name: str) -> int:
         """Communication buffers of a group's all-gather in flight."""
@@ -177,8 +189,7 @@ class _Schedule:
             q = self.quantized[name]
             if q is not None and q.gathers:
                 self.held[name] = q.start_all_gather()
-            else:
-                self.line.add_bytes("communication", self._gather_bytes(name))
+            self.line.add_bytes("communication", self._gather_bytes(name))
             if self.in_place[name]:
                 self._hold_unsharded(name)
 
@@ -192,19 +203,21 @@ class _Schedule:
             self.state[name] = "unsharded"
             if not self.in_place[name]:
                 self._hold_unsharded(name)
-            if name in self.held:  # quantized: dequantized into the unsharded buffer, then freed
-                self.quantized[name].finish_all_gather(self.held.pop(name))
+            if name in self.held:  # quantized: dequantized into the unsharded buffer
+                self.quantized[name].finish_all_gather(self.held[name])
                 self.line.check_peak()
-            elif self._released_at_reshard(name):
+            if self._released_at_reshard(name):
                 self.gather_held[name] = True
             else:
                 self.line.add_bytes("communication", -self._gather_bytes(name))
+                self.held.pop(name, None)
 
     def _drop_gather(self, name: str) -> None:
         """A read all-gather's buffers go when any of the unsharded buffer is first freed."""
         if self.gather_held[name]:
             self.gather_held[name] = False
             self.line.add_bytes("communication", -self._gather_bytes(name))
+            self.held.pop(name, None)
 
     def reshard(self, name: str) -> None:
         if self.state[name] == "gathering":  # its buffers are in use by the collective
@@ -309,7 +322,7 @@ class _Schedule:
         q = self.quantized[name]
         if q is not None and q.reduces:
             if part is not None:
-                q = self._quantized(part)
+                q = self._quantized(part, name)
             self.pending.append((name, None, part, (q, q.start_reduce_scatter(drop_grads))))
             self.line.check_peak()
             return
@@ -335,7 +348,7 @@ class _Schedule:
             self._finish_quantized(name, part, *quantized)
             return
         if self.quantized[name] is not None:  # HSDP's all-reduce quantized, the reduce-scatter not
-            (self.quantized[name] if part is None else self._quantized(part)).all_reduce(None)
+            (self.quantized[name] if part is None else self._quantized(part, name)).all_reduce(None)
         sent, received = self._rs_bytes(name, part)
         g = self.sizes[name] if part is None else part
         out = g.reduce // self.shard if self.shard > 1 else 0
@@ -367,7 +380,7 @@ class _Schedule:
         elif self.grad_accum == 1:
             self.line.add_bytes("gradients", g.sharded)
         del out, held
-        self.line.check_peak()
+        self.line.add_bytes("communication", -q.reduce_bytes)
 
     def end_backward(self) -> None:
         self.line.where = "end of backward"
