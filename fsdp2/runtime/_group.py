@@ -282,6 +282,9 @@ class ParamGroup:
         return sum(self._unsharded_layout()[2]) + gathered  # (extension inputs' outputs: storages of their own)
 
     def _alloc_unsharded(self) -> None:
+        if self._buffers and self._ext is None:  # made before: only the storages come back (no tensor is made)
+            self._resize_buffers()
+            return
         # The buffer and its parameter views outlive this forward: if the first unshard
         # runs under inference_mode they must still not be inference tensors.
         with torch.inference_mode(False):
@@ -315,12 +318,15 @@ class ParamGroup:
                     self._regions.append(self._typed(buffer, p, start, size))
                     p.bind_unsharded(self._typed(param_base, p, start, size), self._on_grad_ready)
             return
+        self._resize_buffers()
+        if self._ext is not None:
+            self._ext.alloc()
+
+    def _resize_buffers(self) -> None:
         for buffer in self._buffers:
             storage = buffer.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(buffer.numel())
-        if self._ext is not None:
-            self._ext.alloc()
 
     def _targets(self, fmt: GatherFormat) -> GatherTargets:
         """The unsharded buffer's regions viewed as ``fmt.world`` chunks each, where the
@@ -466,7 +472,7 @@ class ParamGroup:
         else:
             fmt, group = self._gather_format(self.world), self.process_group
         _trace.emit("unshard", self.label)
-        with _trace.profiled(f"fsdp2::all_gather {self.label}"), _trace.issuing("all_gather", self.label):
+        with _trace.profiled("fsdp2::all_gather", self.label), _trace.issuing("all_gather", self.label):
             header = _checks.before_all_gather(self, fmt, group)
             self._header_pg = group if header is not None else None  # the ranks' headers are compared over it
             self._gather = self.gather_transport.start_all_gather(self, fmt, group, header, explicit)
@@ -475,16 +481,18 @@ class ParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
-    def wait_for_unshard(self, whole: bool = True) -> None:
-        """Finish the all-gather and point the modules at the unsharded parameters."""
+    def wait_for_unshard(self, whole: bool = True) -> bool:
+        """Finish the all-gather and point the modules at the unsharded parameters. Returns
+        whether it did (and so followed the ``requires_grad`` changes just now); False: they
+        were gathered already."""
         if whole and self.early is not None and self.early.freed:
             self.reshard()
         if self.state in (ShardState.SHARDED, ShardState.PARTIAL):
             self.unshard(async_op=True)
         if self.state is ShardState.UNSHARDED:
-            return
+            return False
         gather = self._gather
-        with _trace.profiled(f"fsdp2::all_gather_wait {self.label}"):
+        with _trace.profiled("fsdp2::all_gather_wait", self.label):
             pg, self._header_pg = self._header_pg, None  # checked once, even if the check raises
             _checks.wait_all_gather(self, gather, pg)  # errors name the group; compares the ranks' headers
             self._alloc_unsharded()
@@ -498,6 +506,7 @@ class ParamGroup:
         for p in self.params:
             p.to_unsharded()
         self.state = ShardState.UNSHARDED
+        return True
 
     def reshard(self) -> None:
         """Back to shards only; frees the unsharded buffer's storage."""
@@ -614,9 +623,8 @@ class ParamGroup:
     # ---- backward -----------------------------------------------------------------------
     def pre_backward(self) -> None:
         self.backward_started = True
-        if self.policy.unshard_in_backward:
-            self.wait_for_unshard(whole=False)
-        self.refresh_requires_grad()  # frozen or unfrozen since forward: honoured by this backward
+        if not (self.policy.unshard_in_backward and self.wait_for_unshard(whole=False)):
+            self.refresh_requires_grad()  # frozen or unfrozen since forward: honoured by this backward
 
     def _on_grad_ready(self, param: ShardedParam) -> None:
         if not param.unsharded.requires_grad:
