@@ -283,11 +283,8 @@ class ParamGroup:
 
     def _alloc_unsharded(self) -> None:
         if self._buffers and self._ext is None:  # made before: only the storages come back (no tensor is made)
-            self._resize_buffers()
-            return
-        # The buffer and its parameter views outlive this forward: if the first unshard
-        # runs under inference_mode they must still not be inference tensors.
-        with torch.inference_mode(False):
+            return self._alloc_unsharded_buffer()
+        with torch.inference_mode(False):  # the buffer and its views outlive an inference-mode first unshard
             self._alloc_unsharded_buffer()
 
     def _segment_bounds_for(self, early_release: bool) -> list[int]:
@@ -318,15 +315,12 @@ class ParamGroup:
                     self._regions.append(self._typed(buffer, p, start, size))
                     p.bind_unsharded(self._typed(param_base, p, start, size), self._on_grad_ready)
             return
-        self._resize_buffers()
-        if self._ext is not None:
-            self._ext.alloc()
-
-    def _resize_buffers(self) -> None:
         for buffer in self._buffers:
             storage = buffer.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(buffer.numel())
+        if self._ext is not None:
+            self._ext.alloc()
 
     def _targets(self, fmt: GatherFormat) -> GatherTargets:
         """The unsharded buffer's regions viewed as ``fmt.world`` chunks each, where the
@@ -482,9 +476,7 @@ class ParamGroup:
             self.wait_for_unshard()
 
     def wait_for_unshard(self, whole: bool = True) -> bool:
-        """Finish the all-gather and point the modules at the unsharded parameters. Returns
-        whether it did (and so followed the ``requires_grad`` changes just now); False: they
-        were gathered already."""
+        """Finish the all-gather and point the modules at the unsharded parameters (False: gathered already)."""
         if whole and self.early is not None and self.early.freed:
             self.reshard()
         if self.state in (ShardState.SHARDED, ShardState.PARTIAL):
