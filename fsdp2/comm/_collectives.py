@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import _compat
 from .._format import REDUCE_MAGIC, packed_offsets
 from ..diagnostics import _bytes, _debug, _trace
-from ._quantize import GradChunks
+from ._quantize import GradChunks, block_slices
 from ._streams import Completion
 
 if TYPE_CHECKING:
@@ -262,19 +262,32 @@ class QuantizedReduction(NamedTuple):
         return cls(chunks, tuple(offs), op, post, divide, dtype if dtype.itemsize > 4 else torch.float32)
 
     def quantize(self, staged: torch.Tensor, send: torch.Tensor, residuals: Sequence[torch.Tensor] | None) -> None:
-        """Quantize the rank-major gradients ``staged`` (``(world, numel)``) into ``send``'s rows.
-        ``residuals`` (error feedback): each gradient's ``(world, local_numel)`` fp32 residual,
-        added to its columns first, then overwritten with what the quantization lost there."""
+        """Quantize the rank-major gradients ``staged`` (``(world, numel)``) into ``send``'s rows,
+        a range of columns at a time (``_quantize.block_slices``: the copies in ``acc`` are a
+        range's). ``residuals`` (error feedback): each gradient's ``(world, local_numel)`` fp32
+        residual, added to its columns first, then overwritten with what the quantization lost there."""
+        chunks = self.chunks
+        values, scales = chunks.views(send)
         with torch.no_grad():
-            rows = staged.to(self.acc, copy=residuals is not None)
-            if residuals is not None:
-                for res, off in zip(residuals, self.offsets):
-                    rows[:, off:off + res.shape[1]] += res
-            error = torch.empty_like(rows) if residuals is not None else None
-            self.chunks.quantize(rows, send, error)
-            if residuals is not None:
-                for res, off in zip(residuals, self.offsets):
-                    res.copy_(error[:, off:off + res.shape[1]])
+            for c0, c1 in block_slices(chunks.world, chunks.numel, chunks.block, chunks.bits):
+                rows = staged[:, c0:c1].to(self.acc, copy=residuals is not None)
+                spans = self._residual_spans(residuals, c0, c1)
+                for res, mine, theirs in spans:
+                    rows[:, mine] += res[:, theirs]
+                error = torch.empty_like(rows) if residuals is not None else None
+                chunks.quantize_range(rows, values, scales, c0, error)
+                for res, mine, theirs in spans:
+                    res[:, theirs].copy_(error[:, mine])
+
+    def _residual_spans(self, residuals: Sequence[torch.Tensor] | None, c0: int,
+                        c1: int) -> list[tuple[torch.Tensor, slice, slice]]:
+        """Each residual's columns within ``[c0, c1)``: (residual, in the range, in the residual)."""
+        spans = []
+        for res, off in zip(residuals or (), self.offsets):
+            lo, hi = max(c0, off), min(c1, off + res.shape[1])
+            if lo < hi:
+                spans.append((res, slice(lo - c0, hi - c0), slice(lo - off, hi - off)))
+        return spans
 
     def summed(self, recv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """This rank's reduced row from the packed rows ``recv`` it received (row ``q`` from rank

@@ -262,12 +262,16 @@ def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:
             dequantize_entries(fmt, inflight.output, targets.chunks)
         return
     split = targets.split
+    if split is not None:
+        # The first ``ranks`` slices after their headers in one view; no grad mode to set
+        # aside: neither the output nor the buffer's chunks require grad.
+        output = inflight.output
+        rows = output.as_strided((targets.ranks, fmt.slice_bytes - HEADER), (fmt.slice_bytes, 1),
+                                 output.storage_offset() + HEADER)
+        torch.split_with_sizes_copy(rows, split[0], dim=1, out=split[1])
+        return
     with torch.no_grad():
-        if split is not None:
-            rows = inflight.output.view(fmt.world, fmt.slice_bytes)[:targets.ranks, HEADER:]
-            torch.split_with_sizes_copy(rows, split[0], dim=1, out=split[1])
-        else:
-            torch._foreach_copy_(targets.copied_chunks, fmt.rank_major(inflight.output, targets.ranks))
+        torch._foreach_copy_(targets.copied_chunks, fmt.rank_major(inflight.output, targets.ranks))
 
 
 def _start_reduce_scatter(
@@ -283,8 +287,9 @@ def _start_reduce_scatter(
     offs, total = packed_offsets([lay.local_numel for lay in layouts], align=False)
     op, pre, post = reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
     if world > 1:
-        _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
-                              target.root)
+        if _debug.enabled():
+            _debug.log_collective("reduce_scatter", target.label, group, f"{world} x {total} elements", dtype,
+                                  target.root)
         if _bytes._ACTIVE:
             _bytes.count("reduce_scatter", total * dtype.itemsize, group)
     streams = streams_for(device)

@@ -21,6 +21,7 @@ The same per-block fp32 scales follow.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -28,9 +29,13 @@ import torch.nn.functional as F
 
 from .._format import GatherFormat, aligned, blocks, value_bytes
 
-__all__ = ["quantize_entries", "dequantize_entries", "GradChunks", "pack_values", "unpack_values", "value_bytes"]
+__all__ = ["quantize_entries", "dequantize_entries", "GradChunks", "pack_values", "unpack_values", "value_bytes",
+           "block_slices", "SLICE_ELEMENTS"]
 
 QMAX = 127
+SLICE_ELEMENTS = 1 << 24
+"""The most elements (of all rows together) quantized or dequantized at once (``block_slices``)."""
+_COLUMNS = 64  # a range's columns: a multiple of any vector width a reduction's kernel uses
 QMAX_BY_BITS = {8: 127, 4: 7}
 """The largest magnitude a quantized value takes, by its width in bits (symmetric grids)."""
 
@@ -58,19 +63,22 @@ def unpack_values(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
 def quantize_entries(fmt: GatherFormat, entries: Sequence[torch.Tensor], send: torch.Tensor) -> None:
     """Write ``entries`` (this rank's padded chunks, any float dtype or device) into the slice
     ``send`` as ``fmt`` lays them out: quantized where ``fmt`` says, else cast and copied."""
+    qmax = QMAX_BY_BITS[fmt.bits]
     for entry, (values, scales) in zip(entries, fmt.quantized_views(send, 1)):
         if scales is None:
             values[0].copy_(entry, non_blocking=True)
             continue
-        qmax = QMAX_BY_BITS[fmt.bits]
-        x = _blocked(entry.to(device=send.device, dtype=torch.float32).reshape(-1), fmt.block)
-        scale = x.abs().amax(dim=1) / qmax  # (blocks,)
-        q = torch.round(x / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-qmax, qmax)
-        if fmt.bits == 8:
-            values[0].copy_(q.view(-1)[:values.shape[1]])
-        else:
-            values[0].copy_(pack_values(q.view(1, -1)[:, :entry.numel()], fmt.bits)[0])
-        scales[0].copy_(scale)
+        flat = entry.reshape(-1)
+        for c0, c1 in block_slices(1, flat.numel(), fmt.block, fmt.bits):
+            x = _blocked(flat[c0:c1].to(device=send.device, dtype=torch.float32), fmt.block)
+            scale = x.abs().amax(dim=1) / qmax  # (blocks,)
+            q = torch.round(x / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-qmax, qmax)
+            if fmt.bits == 8:
+                values[0, c0:c1].copy_(q.view(-1)[:c1 - c0])
+            else:
+                values[0, c0 // 2:c0 // 2 + value_bytes(c1 - c0, 4)].copy_(
+                    pack_values(q.view(1, -1)[:, :c1 - c0], fmt.bits)[0])
+            scales[0, c0 // fmt.block:c0 // fmt.block + x.shape[0]].copy_(scale)
 
 
 def dequantize_entries(fmt: GatherFormat, output: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
@@ -82,10 +90,40 @@ def dequantize_entries(fmt: GatherFormat, output: torch.Tensor, chunks: Sequence
             chunk.copy_(values)
             continue
         n = chunk[0].numel()
-        full = (values if fmt.bits == 8 else unpack_values(values, n, fmt.bits)).to(torch.float32)
-        full = F.pad(full, (0, blocks(n, fmt.block) * fmt.block - n)).view(world, -1, fmt.block)
-        full = (full * scales[:, :, None]).view(world, -1)[:, :n]
-        chunk.copy_(full.view(chunk.shape))
+        try:
+            rows = chunk.view(world, n)  # each rank's chunk contiguous: a range of whole blocks at a time
+        except RuntimeError:  # chunks cut along another dim than 0: in one pass
+            chunk.copy_(_dequantized(values, scales, 0, n, fmt.block, fmt.bits, torch.float32)[:, :n].view(chunk.shape))
+            continue
+        for c0, c1 in block_slices(world, n, fmt.block, fmt.bits):
+            rows[:, c0:c1].copy_(_dequantized(values, scales, c0, c1, fmt.block, fmt.bits, torch.float32)[:, :c1 - c0])
+
+
+def _dequantized(values: torch.Tensor, scales: torch.Tensor, c0: int, c1: int, block: int, bits: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Elements ``[c0, c1)`` of each row (``c0`` on a block; with 4 bits on a byte) of the
+    quantized ``values`` and per-block ``scales`` (``(rows, blocks)``), in ``dtype``:
+    ``(rows, whole blocks)``, zeros after the ``c1 - c0`` values."""
+    n = c1 - c0
+    part = values[:, c0:c1] if bits == 8 else unpack_values(values[:, c0 // 2:], n, bits)
+    nb = blocks(n, block)
+    x = F.pad(part.to(dtype), (0, nb * block - n)).view(part.shape[0], nb, block)
+    return (x * scales[:, c0 // block:c0 // block + nb, None].to(dtype)).view(part.shape[0], -1)
+
+
+def block_slices(rows: int, numel: int, block: int, bits: int) -> list[tuple[int, int]]:
+    """The element ranges ``[c0, c1)`` in which ``rows`` rows of ``numel`` elements are
+    quantized or dequantized: whole blocks, a multiple of ``_COLUMNS`` elements each (the last
+    range ends at ``numel``; with 4 bits every range starts on a byte), at most
+    ``SLICE_ELEMENTS`` elements across the rows where one such unit a row allows it. The
+    quantization and the dequantization are per element or per block, so each element comes
+    out as in one pass over everything; the sum over ranks (``GradChunks.dequantize_sum``) is
+    over whole ranges of columns, which on CPU adds every column in the same order as one pass
+    (tested); the temporaries, a few times a range's fp32 size, stay bounded however large a
+    group is."""
+    unit = math.lcm(block, _COLUMNS)
+    per = max(1, SLICE_ELEMENTS // max(1, rows * unit)) * unit
+    return [(c0, min(numel, c0 + per)) for c0 in range(0, numel, per)] or [(0, 0)]
 
 
 def _blocked(flat: torch.Tensor, block: int) -> torch.Tensor:
@@ -119,20 +157,30 @@ class GradChunks:
 
     def quantize(self, rows: torch.Tensor, packed: torch.Tensor, error: torch.Tensor | None = None) -> None:
         """Quantize ``rows`` (``(world, numel)``, fp32 or wider) into ``packed``; with ``error``
-        (same shape, fp32), write there what the rounding lost (``rows`` minus what arrives)."""
+        (same shape, fp32), write there what the rounding lost (``rows`` minus what arrives).
+        A range of whole blocks at a time (``block_slices``)."""
         values, scales = self.views(packed)
-        pad = self.blocks * self.block - self.numel
-        x = F.pad(rows, (0, pad)).view(self.world, self.blocks, self.block)
+        for c0, c1 in block_slices(self.world, self.numel, self.block, self.bits):
+            self.quantize_range(rows[:, c0:c1], values, scales, c0, None if error is None else error[:, c0:c1])
+
+    def quantize_range(self, part: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, c0: int,
+                       error: torch.Tensor | None) -> None:
+        """Quantize columns ``[c0, c0 + n)`` of the rows, ``part`` (``(world, n)``; ``c0`` from
+        ``block_slices``), into ``values`` and ``scales`` (``views``); ``error``: as ``quantize``."""
+        n = part.shape[1]
+        nb = blocks(n, self.block)
+        x = F.pad(part, (0, nb * self.block - n)).view(self.world, nb, self.block)
         scale = (x.abs().amax(dim=2) / self.qmax).to(torch.float32)  # (world, blocks)
         q = torch.round(x / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None].to(x.dtype))
         q.clamp_(-self.qmax, self.qmax)
         if self.bits == 8:
-            values.copy_(q.view(self.world, -1)[:, :self.numel])
+            values[:, c0:c0 + n].copy_(q.view(self.world, -1)[:, :n])
         else:
-            values.copy_(pack_values(q.view(self.world, -1)[:, :self.numel], self.bits))
-        scales.copy_(scale)
+            values[:, c0 // 2:c0 // 2 + value_bytes(n, self.bits)].copy_(
+                pack_values(q.view(self.world, -1)[:, :n], self.bits))
+        scales[:, c0 // self.block:c0 // self.block + nb].copy_(scale)
         if error is not None:
-            error.copy_((x - q * scale[..., None].to(x.dtype)).view(self.world, -1)[:, :self.numel])
+            error.copy_((x - q * scale[..., None].to(x.dtype)).view(self.world, -1)[:, :n])
 
     def dequantize(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The ``packed`` rows dequantized in ``dtype``: ``(world, blocks * block)``, each row's
@@ -146,5 +194,11 @@ class GradChunks:
 
     def dequantize_sum(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The received ``packed`` rows (one per source rank) dequantized and summed in
-        ``dtype``: this rank's ``(numel,)`` reduced chunk, not divided."""
-        return self.dequantize(packed, dtype).sum(dim=0)[:self.numel]
+        ``dtype``: this rank's ``(numel,)`` reduced chunk, not divided. A range of whole blocks
+        at a time (``block_slices``)."""
+        values, scales = self.views(packed)
+        out = torch.empty(self.numel, dtype=dtype, device=packed.device)
+        for c0, c1 in block_slices(self.world, self.numel, self.block, self.bits):
+            # Summed over whole blocks (contiguous): the order of the sum is the one-pass one.
+            out[c0:c1].copy_(_dequantized(values, scales, c0, c1, self.block, self.bits, dtype).sum(dim=0)[:c1 - c0])
+        return out

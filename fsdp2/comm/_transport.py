@@ -138,6 +138,14 @@ class Transport(ABC):
         """What a group of ``sizes`` holds for its collectives over ``world`` ranks on ``backend``;
         ``reads``: same-host reads are possible (the planner's assumption)."""
 
+    def quantized_buffer_needs(self, slice_bytes: int, row_bytes: int, world: int, backend: str,
+                               reads: bool) -> BufferNeeds:
+        """What a group's quantized collectives hold besides their quantized buffers, which the
+        memory planner allocates itself (``memory/_quantized.py``): an all-gather of quantized
+        slices of ``slice_bytes``, a reduce-scatter of packed rows of ``row_bytes`` per rank.
+        The flat transport's hold nothing more."""
+        return BufferNeeds(0, False, 0, 0, False)
+
     def with_comms(self, all_gather: AllGather, reduce_scatter: ReduceScatter) -> Transport:
         """This transport with its flat collectives run by these comms (``_comm.py``): the
         exchanges have none to run, so they are unchanged."""

@@ -43,9 +43,10 @@ def issuing(kind: str, label: str) -> contextlib.AbstractContextManager:
     return _issuing(kind, label) if _ACTIVE else _NOTHING
 
 
-def profiled(name: str) -> contextlib.AbstractContextManager:
-    """A range named ``name`` in torch's profiler while it records; nothing otherwise."""
-    return record_function(name) if _compat.profiler_enabled() else _NOTHING
+def profiled(name: str, label: str) -> contextlib.AbstractContextManager:
+    """A range named ``"<name> <label>"`` in torch's profiler while it records; nothing (and
+    no string made) otherwise."""
+    return record_function(f"{name} {label}") if _compat.profiler_enabled() else _NOTHING
 
 
 @contextlib.contextmanager

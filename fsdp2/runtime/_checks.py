@@ -187,8 +187,8 @@ def before_all_gather(group: ParamGroup, fmt: GatherFormat, pg: dist.ProcessGrou
         # Native-endian int32s, read back as such; frombuffer is cheaper than torch.tensor.
         packed = struct.pack("=4i", ALL_GATHER_MAGIC, iteration, index, phase)
         header = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-    _debug.log_collective("all_gather", group.label, pg, f"{fmt.slice_bytes} bytes per rank",
-                          torch.uint8, root)
+    if _debug.enabled():
+        _debug.log_collective("all_gather", group.label, pg, f"{fmt.slice_bytes} bytes per rank", torch.uint8, root)
     return header
 
 

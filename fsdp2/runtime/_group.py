@@ -282,9 +282,9 @@ class ParamGroup:
         return sum(self._unsharded_layout()[2]) + gathered  # (extension inputs' outputs: storages of their own)
 
     def _alloc_unsharded(self) -> None:
-        # The buffer and its parameter views outlive this forward: if the first unshard
-        # runs under inference_mode they must still not be inference tensors.
-        with torch.inference_mode(False):
+        if self._buffers and self._ext is None:  # made before: only the storages come back (no tensor is made)
+            return self._alloc_unsharded_buffer()
+        with torch.inference_mode(False):  # the buffer and its views outlive an inference-mode first unshard
             self._alloc_unsharded_buffer()
 
     def _segment_bounds_for(self, early_release: bool) -> list[int]:
@@ -466,7 +466,7 @@ class ParamGroup:
         else:
             fmt, group = self._gather_format(self.world), self.process_group
         _trace.emit("unshard", self.label)
-        with _trace.profiled(f"fsdp2::all_gather {self.label}"), _trace.issuing("all_gather", self.label):
+        with _trace.profiled("fsdp2::all_gather", self.label), _trace.issuing("all_gather", self.label):
             header = _checks.before_all_gather(self, fmt, group)
             self._header_pg = group if header is not None else None  # the ranks' headers are compared over it
             self._gather = self.gather_transport.start_all_gather(self, fmt, group, header, explicit)
@@ -475,16 +475,16 @@ class ParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
-    def wait_for_unshard(self, whole: bool = True) -> None:
-        """Finish the all-gather and point the modules at the unsharded parameters."""
+    def wait_for_unshard(self, whole: bool = True) -> bool:
+        """Finish the all-gather and point the modules at the unsharded parameters (False: gathered already)."""
         if whole and self.early is not None and self.early.freed:
             self.reshard()
         if self.state in (ShardState.SHARDED, ShardState.PARTIAL):
             self.unshard(async_op=True)
         if self.state is ShardState.UNSHARDED:
-            return
+            return False
         gather = self._gather
-        with _trace.profiled(f"fsdp2::all_gather_wait {self.label}"):
+        with _trace.profiled("fsdp2::all_gather_wait", self.label):
             pg, self._header_pg = self._header_pg, None  # checked once, even if the check raises
             _checks.wait_all_gather(self, gather, pg)  # errors name the group; compares the ranks' headers
             self._alloc_unsharded()
@@ -498,6 +498,7 @@ class ParamGroup:
         for p in self.params:
             p.to_unsharded()
         self.state = ShardState.UNSHARDED
+        return True
 
     def reshard(self) -> None:
         """Back to shards only; frees the unsharded buffer's storage."""
@@ -614,9 +615,8 @@ class ParamGroup:
     # ---- backward -----------------------------------------------------------------------
     def pre_backward(self) -> None:
         self.backward_started = True
-        if self.policy.unshard_in_backward:
-            self.wait_for_unshard(whole=False)
-        self.refresh_requires_grad()  # frozen or unfrozen since forward: honoured by this backward
+        if not (self.policy.unshard_in_backward and self.wait_for_unshard(whole=False)):
+            self.refresh_requires_grad()  # frozen or unfrozen since forward: honoured by this backward
 
     def _on_grad_ready(self, param: ShardedParam) -> None:
         if not param.unsharded.requires_grad:

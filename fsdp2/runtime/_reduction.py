@@ -81,7 +81,7 @@ def reduce_gradients(group: ParamGroup, params: list[ShardedParam] | None = None
     limit = policy.max_reduce_buffers or transport.reduce_scatters_in_flight(group.world)
     group.reduce_queue.make_room(limit)
     _trace.emit("reduce_scatter", group.label)
-    with _trace.profiled(f"fsdp2::reduce_scatter {label}"), _trace.issuing("reduce_scatter", label):
+    with _trace.profiled("fsdp2::reduce_scatter", label), _trace.issuing("reduce_scatter", label):
         # The flat transport empties each ``grads`` list once copied in: the unsharded
         # gradients are freed before the output is allocated.
         inflight = [

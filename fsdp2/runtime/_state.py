@@ -269,8 +269,8 @@ class ModuleState:
                 group.unshard(async_op=True)
                 if first_in_pass:  # in flight while this group computes
                     ctx.prefetch(self._forward_prefetch_targets())
-                group.wait_for_unshard()
-                group.refresh_requires_grad()  # frozen or unfrozen since the last forward
+                if not group.wait_for_unshard():  # (which follows them when it gathers)
+                    group.refresh_requires_grad()  # frozen or unfrozen since the last forward
                 if group.early is not None and torch.is_grad_enabled():
                     group.early.forward_started()
                 if group not in ctx.forward_order:
@@ -351,7 +351,10 @@ class ModuleState:
                     group.early.forward_done()
             if backward_follows:
                 hook = self._standalone_pre_backward_hook if standalone_part else self._pre_backward_hook
-                torch.autograd.graph.register_multi_grad_hook(grad_outputs, hook, mode="any")
+                if len(grad_outputs) == 1:  # the first gradient is its only one: a tensor hook is the same, cheaper
+                    grad_outputs[0].register_hook(hook)  # (the hook returns None: the gradient is unchanged)
+                else:
+                    torch.autograd.graph.register_multi_grad_hook(grad_outputs, hook, mode="any")
             elif torch.is_grad_enabled() and _compat.functorch_active():
                 output = map_tensors(self._hook_output_under_transform, output)
             self.training_state = TrainingState.IDLE

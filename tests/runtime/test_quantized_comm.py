@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp2
 from fsdp2._format import HEADER, Chunking, GatherFormat, aligned
+from fsdp2.comm._collectives import QuantizedReduction
 from fsdp2.comm._comm import DEFAULT_REDUCE_SCATTER
 from fsdp2.comm._quantize import (GradChunks, dequantize_entries, pack_values, quantize_entries, unpack_values,
                                   value_bytes)
@@ -159,6 +160,55 @@ def test_gradient_chunks_layout_and_sum(device, bits):
         assert values.dtype == torch.uint8 and values.shape == (world, 35)
         q = unpack_values(values, numel, 4)
         assert q.abs().max() == 7 and q[:, :32].eq(0).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_large_groups_are_quantized_a_range_at_a_time_with_the_same_bytes(monkeypatch, bits):
+    """Above ``SLICE_ELEMENTS`` the quantization, the dequantization and the sum run a range
+    of whole blocks at a time: the same bytes, errors, sums and weights as one pass, and
+    temporaries of a range's size instead of several times the whole (here 13 ranges)."""
+    from fsdp2.comm import _quantize
+    from fsdp2.memory._live import LiveStorages
+
+    world, numel, block = 8, 64 * 50 + 7, 64
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(world, numel, generator=g) * 10
+    layouts = [Chunking.even(torch.Size([world * 50, 64 + 3]), 0, world), Chunking.even(torch.Size([9]), 0, world)]
+    fmt = GatherFormat.build(layouts, [torch.float32] * 2, block, bits)
+    shards = [[torch.randn(lay.local_shape, generator=g) for lay in layouts] for _ in range(world)]
+
+    def run() -> tuple[list[torch.Tensor], int]:
+        chunks = GradChunks(world, numel, block, bits)
+        packed = torch.zeros(world * chunks.chunk_bytes, dtype=torch.uint8)
+        error = torch.empty(world, numel)
+        live = LiveStorages()
+        for t in (rows, packed, error):
+            live.add(t)
+        held = live.total
+        with live:
+            chunks.quantize(rows, packed, error)
+        peak = live.peak - held
+        summed = chunks.dequantize_sum(packed, torch.float32)
+        # error feedback's path: bf16 gradients, two residuals across the ranges' edges
+        reduction = QuantizedReduction(chunks, (0, 700), dist.ReduceOp.SUM, None, 1.0, torch.float32)
+        residuals = [torch.ones(world, 700) * 0.3, torch.ones(world, numel - 700) * -0.2]
+        fed = torch.zeros_like(packed)
+        reduction.quantize(rows.bfloat16(), fed, residuals)
+        gathered = torch.zeros(world * fmt.slice_bytes, dtype=torch.uint8)
+        for r in range(world):
+            quantize_entries(fmt, shards[r], gathered[r * fmt.slice_bytes:(r + 1) * fmt.slice_bytes])
+        weights = [torch.empty(world, *lay.local_shape) for lay in layouts]
+        dequantize_entries(fmt, gathered, weights)
+        return [packed, error, summed, gathered, *weights, fed, *residuals], peak
+
+    whole, peak_whole = run()
+    monkeypatch.setattr(_quantize, "SLICE_ELEMENTS", world * 64 * 4)  # 4 blocks a row a range
+    assert len(_quantize.block_slices(world, numel, block, bits)) == 13
+    ranged, peak_ranged = run()
+    for a, b in zip(whole, ranged):
+        assert torch.equal(a, b)
+    assert peak_whole >= 3 * rows.nbytes  # one pass: a few fp32 copies of everything at once
+    assert peak_ranged <= 5 * world * 4 * 64 * 4  # a range's fp32 size (4 blocks a row), a few times
 
 
 def test_int4_packing_is_low_nibble_first():

@@ -13,7 +13,7 @@ import pytest
 
 from fsdp2 import QuantizedComm
 from fsdp2.memory import Layout, estimate_memory
-from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
+from fsdp2.comm._transport import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES
 from tests._dist import environ, run_on_ranks
 from tests.tools.test_memory import _RECIPE, _RECIPE_BATCH, _RECIPE_SEQ, TESTS_TRANSFORMER, _track_recipe_on
 
@@ -39,6 +39,53 @@ def test_planner_matches_tracker_byte_for_byte_with_quantized_comm(world, layout
     measured = run_on_ranks(_track_recipe_on, world, "flat", case)[0]
     with environ(CPU_COLLECTIVES_ENV, "flat"):  # the path NCCL takes
         est = plan(ModelArgs(**_RECIPE), case, world, _RECIPE_BATCH, _RECIPE_SEQ)
+    rows = compare(measured, est)
+    assert {k: (r["tracker"], r["planner"]) for k, r in rows.items() if r["tracker"] != r["planner"]} == {}
+    assert rows["communication"]["tracker"] > 0
+
+
+@pytest.mark.parametrize("world,layout,param_dtype,quantized", [
+    (2, "fsdp", "fp32", {"weights": "int8", "gradients": "int8"}),
+    (2, "fsdp", "bf16", {"weights": "int4", "gradients": "int4", "error_feedback": True}),
+    (2, "fsdp", "fp32", {"weights": "int4"}),
+    (2, "fsdp", "fp32", {"gradients": "int8", "block_size": 64}),
+    (4, "hsdp", "fp32", {"weights": "int8", "gradients": "int8", "gradient_axes": "both"}),
+])
+@pytest.mark.parametrize("transport", ["read", "exchange"])
+@pytest.mark.slow
+def test_planner_matches_tracker_byte_for_byte_with_quantized_comm_on_the_exchange(transport, world, layout,
+                                                                                    param_dtype, quantized):
+    # Every group on the CPU exchange: the weights' quantized slices gathered into one rank-major
+    # buffer (kept until reshard where peers read it), the gradients' packed rows exchanged
+    # (two reduce-scatters in flight), beside the exchange's headers, descriptors and packed chunks.
+    from benchmarks.memory import compare, plan
+    from recipes.llama.model import ModelArgs
+
+    case = {"layout": layout, "param_dtype": param_dtype, "reshard_after_forward": True,
+            "activation_checkpointing": True, "quantized": quantized, "cpu_reads": transport == "read"}
+    measured = run_on_ranks(_track_recipe_on, world, transport, case)[0]
+    with environ(CPU_COLLECTIVES_ENV, transport):
+        est = plan(ModelArgs(**_RECIPE), case, world, _RECIPE_BATCH, _RECIPE_SEQ)
+    rows = compare(measured, est)
+    assert {k: (r["tracker"], r["planner"]) for k, r in rows.items() if r["tracker"] != r["planner"]} == {}
+    assert rows["communication"]["tracker"] > 0
+
+
+@pytest.mark.slow
+def test_planner_matches_tracker_byte_for_byte_with_quantized_comm_on_auto_transports():
+    # auto: the root (1,049,088 bytes in fp32, just over EXCHANGE_MIN_BYTES) takes the exchange
+    # (reading the peers' memory, one host), the blocks the flat collectives.
+    from benchmarks.memory import compare, plan
+    from recipes.llama.model import ModelArgs
+
+    case = {"layout": "fsdp", "param_dtype": "fp32", "reshard_after_forward": True,
+            "activation_checkpointing": True, "quantized": {"weights": "int8", "gradients": "int8"}}
+    measured = run_on_ranks(_track_recipe_on, 2, "auto", case)[0]
+    with environ(CPU_COLLECTIVES_ENV, "auto"):
+        est = plan(ModelArgs(**_RECIPE), case, 2, _RECIPE_BATCH, _RECIPE_SEQ)
+    root = measured.peak_by_group["root"]
+    # On the exchange (and only there) the root's quantized slices stay until it reshards: peers read them.
+    assert root["unsharded_params"] >= EXCHANGE_MIN_BYTES and root["communication"] > 0, root
     rows = compare(measured, est)
     assert {k: (r["tracker"], r["planner"]) for k, r in rows.items() if r["tracker"] != r["planner"]} == {}
     assert rows["communication"]["tracker"] > 0

@@ -9,7 +9,7 @@ the flat transport's path does the (local) work.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,8 @@ from . import _cma, _exchange, _pipes
 if TYPE_CHECKING:
     from ..._format import Chunking
 
-__all__ = ["ExchangeAllGatherInFlight", "ExchangeReduceScatterInFlight", "ExchangeTransport", "exchange_transport",
-           "probe_reads"]
+__all__ = ["ExchangeAllGatherInFlight", "ExchangeReduceScatterInFlight", "ExchangeTransport", "OwnBuffers",
+           "exchange_transport", "own_buffers", "probe_reads"]
 
 
 class ExchangeAllGatherInFlight(AllGatherInFlight):
@@ -237,30 +237,68 @@ class ExchangeTransport(Transport):
         kept until the peers have read. The reduce-scatter sends from the gradients (copies
         only to cast or pad) and receives one 1/world row per peer."""
         reads = reads and self.may_read and world > 1
-        headers = (world + 1) * HEADER
-        descriptor = 8 * (1 + 2 * len(sizes.entries))  # _cma.describe: pid, then address and size per tensor
-        small_gathered = sum(aligned(g) for g, _, _ in sizes.entries if g < _exchange.SMALL)
-        if reads:  # a descriptor sent and one received per peer, a 1-byte acknowledgement each and one to send
-            gather = headers + world * descriptor + world
-        else:
-            gather = headers + (world * small_gathered if world > 1 else 0)
+        own = own_buffers([g for g, _, _ in sizes.entries], [full // world for _, full, _ in sizes.entries], world,
+                          reads)
+        gather = own.header + own.gather
         if world == 1:
             local = self._local.buffer_needs(sizes, world, backend, reads)
             return BufferNeeds(gather, False, local.reduce_sent, local.reduce_received, False)
         out = sizes.reduce // world
         copies = sum(full for _, full, copied in sizes.entries if copied)
         holds = copies < sizes.reduce
-        if reads:
-            return BufferNeeds(gather, True, copies, (world - 1) * (out + 2 * descriptor + 1) + 1 + headers, holds,
-                               reduce_copies_in=False)
-        small_reduced = sum(full // world for _, full, _ in sizes.entries if full // world < _exchange.SMALL)
-        return BufferNeeds(gather, False, copies + (world - 1) * small_reduced, (world - 1) * out + headers, holds,
+        return BufferNeeds(gather, reads, copies + own.reduce_packed, (world - 1) * out + own.header + own.reduce,
+                           holds, reduce_copies_in=False)
+
+    def quantized_buffer_needs(self, slice_bytes: int, row_bytes: int, world: int, backend: str,
+                               reads: bool) -> BufferNeeds:
+        """The exchanges' own buffers for the quantized collectives: one chunk of
+        ``slice_bytes - HEADER`` per rank gathered (the slices' bytes after their header room),
+        one packed row of ``row_bytes`` to each peer reduced; this rank's reduce header not
+        included (``reduce_headers``: made before the gradients are staged)."""
+        reads = reads and self.may_read and world > 1
+        own = own_buffers([slice_bytes - HEADER] if slice_bytes else [], [row_bytes] if row_bytes else [], world,
+                          reads)
+        return BufferNeeds(own.header + own.gather, reads, own.reduce_packed, own.reduce, False,
                            reduce_copies_in=False)
 
     def __repr__(self) -> str:
         block = f", grad_block={self.grad_block}" if self.grad_block else ""
         block += f", grad_bits={self.grad_bits}" if self.grad_block and self.grad_bits != 8 else ""
         return f"ExchangeTransport(may_read={self.may_read}, must_read={self.must_read}{block})"
+
+
+class OwnBuffers(NamedTuple):
+    """The exchanges' small buffers on a rank, besides the data they move (``own_buffers``)."""
+
+    header: int
+    """This rank's schedule header, sent to every peer."""
+    gather: int
+    """The all-gather's: every rank's header, and the small chunks packed (sent, and one
+    received per peer) or (reads) a descriptor per rank and an acknowledgement per rank."""
+    reduce_packed: int
+    """The reduce-scatter's small chunks packed, one message per peer (messages only)."""
+    reduce: int
+    """The reduce-scatter's: every rank's header and (reads) per peer a descriptor sent, one
+    received and an acknowledgement, and one acknowledgement to send."""
+
+
+def own_buffers(gathered: Sequence[int], rows: Sequence[int], world: int, reads: bool) -> OwnBuffers:
+    """What ``_exchange.py`` allocates for itself to all-gather chunks of ``gathered`` bytes
+    (this rank's of each tensor) and to reduce-scatter rows of ``rows`` bytes (each tensor's
+    chunk for one peer) over ``world`` ranks; ``reads``: the peers' memory read (``_cma.py``).
+    The memory planner's count (``buffer_needs``, ``quantized_buffer_needs``): change it with
+    ``_exchange.py``."""
+    headers = world * HEADER
+    if reads:
+        def descriptor(n: int) -> int:
+            return 8 * (1 + 2 * n)  # _cma.describe: pid, then address and size per tensor
+
+        return OwnBuffers(HEADER, headers + world * descriptor(len(gathered)) + world, 0,
+                          headers + (world - 1) * (2 * descriptor(len(rows)) + 1) + 1)
+    small_gathered = sum(aligned(g) for g in gathered if g < _exchange.SMALL)
+    small_rows = sum(r for r in rows if r < _exchange.SMALL)
+    return OwnBuffers(HEADER, headers + (world * small_gathered if world > 1 else 0), (world - 1) * small_rows,
+                      headers)
 
 
 def probe_reads(pg: dist.ProcessGroup, must_read: bool | None = None) -> bool:
