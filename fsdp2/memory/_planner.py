@@ -291,7 +291,8 @@ def _install_hooks(model: nn.Module, sched: _Schedule, line: _Timeline, activati
         if name == "layers.0" and extra_blocks:  # their backward ran: gradients sharded, rest freed
             line.add_bytes("activations", -(extra_blocks * (marks[1] - marks[0])))
             line.add_bytes("unsharded_params", 0 if reshard else -extra_blocks * block.unsharded)
-            line.add_bytes("gradients", extra_blocks * block.sharded)
+            if sched.grad_accum == 1:  # (else added into the earlier micro-batches', counted from the start)
+                line.add_bytes("gradients", extra_blocks * block.sharded)
         # Backward reached a block: after its wait, the root's final gradients go.
         sched.pre_backward(name, None if name == "root" else lambda: sched.release_finished(
             [root_names[id(p)] for p in ready["root"]], drop_root_grads))
