@@ -255,8 +255,9 @@ class QuantizedReduction(NamedTuple):
         else:
             divide = pre or 1.0
         chunks = GradChunks(world, total, block, bits)
-        sizes = f"{world} x {total} elements, int{bits} all-to-all of {chunks.chunk_bytes} bytes per rank"
-        _debug.log_collective("reduce_scatter", target.label, target.group, sizes, dtype, target.root)
+        if _debug.enabled():
+            sizes = f"{world} x {total} elements, int{bits} all-to-all of {chunks.chunk_bytes} bytes per rank"
+            _debug.log_collective("reduce_scatter", target.label, target.group, sizes, dtype, target.root)
         if _bytes._ACTIVE:
             _bytes.count("reduce_scatter", chunks.chunk_bytes, target.group)
         return cls(chunks, tuple(offs), op, post, divide, dtype if dtype.itemsize > 4 else torch.float32)

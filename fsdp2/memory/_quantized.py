@@ -75,10 +75,10 @@ class QuantizedGroup:
         self.replicate_bits = policy.grad_bits or 8
         self.error_feedback = policy.error_feedback
         self.fmt = GatherFormat.build(group.layouts, group.gather_dtypes, policy.weight_block, policy.weight_bits) \
-            if policy.weight_block else None
+            if policy.weight_block and world > 1 else None  # (one rank: nothing sent, nothing quantized)
         self.dtype = reduce_dtype
         self.reduction = None
-        if policy.grad_block:
+        if policy.grad_block and world > 1:
             offsets, total = packed_offsets([lay.local_numel for lay in group.layouts], align=False)
             acc = reduce_dtype if reduce_dtype.itemsize > 4 else torch.float32
             self.reduction = QuantizedReduction(GradChunks(world, total, policy.grad_block, policy.grad_bits),
@@ -135,9 +135,9 @@ class QuantizedGroup:
         what stays in flight (communication), with the reduce header where the transport
         sends one, and after them the transport's own buffers (``reduce_bytes``)."""
         chunks = self.reduction.chunks
+        # One per tensor, aligned with the reduction's offsets (their bytes: ``residual_bytes``).
         residuals = [self.line.uncounted((self.world, lay.local_numel), torch.float32)
-                     for lay, trained in zip(self.group.layouts, self.group.trained) if trained] \
-            if self.error_feedback else None
+                     for lay in self.group.layouts] if self.error_feedback else None
         with self.line.born_as("communication"):
             header = torch.empty(HEADER, dtype=torch.uint8) if self.header else None
             staged = torch.empty((self.world, chunks.numel), dtype=self.dtype)

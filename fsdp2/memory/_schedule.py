@@ -122,7 +122,9 @@ class _Schedule:
         self.shard, self.alias, self.grad_accum = shard, alias, grad_accum
         # QuantizedComm (more than one rank): its collectives run on fake tensors (``_quantized.py``)
         # in the order of the group's transport; ``held`` keeps each group's quantized all-gather.
-        self.policy = policy if policy is not None and shard > 1 and not alias else None
+        # (One shard rank: nothing gathered or reduce-scattered, but HSDP's all-reduce may be quantized.)
+        self.policy = policy if policy is not None and not alias and (
+            shard > 1 or replicas > 1 and policy.replicate_grad_block) else None
         self._reduce_dtype, self._replicas = reduce_dtype, replicas
         backend = "gloo" if gloo else "nccl"
         self._needs_args = (shard, backend, reads)
