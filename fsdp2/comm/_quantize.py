@@ -187,6 +187,13 @@ class GradChunks:
         values, scales = self.views(packed)
         return _dequantized(values, scales, 0, self.numel, self.block, self.bits, dtype)
 
+    def dequantize_range(self, values: torch.Tensor, scales: torch.Tensor, c0: int, c1: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+        """Columns ``[c0, c1)`` of every row (a range from ``block_slices``) of the ``views`` of
+        a packed buffer, dequantized in ``dtype``: ``(world, whole blocks)``, zeros after
+        ``c1 - c0``."""
+        return _dequantized(values, scales, c0, c1, self.block, self.bits, dtype)
+
     def dequantize_sum(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The received ``packed`` rows (one per source rank) dequantized and summed in
         ``dtype``: this rank's ``(numel,)`` reduced chunk, not divided. A range of whole blocks
