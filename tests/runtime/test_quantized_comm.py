@@ -224,13 +224,16 @@ def test_hsdp_quantized_all_reduce_runs_a_range_at_a_time(monkeypatch, bits):
     replicas = 4
     x = torch.randn(64 * 400 + 5, generator=torch.Generator().manual_seed(0)) * 3
 
+    def all_to_all(recv: torch.Tensor, send: torch.Tensor) -> None:
+        recv.view(replicas, -1).copy_(send.view(replicas, -1).roll(1, 0))
+
     def run() -> tuple[torch.Tensor, int]:
         out = x.clone()
         live = LiveStorages()
         live.add(out)
         held = live.total
         with live:
-            quantized_all_reduce(out, replicas, 64, bits, True, lambda recv, send: recv.view(replicas, -1).copy_(send.view(replicas, -1).roll(1, 0)),
+            quantized_all_reduce(out, replicas, 64, bits, True, all_to_all,
                                  lambda gathered, packed: gathered.copy_(packed.repeat(replicas)))
         return out, live.peak - held
 
