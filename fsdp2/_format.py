@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["ALIGN", "ALL_GATHER_MAGIC", "HEADER", "REDUCE_MAGIC", "SCALE_DTYPE", "Chunking", "GatherFormat", "aligned",
-           "blocks", "chunk_rows", "contiguous_stride", "packed_offsets"]
+           "blocks", "chunk_rows", "contiguous_stride", "packed_offsets", "segment_layout"]
 
 ALIGN = 16
 HEADER = 16
@@ -152,6 +152,20 @@ def packed_offsets(sizes: Sequence[int], align: bool) -> tuple[list[int], int]:
         offsets.append(total)
         total += aligned(size) if align else size
     return offsets, total
+
+
+def segment_layout(sizes: Sequence[int], bounds: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Tensors of ``sizes`` bytes laid out in segments (tensors ``bounds[k]:bounds[k + 1]`` in
+    segment ``k``), each 16-byte aligned: each tensor's offset in its segment, and each
+    segment's size (at least ``ALIGN``)."""
+    starts, totals = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        total = 0
+        for size in sizes[lo:hi]:
+            starts.append(total)
+            total += aligned(size)
+        totals.append(max(total, ALIGN))
+    return starts, totals
 
 
 @dataclass(frozen=True)

@@ -255,8 +255,9 @@ class QuantizedReduction(NamedTuple):
         else:
             divide = pre or 1.0
         chunks = GradChunks(world, total, block, bits)
-        sizes = f"{world} x {total} elements, int{bits} all-to-all of {chunks.chunk_bytes} bytes per rank"
-        _debug.log_collective("reduce_scatter", target.label, target.group, sizes, dtype, target.root)
+        if _debug.enabled():
+            sizes = f"{world} x {total} elements, int{bits} all-to-all of {chunks.chunk_bytes} bytes per rank"
+            _debug.log_collective("reduce_scatter", target.label, target.group, sizes, dtype, target.root)
         if _bytes._ACTIVE:
             _bytes.count("reduce_scatter", chunks.chunk_bytes, target.group)
         return cls(chunks, tuple(offs), op, post, divide, dtype if dtype.itemsize > 4 else torch.float32)
@@ -452,29 +453,58 @@ def quantized_all_reduce(out: torch.Tensor, replicas: int, block: int, bits: int
     ``bits`` per value), one ``all_to_all(recv, send)`` sends chunk ``r`` to replica ``r``, which
     sums the ones it got in fp32 (or wider), quantizes the sum and ``all_gather(output, input)``s
     it; every replica then dequantizes the same bytes, so the replicas keep equal gradients.
-    ``average``: divided by ``replicas`` (the all-reduce's AVG). The memory planner runs it on
+    ``average``: divided by ``replicas`` (the all-reduce's AVG). Quantized and dequantized a
+    range of whole blocks of every chunk at a time (``_quantize.block_slices``): the fp32
+    temporaries are a few times a range's size, not ``out``'s. The memory planner runs it on
     fake tensors with collectives that do nothing."""
     acc = out.dtype if out.dtype.itemsize > 4 else torch.float32
-    n = out.numel()
-    chunk = -(-n // replicas)
+    chunk = -(-out.numel() // replicas)
     scatter = GradChunks(replicas, chunk, block, bits)
     gather = GradChunks(1, chunk, block, bits)
+    in_place = out.is_contiguous()
+    flat = out.view(-1) if in_place else out.reshape(-1).clone()
+    ranges = block_slices(replicas, chunk, block, bits)
     with torch.no_grad():
-        rows = torch.zeros(replicas * chunk, dtype=acc, device=out.device)
-        rows[:n].copy_(out.reshape(-1))
         send = torch.empty(replicas * scatter.chunk_bytes, dtype=torch.uint8, device=out.device)
-        scatter.quantize(rows.view(replicas, chunk), send)
-        del rows
+        values, scales = scatter.views(send)
+        for c0, c1 in ranges:
+            part = torch.zeros(replicas, c1 - c0, dtype=acc, device=out.device)
+            for rows, cols in _chunk_columns(flat, replicas, chunk, c0, c1):
+                part[rows, :cols.shape[-1]].copy_(cols)
+            scatter.quantize_range(part, values, scales, c0, None)
+            del part
         recv = torch.empty_like(send)
         all_to_all(recv, send)
         mine = scatter.dequantize_sum(recv, acc)
         del send, recv
         packed = torch.empty(gather.chunk_bytes, dtype=torch.uint8, device=out.device)
         gather.quantize(mine[None], packed)
+        del mine
         gathered = torch.empty(replicas * gather.chunk_bytes, dtype=torch.uint8, device=out.device)
         all_gather(gathered, packed)
-        summed = GradChunks(replicas, chunk, block, bits).dequantize(gathered, acc)
-        summed = summed[:, :chunk].reshape(-1)[:n]
-        if average:
-            summed /= replicas
-        out.copy_(summed.view(out.shape))
+        values, scales = scatter.views(gathered)
+        for c0, c1 in ranges:
+            part = scatter.dequantize_range(values, scales, c0, c1, acc)
+            if average:
+                part /= replicas
+            for rows, cols in _chunk_columns(flat, replicas, chunk, c0, c1):
+                cols.copy_(part[rows, :cols.shape[-1]])
+            del part
+        if not in_place:
+            out.copy_(flat.view(out.shape))
+
+
+def _chunk_columns(flat: torch.Tensor, replicas: int, chunk: int, c0: int,
+                   c1: int) -> list[tuple[slice | int, torch.Tensor]]:
+    """Columns ``[c0, c1)`` of ``flat`` cut into ``replicas`` chunks of ``chunk`` elements (the
+    last ones short or empty): (rows, a view of ``flat``) for the full chunks together and for
+    the one cut short; the chunks past ``flat``'s end have none."""
+    n = flat.numel()
+    full = min(n // chunk, replicas) if chunk else 0
+    out: list[tuple[slice | int, torch.Tensor]] = []
+    if full:
+        out.append((slice(0, full), flat[:full * chunk].view(full, chunk)[:, c0:c1]))
+    lo, hi = full * chunk + c0, min(full * chunk + c1, n)
+    if full < replicas and hi > lo:
+        out.append((full, flat[lo:hi]))
+    return out

@@ -90,11 +90,10 @@ def dequantize_entries(fmt: GatherFormat, output: torch.Tensor, chunks: Sequence
             chunk.copy_(values)
             continue
         n = chunk[0].numel()
-        try:
-            rows = chunk.view(world, n)  # each rank's chunk contiguous: a range of whole blocks at a time
-        except RuntimeError:  # chunks cut along another dim than 0: in one pass
+        if not chunk.is_contiguous():  # chunks cut along another dim than 0: in one pass
             chunk.copy_(_dequantized(values, scales, 0, n, fmt.block, fmt.bits, torch.float32)[:, :n].view(chunk.shape))
             continue
+        rows = chunk.view(world, n)  # a range of whole blocks at a time
         for c0, c1 in block_slices(world, n, fmt.block, fmt.bits):
             rows[:, c0:c1].copy_(_dequantized(values, scales, c0, c1, fmt.block, fmt.bits, torch.float32)[:, :c1 - c0])
 
@@ -186,11 +185,14 @@ class GradChunks:
         """The ``packed`` rows dequantized in ``dtype``: ``(world, blocks * block)``, each row's
         first ``numel`` elements its values (the rest zeros)."""
         values, scales = self.views(packed)
-        if self.bits != 8:
-            values = unpack_values(values, self.numel, self.bits)
-        pad = self.blocks * self.block - self.numel
-        x = F.pad(values.to(dtype), (0, pad)).view(self.world, self.blocks, self.block)
-        return (x * scales.to(dtype)[..., None]).view(self.world, -1)
+        return _dequantized(values, scales, 0, self.numel, self.block, self.bits, dtype)
+
+    def dequantize_range(self, values: torch.Tensor, scales: torch.Tensor, c0: int, c1: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+        """Columns ``[c0, c1)`` of every row (a range from ``block_slices``) of the ``views`` of
+        a packed buffer, dequantized in ``dtype``: ``(world, whole blocks)``, zeros after
+        ``c1 - c0``."""
+        return _dequantized(values, scales, c0, c1, self.block, self.bits, dtype)
 
     def dequantize_sum(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The received ``packed`` rows (one per source rank) dequantized and summed in

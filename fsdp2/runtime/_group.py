@@ -24,11 +24,10 @@ from .._common import ShardState
 from ..diagnostics import _debug, _trace
 from . import _checks
 from ..comm._collectives import AllGatherInFlight, GatherTargets
-from ..comm._transport import Transport, choose_transport, flat_transport
+from ..comm._transport import Transport, choose_transport
 from . import _extension
 from ._extension import GroupExtension
-from .._format import ALIGN, GatherFormat, aligned
-from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, process_group_comms
+from .._format import GatherFormat, segment_layout
 from ._mesh import DataParallelMesh, SubGroup
 from ._param import ShardedParam, raise_if_on_meta
 from ._policy import GroupPolicy
@@ -267,14 +266,7 @@ class ParamGroup:
         """Byte offsets (in its segment's storage) and sizes of each parameter's padded full
         tensor (16-byte aligned), and each segment's size."""
         sizes = self._region_sizes()
-        bounds = self._bounds if self._ext is None else [0, len(sizes)]
-        starts, totals = [], []
-        for lo, hi in zip(bounds, bounds[1:]):
-            total = 0
-            for size in sizes[lo:hi]:
-                starts.append(total)
-                total += aligned(size)
-            totals.append(max(total, ALIGN))
+        starts, totals = segment_layout(sizes, self._bounds if self._ext is None else [0, len(sizes)])
         return starts, sizes, totals
 
     def _unsharded_bytes(self) -> int:
@@ -372,23 +364,8 @@ class ParamGroup:
             self.transport.probe(self.subgroup.group)
 
     def refresh_transports(self) -> None:
-        """Each collective's transport: the group's, run by the policy's comms; a custom comm
-        runs its collective flat (the exchanges have no single collective to replace)."""
-        policy = self.policy
-        if policy.allocate_from_process_group:
-            all_gather, reduce_scatter = process_group_comms(self.process_group,
-                                                             policy.reduce_group or self.process_group)
-        else:
-            all_gather, reduce_scatter = DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER
-        all_gather = policy.custom_all_gather or all_gather
-        reduce_scatter = policy.custom_reduce_scatter or reduce_scatter
-        own = self.transport.with_comms(all_gather, reduce_scatter)
-        flat = flat_transport(all_gather, reduce_scatter)
-        self.gather_transport = flat if policy.custom_all_gather is not None else own
-        if policy.grad_block:  # quantized gradients: the group's transport (no custom comm can run them)
-            self.reduce_transport = own.quantizing_gradients(policy.grad_block, policy.grad_bits)
-        else:
-            self.reduce_transport = flat if policy.custom_reduce_scatter is not None else own
+        """Each collective's transport, as the policy picks them (``GroupPolicy.transports``)."""
+        self.gather_transport, self.reduce_transport = self.policy.transports(self.transport, self.process_group)
 
     def set_reduce_group(self, pg: dist.ProcessGroup | None) -> None:
         """Reduce-scatter over ``pg`` (None: the shard group). Collective for a new ``pg``: the

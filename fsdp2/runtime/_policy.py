@@ -7,6 +7,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..comm._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, process_group_comms
+from ..comm._transport import Transport, flat_transport
+
 __all__ = ["GroupPolicy"]
 
 
@@ -70,3 +73,21 @@ class GroupPolicy:
     allocate_from_process_group: bool = False
     """``set_allocate_memory_from_process_group_for_comm``: fsdp2's comms allocate from the
     process group (NCCL can register the memory)."""
+
+    def transports(self, transport: Transport, process_group: dist.ProcessGroup) -> tuple[Transport, Transport]:
+        """The all-gather's and the reduce-scatter's transports for a group on ``transport``: it,
+        run by this policy's comms; a custom comm runs its collective flat (the exchanges have no
+        single collective to replace); quantized gradients stay on ``transport`` (no custom comm
+        can run them)."""
+        if self.allocate_from_process_group:
+            all_gather, reduce_scatter = process_group_comms(process_group, self.reduce_group or process_group)
+        else:
+            all_gather, reduce_scatter = DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER
+        all_gather = self.custom_all_gather or all_gather
+        reduce_scatter = self.custom_reduce_scatter or reduce_scatter
+        own = transport.with_comms(all_gather, reduce_scatter)
+        flat = flat_transport(all_gather, reduce_scatter)
+        gather = flat if self.custom_all_gather is not None else own
+        if self.grad_block:
+            return gather, own.quantizing_gradients(self.grad_block, self.grad_bits)
+        return gather, flat if self.custom_reduce_scatter is not None else own

@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fsdp2 import fully_shard, register_fsdp_forward_method
+from fsdp2 import QuantizedComm, fully_shard, register_fsdp_forward_method
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.diagnostics._debug import set_debug
 from fsdp2._common import ShardState
@@ -289,6 +289,30 @@ def test_timeout_names_group_collective_iteration_and_phase():
     assert messages[1] == "InjectedFailure: bad batch"
     assert messages[0].startswith("fsdp2: all_gather of root (2 ranks x ")
     assert "failed on rank 0 during forward of iteration 1: " in messages[0]
+
+
+def _peer_skips_quantized_backward(transport: str) -> str:
+    rank = dist.get_rank()
+    with environ(CPU_COLLECTIVES_ENV, transport), _fresh_mesh(3) as mesh:
+        # kept gathered: the first collective of the backward is the block's reduction
+        model = _shard(Transformer(n_layers=1), mesh=mesh, reshard_after_forward=False,
+                       comm_policy=QuantizedComm(gradients="int8"))
+        x, y = make_batch(rank, 0)
+        loss = lm_loss(model(x), y)
+        if rank == 1:
+            dist.barrier()  # (the default group's) no backward here: rank 0's reduction waits alone
+            return ""
+        with pytest.raises(RuntimeError) as info:
+            loss.backward()
+        dist.barrier()
+        return str(info.value)
+
+
+@pytest.mark.parametrize("transport", ["flat", "exchange"])
+def test_timeout_of_a_quantized_reduction_names_it(transport):
+    message = run_on_ranks(_peer_skips_quantized_backward, 2, transport)[0]
+    assert message.startswith("fsdp2: reduce_scatter of "), message
+    assert re.search(r"\(2 x \d+ elements \(int8 all-to-all\)\) failed on rank 0 during backward", message), message
 
 
 def _debug_log() -> tuple[list[str], list[str]]:

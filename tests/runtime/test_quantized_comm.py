@@ -211,6 +211,41 @@ def test_large_groups_are_quantized_a_range_at_a_time_with_the_same_bytes(monkey
     assert peak_ranged <= 5 * world * 4 * 64 * 4  # a range's fp32 size (4 blocks a row), a few times
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_hsdp_quantized_all_reduce_runs_a_range_at_a_time(monkeypatch, bits):
+    """HSDP's quantized all-reduce quantizes and dequantizes ``out`` a range of whole blocks at a
+    time: the same result as one pass, with fp32 temporaries of a range's size instead of
+    several copies of ``out`` (collectives standing in for 4 replicas: any bytes in, the same
+    bytes handled by both)."""
+    from fsdp2.comm import _quantize
+    from fsdp2.comm._collectives import quantized_all_reduce
+    from fsdp2.memory._live import LiveStorages
+
+    replicas = 4
+    x = torch.randn(64 * 400 + 5, generator=torch.Generator().manual_seed(0)) * 3
+
+    def all_to_all(recv: torch.Tensor, send: torch.Tensor) -> None:
+        recv.view(replicas, -1).copy_(send.view(replicas, -1).roll(1, 0))
+
+    def run() -> tuple[torch.Tensor, int]:
+        out = x.clone()
+        live = LiveStorages()
+        live.add(out)
+        held = live.total
+        with live:
+            quantized_all_reduce(out, replicas, 64, bits, True, all_to_all,
+                                 lambda gathered, packed: gathered.copy_(packed.repeat(replicas)))
+        return out, live.peak - held
+
+    whole, peak_whole = run()
+    monkeypatch.setattr(_quantize, "SLICE_ELEMENTS", replicas * 64 * 4)  # 4 blocks of each chunk a range
+    assert len(_quantize.block_slices(replicas, -(-x.numel() // replicas), 64, bits)) == 26
+    ranged, peak_ranged = run()
+    assert torch.equal(whole, ranged) and not torch.equal(ranged, x)
+    assert peak_whole >= 3 * x.nbytes  # one pass: fp32 copies of all of out at once
+    assert peak_ranged < x.nbytes  # the quantized buffers and one chunk's sum, the ranges' few KiB
+
+
 def test_int4_packing_is_low_nibble_first():
     """Two values a byte, element ``2i`` in byte ``i``'s low nibble, two's complement; an odd
     count leaves the last high nibble zero; unpacking sign-extends."""

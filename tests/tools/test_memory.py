@@ -319,3 +319,18 @@ def test_planning_leaves_the_process_exception_hook_as_it_was():
         with fake_process_group(2):
             pass
     assert sys.excepthook is before
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_blocks_not_built_count_as_built_ones(grad_accum):
+    # 6 blocks, 2 built and 4 simulated as copies of block 0, against all 6 built: the same peak
+    # and the same end of backward (with grad_accum > 1 the simulated blocks' sharded gradients
+    # exist from the earlier micro-batches and are added into, not made again).
+    from fsdp2.models.llama import ModelArgs
+
+    args = ModelArgs(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=1024, max_seq_len=64)
+    layout = Layout(world=4, batch=2, seq=64, grad_accum=grad_accum)
+    two, six = (estimate_memory(layout, ModelBuilder.llama(args, built_blocks=n)) for n in (2, 6))
+    assert two.peak_bytes == six.peak_bytes
+    for point in ("end of backward", "optimizer step"):
+        assert two.points[point] == six.points[point], point

@@ -71,16 +71,22 @@ class ExchangeReduceScatterInFlight(ReduceScatterInFlight):
     __slots__ = ("exchange",)
 
     def __init__(self, layouts: tuple[Chunking, ...], op: dist.ReduceOp, post_divide: float | None,
-                 target: ReduceTarget, rs: _exchange.ExchangeReduceScatter) -> None:
-        super().__init__(Completion(work=rs.exchange), layouts, rs.offsets, op, post_divide, target)
+                 target: ReduceTarget, rs: _exchange.ExchangeReduceScatter,
+                 offsets: tuple[int, ...] | None = None) -> None:
+        offsets = rs.offsets if offsets is None else offsets
+        super().__init__(Completion(work=rs.exchange), layouts, offsets, op, post_divide, target)
         self.exchange = rs
 
     def wait(self, sizes: str) -> torch.Tensor:
-        target = self.target
+        target, sizes = self.target, sizes + self._kind()
         _debug.wait(self.exchange.header_exchange, "reduce_scatter", target.label, sizes, target.root)
         check_reduce_headers(target, self.exchange.headers)
         _debug.wait(self.done, "reduce_scatter", target.label, sizes, target.root)
         return self._result()
+
+    def _kind(self) -> str:
+        """What errors add to the sizes to name the collective (nothing: a plain reduce-scatter)."""
+        return ""
 
     def _result(self) -> torch.Tensor:
         return self.exchange.reduced()
@@ -98,10 +104,11 @@ class ExchangeQuantizedReduceScatterInFlight(ExchangeReduceScatterInFlight):
 
     def __init__(self, layouts: tuple[Chunking, ...], target: ReduceTarget, rs: _exchange.ExchangeReduceScatter,
                  plan: QuantizedReduction, recv: torch.Tensor, dtype: torch.dtype) -> None:
-        ReduceScatterInFlight.__init__(self, Completion(work=rs.exchange), layouts, plan.offsets, plan.op,
-                                       plan.post_divide, target)
-        self.exchange = rs
+        super().__init__(layouts, plan.op, plan.post_divide, target, rs, offsets=plan.offsets)
         self.plan, self.recv, self.dtype = plan, recv, dtype
+
+    def _kind(self) -> str:
+        return f" (int{self.plan.chunks.bits} all-to-all)"  # as the flat transport's names it
 
     def _result(self) -> torch.Tensor:
         return self.plan.summed(self.recv, self.dtype)
@@ -186,8 +193,9 @@ class ExchangeTransport(Transport):
             return self._start_quantized(layouts, grads, dtype, target, device, header, residuals)
         op, pre, post = reduce_op(dtype, world * target.replicate_world, target.divide_factor, target.force_sum)
         numel = sum(lay.local_numel for lay in layouts)
-        _debug.log_collective("reduce_scatter", target.label, target.group, f"{world} x {numel} elements", dtype,
-                              target.root)
+        if _debug.enabled():  # no string built per step otherwise
+            _debug.log_collective("reduce_scatter", target.label, target.group, f"{world} x {numel} elements", dtype,
+                                  target.root)
         show_flat_reduce_scatter(numel, world, dtype, op, target.group)  # what a dispatch mode sees
         if _bytes._ACTIVE:
             _bytes.count("reduce_scatter", numel * dtype.itemsize, target.group)
