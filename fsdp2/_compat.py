@@ -234,16 +234,11 @@ def flatten_axes(mesh, axes) -> None:
 
 def concat_meshes(meshes):
     """One mesh whose axes are those of ``meshes`` in order (all sliced from one root)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
-
-    # The mesh's rank table is real data even under a fake-tensor mode (the memory planner
-    # shards a model on fake tensors); ``unset_fake_temporarily`` is private (torch 2.11 to 2.14).
-    with unset_fake_temporarily():
-        if hasattr(DeviceMesh, "_concatenate"):
-            return DeviceMesh._concatenate(list(meshes))
-        names = tuple(name for mesh in meshes for name in mesh.mesh_dim_names)
-        return root_mesh(meshes[0])[names]
+    if hasattr(DeviceMesh, "_concatenate"):
+        return DeviceMesh._concatenate(list(meshes))
+    names = tuple(name for mesh in meshes for name in mesh.mesh_dim_names)
+    return root_mesh(meshes[0])[names]
 
 
 def strided_shard(dim: int, split_factor: int):
@@ -319,7 +314,7 @@ def outside_functorch() -> Iterator[None]:
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A default process group of ``world_size`` ranks, as rank 0, whose collectives do nothing.
 
-    The memory planner runs fsdp2 on fake tensors in one process, as rank 0 of the planned
+    The memory planner runs fsdp2 on the meta device in one process, as rank 0 of the planned
     world: DeviceMesh and DTensor need a process group, not data. torch's "fake" backend (registered by
     ``torch.testing._internal.distributed.fake_pg``, torch 2.6 to 2.13) is that; there is
     no public equivalent. Refused when this process already has a default process group.
@@ -339,14 +334,6 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def is_fake(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a fake tensor (``torch._subclasses.FakeTensor``, private, torch 2.11 to 2.14):
-    shapes without data, as the memory planner runs fsdp2 on; its values cannot be read."""
-    from torch._subclasses.fake_tensor import is_fake as _is_fake
-
-    return _is_fake(t)
 
 
 def is_live_process_group(pg) -> bool:

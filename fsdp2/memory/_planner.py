@@ -1,6 +1,6 @@
 """``estimate_memory``: per-rank bytes of a layout, predicted before launch on one CPU.
 
-fsdp2 itself runs the step (``_simulate.py``): the model on fake tensors (shapes, no data),
+fsdp2 itself runs the step (``_simulate.py``): the model on the meta device (shapes, no data),
 a fake process group of the layout's world size, the real ``fully_shard`` and hooks, and a
 ``MemoryTracker`` counting live storages by category, as on a real run. No copy of the
 buffer schedule is kept here. Modelled on top: the optimizer step (shards, gradients,
@@ -152,7 +152,7 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
     """Predict one rank's peak memory for training a model with fsdp2 on ``layout``.
 
     The model is sharded as the recipe does: each of ``model.layers`` is one group, the root
-    takes the rest. fsdp2 itself runs two training steps on fake tensors (nothing allocated)
+    takes the rest. fsdp2 itself runs two training steps on the meta device (nothing allocated)
     over a fake process group of ``layout.world`` ranks, as rank 0; the second step's peak
     and its split into categories are read op by op by a ``MemoryTracker``, as on a real run.
 
@@ -166,7 +166,7 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
             ``Reserve()`` for ``backend="nccl"``, nothing for ``"gloo"`` (a CPU run);
             ``Reserve.none()`` compares the simulated peak alone.
 
-    With ``layout.tp > 1`` the fake model is tensor-parallelised by the builder's ``tp_plan``
+    With ``layout.tp > 1`` the meta model is tensor-parallelised by the builder's ``tp_plan``
     first. The fake process group is this process's default one while the simulation runs,
     so there must be no other: plan before ``init_process_group`` (or with ``python -m
     fsdp2.plan``); a ``ValueError`` says so otherwise.

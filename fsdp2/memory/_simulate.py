@@ -1,29 +1,32 @@
-"""The memory planner's simulation: fsdp2 itself, run on fake tensors over a fake process group.
+"""The memory planner's simulation: fsdp2 itself, run on the meta device over a fake process group.
 
 One process plays rank 0 of the layout's world: a fake process group of ``world`` ranks
-(collectives that move nothing), the model built under ``FakeTensorMode`` (shapes, no data),
+(collectives that move nothing), the model built on the meta device (shapes, no data),
 tensor parallelism by the model's plan, the real ``fully_shard`` on each block and the root,
-and a real optimizer. One training step runs untracked (so the optimizer state exists and
-the runtime knows the forward order it prefetches by, as from a real run's second step), then
-the second is counted by a ``MemoryTracker`` (the same classification a real run gets),
-extended with the point of the step each op belongs to. No copy of the buffer schedule is
-kept: a runtime change that moves the peak moves the plan. What is still modelled: the CPU
-exchange's buffers and gloo's hidden reduce-scatter copy (``_standin.py``), the blocks not
-built (copies of block 0, here) and the optimizer step (``_planner.py``).
+and a real optimizer. The groups then compute on meta too (``_on_meta``): every buffer the
+runtime makes is a meta tensor, whose storage has a size and no data, so the tracker counts
+it as on a CPU run; attention takes the kernel the CPU would (``_meta_attention.py``). One
+training step runs untracked (so the optimizer state exists and the runtime knows the forward
+order it prefetches by, as from a real run's second step), then the second is counted by a
+``MemoryTracker`` (the same classification a real run gets), extended with the point of the
+step each op belongs to. No copy of the buffer schedule is kept: a runtime change that moves
+the peak moves the plan. What is still modelled: the CPU exchange's buffers and gloo's hidden
+reduce-scatter copy (``_standin.py``), the blocks not built (copies of block 0, here) and the
+optimizer step (``_planner.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .. import _compat
 from ..runtime._state import get_state
@@ -32,6 +35,7 @@ from ..models import llama
 from ..runtime._fully_shard import fully_shard
 from .._api import MixedPrecisionPolicy
 from ._layout import Layout, ModelBuilder
+from ._meta_attention import CpuAttention
 from ._live import LiveStorages, plain_tensors, storage_key
 from ._standin import group_bytes, planned_transport
 from ._tracker import CATEGORIES, MemoryTracker
@@ -97,7 +101,6 @@ class _PlanTracker(MemoryTracker):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(model, optimizer)
         self._live = _Points(self, on_peak=self._snapshot_peak, resizable=self._resizable)
-        self._live.count_meta = False
         self._live.tag = self._birth_label
         self.extra = {c: 0 for c in CATEGORIES}
         self.at = "outside"
@@ -154,20 +157,15 @@ def _environ(name: str, value: str) -> Iterator[None]:
 
 
 def simulate(layout: Layout, builder: ModelBuilder) -> Simulation:
-    """Rank 0's second training step of ``builder``'s model on ``layout``, on fake tensors."""
+    """Rank 0's second training step of ``builder``'s model on ``layout``, on the meta device."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_compat.fake_process_group(layout.world))
         dims = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp}
         mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-        # Non-fake inputs allowed: the model's, loss's or inputs' functions may close over plain tensors.
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        # fsdp2 compares data pointers to see whether a shard was rebound (runtime/_group.py,
-        # _param.py); a fake tensor's is 0 each time, so none ever was, as on a run that rebinds nothing.
-        stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        attention = stack.enter_context(CpuAttention())  # attention's kernel as the CPU picks it, not meta's
         with _environ(CPU_COLLECTIVES_ENV, "flat"):  # no real exchange is ever built (nor probed)
-            model = _build(builder, layout, mesh["tp"] if layout.tp > 1 else None)
+            model = _build(builder, layout, mesh["tp"] if layout.tp > 1 else None, attention)
             n_built = len(model.layers)
             n_blocks = builder.num_blocks or n_built
             if n_blocks < n_built or (n_blocks > n_built and n_built < 2):
@@ -175,9 +173,11 @@ def simulate(layout: Layout, builder: ModelBuilder) -> Simulation:
                                  f"num_blocks blocks; it has {n_built}")
             pdtype = layout.param_dtype or next(model.parameters()).dtype
             _shard(model, layout, dp_mesh)
+            groups = _groups(model)
+            for group in groups:
+                _on_meta(group)
             opt = _OPTIMIZERS[layout.optimizer](list(model.parameters()))
             _step(model, builder, layout, opt)  # the first step: optimizer state, forward order
-        groups = _groups(model)
         for group in groups:  # the transport a real run picks (FSDP2_CPU_COLLECTIVES as set), or its stand-in
             group.transport = planned_transport(group, layout.backend == "gloo", layout.cpu_reads)
             group.refresh_transports()
@@ -206,16 +206,20 @@ def _bytes_of(module: nn.Module, world: int) -> GroupSizes:
     return GroupSizes(layouts, [p.param_dtype for p in params], sizes.unsharded, sizes.reduce)
 
 
-def _build(builder: ModelBuilder, layout: Layout, tp_mesh: DeviceMesh | None) -> nn.Module:
-    """The model on fake tensors, tensor-parallelised, each block checkpointed if asked."""
-    model = builder.build()
+def _build(builder: ModelBuilder, layout: Layout, tp_mesh: DeviceMesh | None, attention: CpuAttention) -> nn.Module:
+    """The model on the meta device, tensor-parallelised, each block checkpointed if asked."""
+    with _META, _Born() as born:  # its tensors made without a device: on meta, no data
+        model = builder.build()
     if not isinstance(model, nn.Module):
         raise TypeError(f"ModelBuilder.build() must return an nn.Module, got {type(model).__name__}")
-    if not all(isinstance(t, FakeTensor) for t in [*model.parameters(), *model.buffers()]):
-        # Made before the call (it would be changed in place): not what a builder is for.
-        raise TypeError("ModelBuilder.build() returned a model made before the call (its tensors are not fake); "
-                        "make a new one inside the function, e.g. build=lambda: Model(args)")
-    _off_meta(model)
+    tensors = [*model.parameters(), *model.buffers()]
+    if not all(storage_key(t) in born.keys for t in tensors):
+        raise TypeError("ModelBuilder.build() returned a model made before the call (fully_shard would change it "
+                        "in place); make a new one inside the function, e.g. build=lambda: Model(args)")
+    off = sorted({str(t.device) for t in tensors if not t.is_meta})
+    if off:  # memory the planner was not to allocate
+        raise TypeError(f"ModelBuilder.build() made tensors on {', '.join(off)}: make them on the default device "
+                        "(the planner builds under torch.device('meta'), so nothing is allocated)")
     if not isinstance(getattr(model, "layers", None), nn.ModuleList) or len(model.layers) == 0:
         raise ValueError("estimate_memory needs a model whose blocks are in a non-empty nn.ModuleList `.layers`")
     if tp_mesh is not None:
@@ -223,31 +227,55 @@ def _build(builder: ModelBuilder, layout: Layout, tp_mesh: DeviceMesh | None) ->
     if layout.activation_checkpointing:
         from torch.utils.checkpoint import checkpoint
 
+        # Backward recomputes with the step's modes set aside: attention as the CPU picks it again.
+        def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+            return contextlib.nullcontext(), attention
+
         for b in model.layers:
-            b.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(b.forward)
+            b.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, context_fn=contexts,
+                                                              **k))(b.forward)
     return model
 
 
-def _off_meta(model: nn.Module) -> None:
-    """A model built on the meta device gets fake CPU tensors instead (tied ones stay tied).
+_META = torch.device("meta")
 
-    As ``to_empty(device="cpu")``, which cannot be used here: under the fake mode the meta
-    tensors are fake too, and ``nn.Module._apply`` cannot swap fake tensors.
-    """
-    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (meta tensor, kept alive; its fake CPU one)
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, t in table.items():
-                if t is None or t.device.type != "meta":
-                    continue
-                if id(t) not in moved:
-                    empty = torch.empty_like(t, device="cpu")
-                    moved[id(t)] = t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
-                table[name] = moved[id(t)][1]
+
+def _inputs(builder: ModelBuilder, layout: Layout) -> torch.Tensor:
+    with _META:
+        return builder.make_inputs(layout.batch, layout.seq)
+
+
+def _loss(builder: ModelBuilder, output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    with _META:  # (its constants too)
+        return builder.loss_fn(output, tokens)
+
+
+def _on_meta(group: ParamGroup) -> None:
+    """The group computes on the meta device, as a CPU run without data: its shards are there
+    already (the model was built there), and every buffer the runtime makes for it goes there.
+    No user's group is on meta (``fully_shard`` refuses a meta mesh): the runtime then lets
+    its shards stay on meta past lazy init (``raise_if_on_meta``)."""
+    group.device = torch.device("meta")
+    for p in group.params:
+        p._home_device = group.device
+    group.invalidate()  # its buffers and plans made again for the new device
+
+
+class _Born(TorchDispatchMode):
+    """The storages made inside the block (``keys``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: set[int | None] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.keys.update(storage_key(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
 
 
 def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable[[nn.Module, DeviceMesh], None] | None) -> None:
-    """Tensor parallelism on the fake model: ``tp_plan``, or the Llama's own (``fsdp2.models.llama.tp_plan``)."""
+    """Tensor parallelism on the meta model: ``tp_plan``, or the Llama's own (``fsdp2.models.llama.tp_plan``)."""
     tp = tp_mesh.size()
     args = getattr(model, "args", None)
     if args is not None:
@@ -303,10 +331,10 @@ def _step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: torch.op
     early release learns in a backward which of its gradients are final when; quantized
     gradients with error feedback keep the residuals their first reduction made. The optimizer's
     state is then made as its first step makes it (``_first_state``), without the step's
-    arithmetic (on fake DTensors, most of a plan's time)."""
-    tokens = builder.make_inputs(layout.batch, layout.seq)
+    arithmetic (on DTensors, a large share of a plan's time)."""
+    tokens = _inputs(builder, layout)
     if layout.grad_accum > 1 or layout.root_early_release or _keeps_residuals(layout):
-        builder.loss_fn(model(tokens), tokens).backward()
+        _loss(builder, model(tokens), tokens).backward()
     else:
         with torch.no_grad():
             model(tokens)
@@ -394,8 +422,8 @@ def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: 
         tracker._live.offset = sum(tracker.extra.values())
     try:
         with tracker, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            tokens = builder.make_inputs(layout.batch, layout.seq)
-            loss = builder.loss_fn(model(tokens), tokens)
+            tokens = _inputs(builder, layout)
+            loss = _loss(builder, model(tokens), tokens)
             tracker.at = "loss"
             loss.backward()
             del loss, tokens

@@ -1,4 +1,4 @@
-"""What the memory planner cannot run for real on fake tensors: the CPU transport's buffers.
+"""What the memory planner cannot run for real on the meta device: the CPU transport's buffers.
 
 The planner (``_simulate.py``) runs fsdp2 itself, so every buffer the runtime allocates, and
 when it frees it, is the runtime's own. Two things a fake process group cannot reproduce are
