@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -105,6 +105,7 @@ class _PlanTracker(MemoryTracker):
         self.extra = {c: 0 for c in CATEGORIES}
         self.at = "outside"
         self._storages: list[torch.UntypedStorage] | None = None
+        self._kept: tuple[list[int], list[int]] | None = None  # the shards' and optimizer state's keys
 
     def _groups(self) -> list[ParamGroup]:
         # Read at every op; the planner's model keeps its groups: found once.
@@ -124,6 +125,34 @@ class _PlanTracker(MemoryTracker):
         self._storages = None
         super()._on_event(event)
 
+    def _roles(self) -> dict[int, str]:
+        # Read at every new peak: as ``MemoryTracker._roles``, with the shards and the optimizer's
+        # state looked up once. They are the same tensors all the counted step (no optimizer step
+        # runs in it; alive, so no other storage takes their keys); the rest changes op by op.
+        if self._kept is None:
+            groups = self._groups()
+            self._kept = (_keys(p.padded_local for g in groups for p in g.params),
+                          _keys(t for state in self.optimizer.state.values() for t in state.values()))
+        sharded, states = self._kept
+        roles = dict.fromkeys(sharded, "sharded_params")
+        managed: set[int] = set()
+        for g in self._groups():
+            held = g.held_tensors()
+            for category in ("gradients", "unsharded_params", "communication"):
+                for key in _keys(held[category]):
+                    roles.setdefault(key, category)
+            for p in g.params:
+                managed.update((id(p.sharded), id(p.unsharded)))
+        for p in self.model.parameters():
+            if id(p) not in managed:  # not sharded by fsdp2: a full copy on every rank
+                for key in _keys([p.grad]):
+                    roles.setdefault(key, "gradients")
+                for key in _keys([p]):
+                    roles.setdefault(key, "unsharded_params")
+        for key in states:
+            roles.setdefault(key, "optimizer_state")
+        return roles
+
     def where(self) -> str:
         # The loss's own backward runs before the root's pre-backward hook.
         return "backward, loss" if self.at == "loss" and _compat.in_backward() else self.at
@@ -141,6 +170,12 @@ class _PlanTracker(MemoryTracker):
 
     def _snapshot_peak(self) -> None:
         self._peak = (self._by_category(), self.where(), {})
+
+
+def _keys(tensors: Iterable[object]) -> list[int]:
+    """The storage keys behind the tensors among ``tensors`` (a DTensor's local one), in order."""
+    return [key for t in tensors if isinstance(t, torch.Tensor)
+            for plain in plain_tensors(t) if (key := storage_key(plain)) is not None]
 
 
 @contextlib.contextmanager
