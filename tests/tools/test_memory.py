@@ -310,8 +310,8 @@ fits in 80.00 GiB: needs 26.28 GiB (33%)
 
 
 def test_planning_leaves_the_process_exception_hook_as_it_was():
-    # init_process_group wraps sys.excepthook (a "[rankN]" prefix) every time; each plan with
-    # makes and destroys a fake process group, so unrestored the prefixes pile up.
+    # init_process_group wraps sys.excepthook (a "[rankN]" prefix) every time; each
+    # plan makes and destroys a fake process group, so unrestored the prefixes pile up.
     from fsdp2._compat import fake_process_group
 
     before = sys.excepthook
