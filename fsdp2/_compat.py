@@ -314,8 +314,8 @@ def outside_functorch() -> Iterator[None]:
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A default process group of ``world_size`` ranks, as rank 0, whose collectives do nothing.
 
-    The memory planner runs a tensor-parallel model on fake tensors in one process: DTensor
-    needs a process group for its mesh, not data. torch's "fake" backend (registered by
+    The memory planner runs fsdp2 on the meta device in one process, as rank 0 of the planned
+    world: DeviceMesh and DTensor need a process group, not data. torch's "fake" backend (registered by
     ``torch.testing._internal.distributed.fake_pg``, torch 2.6 to 2.13) is that; there is
     no public equivalent. Refused when this process already has a default process group.
     """
@@ -324,7 +324,7 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise ValueError(
-            "estimate_memory with tp > 1 simulates tensor parallelism on a fake process group and "
+            "estimate_memory runs fsdp2 on a fake process group of the planned world size and "
             "needs a process without one: call it before init_process_group (or use python -m fsdp2.plan)"
         )
     hook = sys.excepthook  # init_process_group wraps it (a "[rankN]" prefix) each time: put it back

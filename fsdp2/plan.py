@@ -5,13 +5,13 @@
     python -m fsdp2.plan --dim 2048 --n-layers 16 --n-heads 16 --n-kv-heads 4 --world 8
     python -m fsdp2.plan --hf-config path/to/config.json --world 8 --activation-checkpointing full
 
-Builds two blocks of the recipe's Llama (``fsdp2.models.llama``) on fake tensors (no memory;
-with ``--tp``, on a fake process group), simulates a training step with fsdp2's buffer
-schedule and extrapolates to the model's blocks, then adds what a GPU process holds besides
-(CUDA context, NCCL buffers, allocator fragmentation: ``fsdp2.memory.Reserve``). When the
-layout does not fit, it tries the nearest changes (activation checkpointing, resharding,
-FSDP instead of HSDP, a smaller micro-batch, tensor parallelism, more GPUs) and prints those
-that fit. See docs/memory.md.
+Builds two blocks of the recipe's Llama (``fsdp2.models.llama``) on the meta device (no
+memory), runs fsdp2 on them over a fake process group of the layout's world size (a warm-up
+step, then one counted by a ``MemoryTracker``) and extrapolates to the model's blocks, then
+adds what a GPU process holds besides (CUDA context, NCCL buffers, allocator fragmentation:
+``fsdp2.memory.Reserve``). When the layout does not fit, it tries the nearest changes
+(activation checkpointing, resharding, FSDP instead of HSDP, a smaller micro-batch, tensor
+parallelism, more GPUs) and prints those that fit. See docs/memory.md.
 """
 
 from __future__ import annotations

@@ -456,7 +456,7 @@ def quantized_all_reduce(out: torch.Tensor, replicas: int, block: int, bits: int
     ``average``: divided by ``replicas`` (the all-reduce's AVG). Quantized and dequantized a
     range of whole blocks of every chunk at a time (``_quantize.block_slices``): the fp32
     temporaries are a few times a range's size, not ``out``'s. The memory planner runs it on
-    fake tensors with collectives that do nothing."""
+    the meta device with collectives that do nothing."""
     acc = out.dtype if out.dtype.itemsize > 4 else torch.float32
     chunk = -(-out.numel() // replicas)
     scatter = GradChunks(replicas, chunk, block, bits)

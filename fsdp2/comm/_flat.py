@@ -183,7 +183,7 @@ def send_aliases_shards(device: torch.device, explicit: bool) -> bool:
     The exchange transport (CPU) copies the shards into the unsharded buffer at issue time
     and sends from there: it never aliases them either way.
     """
-    return device.type == "cpu" and not explicit
+    return device.type in ("cpu", "meta") and not explicit  # (meta: the memory planner's CPU run)
 
 
 def _send_slice(source: GatherSource, fmt: GatherFormat, explicit: bool) -> tuple[torch.Tensor, Completion | None]:

@@ -1,7 +1,7 @@
 """Memory: a tracker of where a rank's memory went, and a planner of whether a layout fits.
 
 ``MemoryTracker`` measures a run; ``estimate_memory(Layout(...), ModelBuilder(...))`` predicts
-one from a model built on fake tensors, without a process group; ``python -m fsdp2.plan`` is
+one from a model built on the meta device, without a process group; ``python -m fsdp2.plan`` is
 the planner's command line.
 """
 

@@ -134,8 +134,11 @@ def tokens(batch: int, seq: int) -> torch.Tensor:
 class ModelBuilder:
     """The model ``estimate_memory`` simulates: how to build it, and how it is parallelised and fed.
 
-    ``build()`` is called under a fake-tensor mode, so nothing is allocated whether it builds
-    the model plainly or on the meta device. The model's blocks must be an ``nn.ModuleList``
+    ``build()`` is called under ``torch.device("meta")``, so nothing is allocated whether it
+    builds the model plainly or on the meta device; tensors it makes on a device it names
+    (``device="cpu"``) are refused, after the fact. ``loss_fn`` and ``make_inputs`` run there
+    too: none of the three may close over tensors on a real device (an op mixing them with
+    the model's meta tensors fails). The model's blocks must be an ``nn.ModuleList``
     named ``layers`` (each one fsdp2 group; the root takes the rest).
     ``ModelBuilder.llama("llama3_70b")`` is the recipe's Llama (``fsdp2.models.llama``).
 
@@ -147,7 +150,7 @@ class ModelBuilder:
             when the layout's ``tp > 1``; None: ``fsdp2.models.llama.tp_plan`` for that model
             (Megatron-style with sequence parallelism), required for any other.
         loss_fn: ``(output, inputs) -> loss``; default cross-entropy in fp32 on the tokens.
-        make_inputs: ``(batch, seq) -> input`` on the current (fake) device; default int64 tokens.
+        make_inputs: ``(batch, seq) -> input`` on the default (meta) device; default int64 tokens.
     """
 
     build: Callable[[], nn.Module]
@@ -161,7 +164,7 @@ class ModelBuilder:
             what = f"a {type(self.build).__name__} instance" if isinstance(self.build, nn.Module) else repr(self.build)
             raise TypeError(
                 f"the planner's model must be a function that makes it (its class, or lambda: Model(args)), "
-                f"got {what}: the planner calls it under fake tensors, so nothing is allocated"
+                f"got {what}: the planner calls it on the meta device, so nothing is allocated"
             )
         if self.num_blocks is not None:
             positive_int("ModelBuilder", "num_blocks", self.num_blocks)

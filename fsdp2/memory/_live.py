@@ -19,6 +19,11 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["storage_key", "plain_tensors", "LiveStorages"]
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+# A functional collective's result wrapped to be waited on later (torch 2.10 and after): on a
+# real device the wrapper holds the result's own storage; on the meta device (the memory
+# planner) its meta kernel makes a new one (``_carry_over``).
+_WRAP = getattr(getattr(torch.ops._c10d_functional, "_wrap_tensor_autograd", None), "default", None)
+_CARRIED = tuple(op for op in (_WAIT_TENSOR, _WRAP) if op is not None)
 
 
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
@@ -112,7 +117,7 @@ class LiveStorages(TorchDispatchMode):
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 self.add(t, as_input=True)
-        if func is _WAIT_TENSOR:
+        if func in _CARRIED:
             self._carry_over(args[0], out)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -123,8 +128,9 @@ class LiveStorages(TorchDispatchMode):
     def _carry_over(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """``after`` is ``before`` (a collective's result, waited on) under another storage.
 
-        A real ``wait_tensor`` returns its input; under fake tensors (the planner) the result
-        is a new storage. Count it once: the input's bytes and label move to the result.
+        A real ``wait_tensor`` returns its input, a real wrapper of one in flight holds it; on the
+        meta device (the planner) either result is a new storage. Count it once: the input's
+        bytes and label move to the result.
         """
         old, new = storage_key(before), storage_key(after)
         if old is None or new is None or old == new or old not in self.sizes:

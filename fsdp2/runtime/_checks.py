@@ -180,7 +180,8 @@ def before_all_gather(group: ParamGroup, fmt: GatherFormat, pg: dist.ProcessGrou
     root = group.root
     iteration = root.iteration if root is not None else -1
     phase = _debug.phase(root)
-    check = fmt.world > 1 and (group.device.type == "cpu" or _debug.enabled())
+    # (meta: the memory planner's groups, which play a CPU run without data.)
+    check = fmt.world > 1 and (group.device.type in ("cpu", "meta") or _debug.enabled())
     header = None
     if check:
         index = root.diag.index.get(id(group), -1) if root is not None and root.diag is not None else -1
@@ -211,7 +212,7 @@ def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight, pg: dist.Proce
 
 
 def _check_all_gather_headers(group: ParamGroup, headers: torch.Tensor, pg: dist.ProcessGroup | None) -> None:
-    if pg is None:
+    if pg is None or headers.is_meta:  # the memory planner's run (fsdp2/memory/_simulate.py): no bytes
         return
     # The usual case in one comparison, whatever the world size and without a copy: the header's
     # second 8 bytes (group index and phase) are rank 0's on every rank (the iteration, in the

@@ -207,7 +207,7 @@ class ParamGroup:
         self._packed = None
         if self.world == 1 or self._ext is not None or not all(
             p.param_dtype == p.orig_dtype and p.padded_local.device == self.device for p in self.params
-        ) or self.device.type == "meta":
+        ):
             return
         fmt = self._gather_format(self.world)
         packed = torch.zeros(fmt.slice_bytes, dtype=torch.uint8, device=self.device)

@@ -501,7 +501,8 @@ class ShardedParam:
 
 def raise_if_on_meta(params: list[ShardedParam], name_of: Callable[[ShardedParam], str]) -> None:
     """``RuntimeError`` (torch's type) naming the parameters still on the meta device, and the fix."""
-    names = [name_of(p) for p in params if p.padded_local.is_meta]
+    # (A home on meta: the memory planner's run, which computes there; no user's mesh is on meta.)
+    names = [name_of(p) for p in params if p.padded_local.is_meta and p._home_device.type != "meta"]
     if names:
         listed = f"{names}" if len(names) <= 20 else f"{names[:20]} and {len(names) - 20} more"
         raise RuntimeError(

@@ -293,23 +293,25 @@ fits in 80.00 GiB: needs 26.28 GiB (33%)
             # (a 16-byte schedule header in front).
             "sharded_params": 2 * (weight // 2 + 16),
             "optimizer_state": 2 * (2 * weight // 2) + 2 * 4,  # AdamW: 2 states + a 4-byte step each
-            # The peak: the end of backward, layers.0's reduce-scatter finishing. Both blocks
-            # were resharded before their reduce-scatters were issued.
-            "unsharded_params": 0,
+            # The peak: backward reaches layers.0, gathered again (its 16 KiB unsharded) while
+            # layers.1's reduce-scatter is in flight; layers.1's gradients went into its send
+            # buffer. (A real 2-rank gloo run on the flat transport measures the same split.)
+            "unsharded_params": weight,
+            "gradients": 0,
             "other": 4 * 64 * 4,  # the input
         }
-        # gloo's flat reduce-scatter holds a full-size copy of its input (16 KiB) beside the
-        # rank-major send buffer (16 KiB) and the 8 KiB output; layers.1's finished before
-        # layers.0's was issued, so it is not there (plus 32 small bytes the planner counts).
-        by_hand["communication"] = 2 * weight + weight // 2 + 32
+        # layers.0's all-gather: two 8 KiB slices, each with a 16-byte header (the shards are
+        # sent as they are); layers.1's reduce-scatter: its 16 KiB rank-major send buffer and
+        # 8 KiB output.
+        by_hand["communication"] = 2 * (weight // 2 + 16) + weight + weight // 2
         for category, nbytes in by_hand.items():
             self.assertEqual(est.peak_by_category[category], nbytes, category)
-        self.assertExpectedInline(str(est.peak_by_category), """{'sharded_params': 16416, 'unsharded_params': 0, 'gradients': 16384, 'optimizer_state': 32776, 'activations': 1032, 'communication': 40992, 'other': 1024}""")
+        self.assertExpectedInline(str(est.peak_by_category), """{'sharded_params': 16416, 'unsharded_params': 16384, 'gradients': 0, 'optimizer_state': 32776, 'activations': 1032, 'communication': 40992, 'other': 1024}""")
 
 
 def test_planning_leaves_the_process_exception_hook_as_it_was():
-    # init_process_group wraps sys.excepthook (a "[rankN]" prefix) every time; each plan with
-    # tp > 1 makes and destroys a fake process group, so unrestored the prefixes pile up.
+    # init_process_group wraps sys.excepthook (a "[rankN]" prefix) every time; each
+    # plan makes and destroys a fake process group, so unrestored the prefixes pile up.
     from fsdp2._compat import fake_process_group
 
     before = sys.excepthook

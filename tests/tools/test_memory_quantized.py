@@ -52,7 +52,7 @@ _EXCHANGE_CASES = [
 ])
 @pytest.mark.slow
 def test_planner_matches_tracker_byte_for_byte_with_quantized_comm(world, layout, param_dtype, quantized):
-    # The planner runs fsdp2's own quantize and dequantize functions on fake tensors where the
+    # The planner runs fsdp2's own quantize and dequantize functions on the meta device where the
     # flat transport (the path NCCL takes) calls them; the tracker watches a real run (gloo, the
     # recipe's model).
     case = {"layout": layout, "param_dtype": param_dtype, "quantized": quantized}
