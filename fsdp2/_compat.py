@@ -431,3 +431,27 @@ def outside_dispatch_modes() -> Iterator[None]:
 
     with _disable_current_modes():
         yield
+
+
+def cpu_picks_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
+                              scale: float | None, enable_gqa: bool) -> bool:
+    """Whether ``F.scaled_dot_product_attention`` on these CPU tensors takes the flash kernel.
+
+    The memory planner runs on the meta device, where the math kernel is always taken; it asks
+    the CPU's choice (``aten._fused_sdp_choice``, which has no public equivalent) to allocate
+    what a CPU run allocates (``memory/_meta_attention.py``).
+    """
+    from torch.nn.attention import SDPBackend
+
+    choice = torch.ops.aten._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    return choice == SDPBackend.FLASH_ATTENTION.value
+
+
+def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+                        is_causal: bool, attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """The CPU's flash-attention kernel called directly (``aten._scaled_dot_product_flash_attention_for_cpu``:
+    on meta tensors, its meta implementation and autograd formula), its output alone."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]

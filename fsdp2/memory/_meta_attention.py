@@ -27,15 +27,12 @@ from .. import _compat
 
 __all__ = ["CpuAttention"]
 
-_FLASH = 1  # torch's SDPBackend.FLASH_ATTENTION, as _fused_sdp_choice returns it
-
-
 class CpuAttention(TorchFunctionMode):
     """``F.scaled_dot_product_attention`` on plain meta tensors through the kernel the CPU picks."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._choices: dict[tuple, int] = {}  # the CPU's choice by what it depends on
+        self._choices: dict[tuple, bool] = {}  # the CPU's choice (flash or not) by what it depends on
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -51,15 +48,14 @@ class CpuAttention(TorchFunctionMode):
         tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
         if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_meta for t in tensors):
             return None  # subclasses (DTensor) as they are: on meta, the math kernel
-        if self._choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) != _FLASH:
+        if not self._flash(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
             return None  # the math kernel, as on the CPU
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the CPU's: True keeps, False masks
             attn_mask = torch.where(attn_mask, 0.0, torch.scalar_tensor(-math.inf, dtype=query.dtype, device="meta"))
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        return _compat.cpu_flash_attention(query, key, value, dropout_p, is_causal, attn_mask, scale)
 
-    def _choice(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> int:
+    def _flash(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+               dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> bool:
         tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
         signature = (tuple((t.dtype, t.shape[:-2], t.shape[-1], t.stride(-1) == 1, t.requires_grad) for t in tensors),
                      dropout_p, is_causal, scale, enable_gqa, torch.is_grad_enabled())
@@ -68,9 +64,8 @@ class CpuAttention(TorchFunctionMode):
             with _compat.outside_dispatch_modes():
                 stand_ins = [_one_position(t) for t in tensors[:3]] + [_one_cell(t) for t in tensors[3:]]
                 q, k, v = stand_ins[:3]
-                self._choices[signature] = torch.ops.aten._fused_sdp_choice(
-                    q, k, v, stand_ins[3] if attn_mask is not None else None, dropout_p, is_causal, scale=scale,
-                    enable_gqa=enable_gqa)
+                self._choices[signature] = _compat.cpu_picks_flash_attention(
+                    q, k, v, stand_ins[3] if attn_mask is not None else None, dropout_p, is_causal, scale, enable_gqa)
         return self._choices[signature]
 
 
