@@ -9,7 +9,7 @@ across rows.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -50,6 +50,8 @@ class DataParallelMesh:
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
     spmd: SpmdAxes | None = None  # dp_mesh_dims: the full mesh the parameters live on
+    # tp_mesh's answers by the parameter mesh's id (the mesh kept with it, so the id stays its)
+    _tp: dict[int, tuple[DeviceMesh, DeviceMesh | None]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, mesh: DeviceMesh, spmd: SpmdAxes | None = None) -> DataParallelMesh:
@@ -69,6 +71,14 @@ class DataParallelMesh:
     def world(self) -> int:
         """Ranks that gradients are averaged over."""
         return self.shard_size * self.replicate_size
+
+    def tp_mesh(self, param_mesh: DeviceMesh) -> DeviceMesh | None:
+        """``tp_mesh_of(param_mesh, self.mesh)``, worked out once per parameter mesh (a model's
+        parameters share a few)."""
+        known = self._tp.get(id(param_mesh))
+        if known is None:
+            known = self._tp[id(param_mesh)] = (param_mesh, tp_mesh_of(param_mesh, self.mesh))
+        return known[1]
 
     def placements(self, shard: Placement) -> tuple[Placement, ...]:
         return (Replicate(), shard) if self.replicate_group is not None else (shard,)

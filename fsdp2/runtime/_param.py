@@ -22,7 +22,7 @@ from .. import _compat
 from .._format import chunk_rows
 from . import _extension
 from .._format import Chunking, contiguous_stride
-from ._mesh import DataParallelMesh, tp_mesh_of
+from ._mesh import DataParallelMesh
 
 __all__ = ["ShardedParam", "raise_if_on_meta"]
 
@@ -64,8 +64,8 @@ class ShardedParam:
         self.tp: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         if isinstance(param, DTensor):
             # The data-parallel root's own TP axes where they equal the parameter's mesh (see
-            # tp_mesh_of); dp_mesh_dims: the parameter's mesh is the whole SPMD mesh, kept.
-            mesh = param.device_mesh if dp.spmd is not None else tp_mesh_of(param.device_mesh, dp.mesh)
+            # _mesh.tp_mesh_of); dp_mesh_dims: the parameter's mesh is the whole SPMD mesh, kept.
+            mesh = param.device_mesh if dp.spmd is not None else dp.tp_mesh(param.device_mesh)
             self.tp = (mesh or param.device_mesh, tuple(param.placements))
             local = param.to_local()
         else:
