@@ -305,8 +305,13 @@ def copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: S
     """Copy each full gradient's chunk ``r`` into row ``r`` of ``by_rank`` (world, total)."""
     world = by_rank.shape[0]
     if all(lay.dim == 0 and lay.local_numel for lay in layouts):  # the usual case: one op
+        ranks = _data_ranks(layouts, world)
         with torch.no_grad():
-            _compat.chunk_cat(list(grads), world, by_rank)
+            if ranks < world:  # the rows of the ranks after ``ranks`` are padding of every gradient: zeros
+                _compat.chunk_cat(list(grads), ranks, by_rank[:ranks])
+                by_rank[ranks:].zero_()
+            else:
+                _compat.chunk_cat(list(grads), world, by_rank)
         return
     targets, sources = [], []  # even shards: one foreach copy for all of them
     with torch.no_grad():
@@ -324,6 +329,19 @@ def copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: S
                         dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
         if targets:
             torch._foreach_copy_(targets, sources)
+
+
+def _data_ranks(layouts: Sequence[Chunking], world: int) -> int:
+    """How many ranks, from rank 0, receive true rows of some gradient (``world`` where that
+    cannot be cut short). Chunking the gradients into that many pieces gives each the rows per
+    rank it has over ``world`` (``ceil(n / ranks)`` is the chunk for any ``ranks`` between the
+    gradient's own data ranks and ``world``), so the copy-in of the ranks before it is the same
+    and the rest of the rank-major buffer is zeros, written in one fill instead of a padded
+    piece per gradient per rank."""
+    ranks = max(lay.data_ranks for lay in layouts)
+    if not ranks or ranks >= world or any(-(-lay.shape[0] // ranks) != lay.chunk for lay in layouts):
+        return world
+    return ranks
 
 
 def show_flat_all_gather(fmt: GatherFormat, pg: dist.ProcessGroup) -> None:

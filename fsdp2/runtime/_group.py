@@ -29,7 +29,7 @@ from . import _extension
 from ._extension import GroupExtension
 from .._format import GatherFormat, segment_layout
 from ._mesh import DataParallelMesh, SubGroup
-from ._param import ShardedParam, raise_if_on_meta
+from ._param import ShardedParam, raise_if_on_meta, register_forms, requires_grad_changed
 from ._policy import GroupPolicy
 from ._release import EarlyRelease, segment_bounds
 from ._reduce_queue import ReduceQueue
@@ -471,9 +471,8 @@ class ParamGroup:
         if gather.release() is not None:
             self._unreleased = gather
         self._gather = None  # only now: if the copy raised, reset() still finds the collective
-        self.refresh_requires_grad()  # a flag set on the sharded form since reaches autograd's
-        for p in self.params:
-            p.to_unsharded()
+        if register_forms(self.params, unsharded=True):
+            self.refresh_requires_grad()  # a flag set on the sharded form since reaches autograd's
         self.state = ShardState.UNSHARDED
         return True
 
@@ -484,9 +483,8 @@ class ParamGroup:
         if self.state is ShardState.SHARDED:
             return
         _trace.emit("reshard", self.label)
-        self.refresh_requires_grad()  # a flag set on the unsharded form shows on the sharded one
-        for p in self.params:
-            p.to_sharded()
+        if register_forms(self.params, unsharded=False):
+            self.refresh_requires_grad()  # a flag set on the unsharded form shows on the sharded one
         self._free_unsharded()
         self._partial_send = None
         self.state = ShardState.SHARDED
@@ -529,7 +527,7 @@ class ParamGroup:
         routed its inputs (``_InputsGradReady``) or counts as unhooked (``unhooked_forward``), so a
         parameter frozen since is never freed before backward is done with it.
         """
-        if any([p.sync_requires_grad() for p in self.params]):  # a list: sync every parameter
+        if requires_grad_changed(self.params) and any([p.sync_requires_grad() for p in self.params]):  # a list: all
             self._count_trainable()
 
     @property
