@@ -308,8 +308,8 @@ def copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: S
         ranks = _data_ranks(layouts, world)
         with torch.no_grad():
             if ranks < world:  # the rows of the ranks after ``ranks`` are padding of every gradient: zeros
-                _compat.chunk_cat(list(grads), ranks, by_rank[:ranks])
-                by_rank[ranks:].zero_()
+                _compat.chunk_cat(list(grads), ranks, by_rank.narrow(0, 0, ranks))
+                by_rank.narrow(0, ranks, world - ranks).zero_()
             else:
                 _compat.chunk_cat(list(grads), world, by_rank)
         return
@@ -338,9 +338,14 @@ def _data_ranks(layouts: Sequence[Chunking], world: int) -> int:
     gradient's own data ranks and ``world``), so the copy-in of the ranks before it is the same
     and the rest of the rank-major buffer is zeros, written in one fill instead of a padded
     piece per gradient per rank."""
-    ranks = max(lay.data_ranks for lay in layouts)
-    if not ranks or ranks >= world or any(-(-lay.shape[0] // ranks) != lay.chunk for lay in layouts):
+    ranks = 0
+    for lay in layouts:
+        ranks = max(ranks, lay.data_ranks)
+    if not ranks or ranks >= world:
         return world
+    for lay in layouts:
+        if -(-lay.shape[0] // ranks) != lay.chunk:
+            return world
     return ranks
 
 
