@@ -321,14 +321,24 @@ def copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: S
             if lay.shape[lay.dim] == lay.chunk * world:
                 targets.append(dst)
                 sources.append(lay.chunks_view(grad.contiguous()))
-            else:  # uneven: zero the padding, then copy each rank's true rows
-                dst.zero_()
-                for r in range(world):
-                    rows = lay.rows(r)
-                    if rows:
-                        dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
+            else:  # uneven: the ranks holding whole chunks, the one holding the rest, then zeros
+                _copy_uneven(dst, lay, grad)
         if targets:
             torch._foreach_copy_(targets, sources)
+
+
+def _copy_uneven(dst: torch.Tensor, lay: Chunking, grad: torch.Tensor) -> None:
+    """``dst`` (world, *local_shape) := each rank's chunk of ``grad`` along ``lay.dim``, zero past
+    its end: a few ops whatever the world size (not one per rank)."""
+    dim, chunk, world = lay.dim, lay.chunk, dst.shape[0]
+    n = grad.shape[dim]
+    whole, rest = divmod(n, chunk) if chunk else (0, 0)
+    if whole:  # ranks 0..whole-1: whole chunks, as one strided copy
+        dst.narrow(0, 0, whole).copy_(grad.narrow(dim, 0, whole * chunk).unflatten(dim, (whole, chunk)).movedim(dim, 0))
+    if whole < world:
+        dst.narrow(0, whole, world - whole).zero_()
+        if rest:  # rank ``whole``: its true rows, the padding after them stays zero
+            dst[whole].narrow(dim, 0, rest).copy_(grad.narrow(dim, whole * chunk, rest))
 
 
 def _data_ranks(layouts: Sequence[Chunking], world: int) -> int:
