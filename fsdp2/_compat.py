@@ -55,8 +55,6 @@ def refuse_compiled_autograd() -> None:
     included, and those cannot be traced (see ``run_eagerly``); refusing here gives a clear
     error instead of one from deep inside Dynamo. The flag is private (torch 2.13).
     """
-    import sys
-
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     if module is not None and (getattr(module, "compiled_autograd_enabled", False)
                                or getattr(module, "in_compiled_autograd_region", False)):

@@ -308,8 +308,8 @@ def copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: S
         ranks = _data_ranks(layouts, world)
         with torch.no_grad():
             if ranks < world:  # the rows of the ranks after ``ranks`` are padding of every gradient: zeros
-                _compat.chunk_cat(list(grads), ranks, by_rank.narrow(0, 0, ranks))
-                by_rank.narrow(0, ranks, world - ranks).zero_()
+                _compat.chunk_cat(list(grads), ranks, by_rank[:ranks])
+                by_rank[ranks:].zero_()
             else:
                 _compat.chunk_cat(list(grads), world, by_rank)
         return

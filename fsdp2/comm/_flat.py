@@ -231,7 +231,7 @@ def _start_all_gather(
     """
     streams = streams_for(device)
     if header is not None:
-        send.narrow(0, 0, HEADER).copy_(header, non_blocking=True)  # (narrow: cheaper than a slice)
+        send[:HEADER].copy_(header, non_blocking=True)
     if fmt.world == 1:  # nothing to gather: the send buffer is the result
         return FlatAllGather(copied or Completion(), fmt, send[None, :HEADER], transport, send, send)
     if _bytes._ACTIVE:
