@@ -63,6 +63,7 @@ class ParamGroup:
         self._unreleased: AllGatherInFlight | None = None  # a read all-gather the peers may still read from
         self._partial_send: torch.Tensor | None = None
         self._header_pg: dist.ProcessGroup | None = None  # the all-gather in flight's, when its headers are checked
+        self.header_slot: _checks.HeaderSlot | None = None  # its all-gather header, rewritten in place (CPU)
         # The unsharded buffer: one storage per segment, parameters ``bounds[k]:bounds[k + 1]``
         # in segment ``k``; several only for early frees (_segment_bounds_for).
         self._buffers: list[torch.Tensor] = []
