@@ -55,8 +55,6 @@ def refuse_compiled_autograd() -> None:
     included, and those cannot be traced (see ``run_eagerly``); refusing here gives a clear
     error instead of one from deep inside Dynamo. The flag is private (torch 2.13).
     """
-    import sys
-
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     if module is not None and (getattr(module, "compiled_autograd_enabled", False)
                                or getattr(module, "in_compiled_autograd_region", False)):
@@ -293,21 +291,20 @@ def functorch_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
-@contextlib.contextmanager
-def outside_functorch() -> Iterator[None]:
+def outside_functorch() -> contextlib.AbstractContextManager:
     """Run fsdp2's own tensor work outside any ``torch.func`` transform (``jvp``, ``vmap``...).
 
     Under a transform, tensors created by factory functions come back wrapped for it: a
     gathered parameter buffer or a collective's output allocated inside ``torch.func.jvp``
     would be a wrapper that dies with the transform (and gloo cannot read it). The
     transform must see the gathered parameters as plain constants. ``_DisableFuncTorch``
-    (private, torch 2.0 to 2.13) is the only way out of an active transform.
+    (private, torch 2.0 to 2.13) is the only way out of an active transform. Twice per group
+    per forward: outside a transform, one shared no-op context (no generator made).
     """
-    if functorch_active():
-        with torch._C._DisableFuncTorch():
-            yield
-    else:
-        yield
+    return torch._C._DisableFuncTorch() if functorch_active() else _NO_CONTEXT
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -220,7 +220,7 @@ class GatherFormat:
             views.append((values, scales))
         return views
 
-    @property
+    @cached_property
     def world(self) -> int:
         return self.layouts[0].world
 

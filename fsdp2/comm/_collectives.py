@@ -305,8 +305,13 @@ def copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: S
     """Copy each full gradient's chunk ``r`` into row ``r`` of ``by_rank`` (world, total)."""
     world = by_rank.shape[0]
     if all(lay.dim == 0 and lay.local_numel for lay in layouts):  # the usual case: one op
+        ranks = _data_ranks(layouts, world)
         with torch.no_grad():
-            _compat.chunk_cat(list(grads), world, by_rank)
+            if ranks < world:  # the rows of the ranks after ``ranks`` are padding of every gradient: zeros
+                _compat.chunk_cat(list(grads), ranks, by_rank[:ranks])
+                by_rank[ranks:].zero_()
+            else:
+                _compat.chunk_cat(list(grads), world, by_rank)
         return
     targets, sources = [], []  # even shards: one foreach copy for all of them
     with torch.no_grad():
@@ -316,14 +321,42 @@ def copy_rank_major(by_rank: torch.Tensor, layouts: Sequence[Chunking], grads: S
             if lay.shape[lay.dim] == lay.chunk * world:
                 targets.append(dst)
                 sources.append(lay.chunks_view(grad.contiguous()))
-            else:  # uneven: zero the padding, then copy each rank's true rows
-                dst.zero_()
-                for r in range(world):
-                    rows = lay.rows(r)
-                    if rows:
-                        dst[r].narrow(lay.dim, 0, rows).copy_(grad.narrow(lay.dim, r * lay.chunk, rows))
+            else:  # uneven: the ranks holding whole chunks, the one holding the rest, then zeros
+                _copy_uneven(dst, lay, grad)
         if targets:
             torch._foreach_copy_(targets, sources)
+
+
+def _copy_uneven(dst: torch.Tensor, lay: Chunking, grad: torch.Tensor) -> None:
+    """``dst`` (world, *local_shape) := each rank's chunk of ``grad`` along ``lay.dim``, zero past
+    its end: a few ops whatever the world size (not one per rank)."""
+    dim, chunk, world = lay.dim, lay.chunk, dst.shape[0]
+    n = grad.shape[dim]
+    whole, rest = divmod(n, chunk) if chunk else (0, 0)
+    if whole:  # ranks 0..whole-1: whole chunks, as one strided copy
+        dst.narrow(0, 0, whole).copy_(grad.narrow(dim, 0, whole * chunk).unflatten(dim, (whole, chunk)).movedim(dim, 0))
+    if whole < world:
+        dst.narrow(0, whole, world - whole).zero_()
+        if rest:  # rank ``whole``: its true rows, the padding after them stays zero
+            dst[whole].narrow(dim, 0, rest).copy_(grad.narrow(dim, whole * chunk, rest))
+
+
+def _data_ranks(layouts: Sequence[Chunking], world: int) -> int:
+    """How many ranks, from rank 0, receive true rows of some gradient (``world`` where that
+    cannot be cut short). Chunking the gradients into that many pieces gives each the rows per
+    rank it has over ``world`` (``ceil(n / ranks)`` is the chunk for any ``ranks`` between the
+    gradient's own data ranks and ``world``), so the copy-in of the ranks before it is the same
+    and the rest of the rank-major buffer is zeros, written in one fill instead of a padded
+    piece per gradient per rank."""
+    ranks = 0
+    for lay in layouts:
+        ranks = max(ranks, lay.data_ranks)
+    if not ranks or ranks >= world:
+        return world
+    for lay in layouts:
+        if -(-lay.shape[0] // ranks) != lay.chunk:
+            return world
+    return ranks
 
 
 def show_flat_all_gather(fmt: GatherFormat, pg: dist.ProcessGroup) -> None:

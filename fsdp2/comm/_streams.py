@@ -39,6 +39,8 @@ import torch.distributed as dist
 
 __all__ = ["Completion", "Streams", "streams_for"]
 
+_NO_STREAM = nullcontext()  # CPU: every stage runs on the calling thread, in order
+
 
 class Completion:
     """The end of one issued stage: a work handle (CPU) or an event on a side stream (CUDA).
@@ -103,7 +105,7 @@ class Streams:
         """Run the enclosed stage on stream ``kind`` ("copy_in", "all_gather", "reduce_scatter",
         "all_reduce")."""
         if not self.cuda:
-            return nullcontext()
+            return _NO_STREAM  # (reentrant: one for every stage)
         return self._on_side_stream(getattr(self, kind))
 
     @contextmanager

@@ -175,22 +175,62 @@ def _first_difference(all_lines: list[list[str]], pg: dist.ProcessGroup) -> str:
 
 
 # ---- all-gather headers ---------------------------------------------------------------
+class HeaderSlot:
+    """A group's all-gather header on CPU, rewritten in place at each all-gather: 16 bytes of a
+    bytearray seen as a tensor (no tensor made per call), and its key (group index and phase)
+    repeated once per rank, per world size, for the comparison (no view made per call).
+
+    Safe to rewrite at the group's next all-gather: transports copy the header at issue (the
+    flat one into its send slice, the exchange into its own row of the headers it sends), and
+    the comparison reads the key before the group can issue another all-gather. Not used under
+    a dispatch mode (a memory tracker, ``CommDebugMode``, the planner's fake tensors): there each
+    all-gather makes its header as before, so what such a mode sees is unchanged.
+    """
+
+    __slots__ = ("raw", "tensor", "current", "_repeated")
+
+    def __init__(self) -> None:
+        self.raw = bytearray(16)
+        self.tensor = torch.frombuffer(self.raw, dtype=torch.uint8)
+        self.current = False  # it holds the header of the group's latest all-gather
+        self._repeated: dict[int, torch.Tensor] = {}
+
+    def key_repeated(self, world: int) -> torch.Tensor:
+        rows = self._repeated.get(world)
+        if rows is None:
+            rows = self._repeated[world] = self.tensor[8:].expand(world, 8)
+        return rows
+
+
 def before_all_gather(group: ParamGroup, fmt: GatherFormat, pg: dist.ProcessGroup) -> torch.Tensor | None:
     """This rank's 16-byte header for the coming all-gather (None when unchecked); logs in debug mode."""
     root = group.root
     iteration = root.iteration if root is not None else -1
     phase = _debug.phase(root)
-    # (meta: the memory planner's groups, which play a CPU run without data.)
-    check = fmt.world > 1 and (group.device.type in ("cpu", "meta") or _debug.enabled())
+    cpu = group.device.type in ("cpu", "meta")  # (meta: the memory planner's groups, which play a CPU run)
     header = None
-    if check:
+    if fmt.world > 1 and (cpu or _debug.enabled()):
         index = root.diag.index.get(id(group), -1) if root is not None and root.diag is not None else -1
-        # Native-endian int32s, read back as such; frombuffer is cheaper than torch.tensor.
-        packed = struct.pack("=4i", ALL_GATHER_MAGIC, iteration, index, phase)
-        header = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+        # Native-endian int32s, read back as such.
+        slot = group.header_slot
+        if cpu and not _compat.dispatch_modes_active():
+            slot = slot or _new_header_slot(group)
+            struct.pack_into("=4i", slot.raw, 0, ALL_GATHER_MAGIC, iteration, index, phase)
+            slot.current = True
+            header = slot.tensor
+        else:  # a tensor of its own (on CUDA, debug mode: the copy to the device may read it later)
+            if slot is not None:
+                slot.current = False
+            packed = struct.pack("=4i", ALL_GATHER_MAGIC, iteration, index, phase)
+            header = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
     if _debug.enabled():
         _debug.log_collective("all_gather", group.label, pg, f"{fmt.slice_bytes} bytes per rank", torch.uint8, root)
     return header
+
+
+def _new_header_slot(group: ParamGroup) -> HeaderSlot:
+    group.header_slot = HeaderSlot()
+    return group.header_slot
 
 
 def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight, pg: dist.ProcessGroup | None) -> None:
@@ -215,13 +255,19 @@ def _check_all_gather_headers(group: ParamGroup, headers: torch.Tensor, pg: dist
     if pg is None or headers.is_meta:  # the memory planner's run (fsdp2/memory/_simulate.py): no bytes
         return
     # The usual case in one comparison, whatever the world size and without a copy: the header's
-    # second 8 bytes (group index and phase) are rank 0's on every rank (the iteration, in the
-    # first 8, may differ). Anything else is rare: row by row below. Two strided views of the
-    # rows' bytes (``headers`` is (world, HEADER) uint8, each row contiguous): every rank's key,
-    # and rank 0's repeated (stride 0).
+    # second 8 bytes (group index and phase) are the same on every rank (the iteration, in the
+    # first 8, may differ). Anything else is rare: row by row below. A strided view of the rows'
+    # bytes (``headers`` is (world, HEADER) uint8, each row contiguous), every rank's key, against
+    # this rank's own key repeated (``HeaderSlot``, CPU) or rank 0's (stride 0): all equal to
+    # either is all equal; any difference goes the slow way below.
     world, stride, base = headers.shape[0], headers.stride(0), headers.storage_offset() + 8
     keys = headers.as_strided((world, 8), (stride, 1), base)
-    if torch.equal(keys, headers.as_strided((world, 8), (0, 1), base)):  # on CUDA a device sync (debug mode only)
+    slot = getattr(group, "header_slot", None)  # (a group, or a stand-in with its root only)
+    if slot is not None and slot.current and headers.device.type == "cpu" and not _compat.dispatch_modes_active():
+        mine = slot.key_repeated(world)
+    else:
+        mine = headers.as_strided((world, 8), (0, 1), base)
+    if torch.equal(keys, mine):  # on CUDA a device sync (debug mode only)
         return
     rows = headers.contiguous().view(torch.int32).cpu().tolist()  # (world, 4)
     if any(row[0] != ALL_GATHER_MAGIC for row in rows):

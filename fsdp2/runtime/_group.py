@@ -29,7 +29,7 @@ from . import _extension
 from ._extension import GroupExtension
 from .._format import GatherFormat, segment_layout
 from ._mesh import DataParallelMesh, SubGroup
-from ._param import ShardedParam, raise_if_on_meta
+from ._param import ShardedParam, raise_if_on_meta, register_forms, requires_grad_changed
 from ._policy import GroupPolicy
 from ._release import EarlyRelease, segment_bounds
 from ._reduce_queue import ReduceQueue
@@ -63,6 +63,7 @@ class ParamGroup:
         self._unreleased: AllGatherInFlight | None = None  # a read all-gather the peers may still read from
         self._partial_send: torch.Tensor | None = None
         self._header_pg: dist.ProcessGroup | None = None  # the all-gather in flight's, when its headers are checked
+        self.header_slot: _checks.HeaderSlot | None = None  # its all-gather header, rewritten in place (CPU)
         # The unsharded buffer: one storage per segment, parameters ``bounds[k]:bounds[k + 1]``
         # in segment ``k``; several only for early frees (_segment_bounds_for).
         self._buffers: list[torch.Tensor] = []
@@ -471,9 +472,8 @@ class ParamGroup:
         if gather.release() is not None:
             self._unreleased = gather
         self._gather = None  # only now: if the copy raised, reset() still finds the collective
-        self.refresh_requires_grad()  # a flag set on the sharded form since reaches autograd's
-        for p in self.params:
-            p.to_unsharded()
+        if register_forms(self.params, unsharded=True):
+            self.refresh_requires_grad()  # a flag set on the sharded form since reaches autograd's
         self.state = ShardState.UNSHARDED
         return True
 
@@ -484,9 +484,8 @@ class ParamGroup:
         if self.state is ShardState.SHARDED:
             return
         _trace.emit("reshard", self.label)
-        self.refresh_requires_grad()  # a flag set on the unsharded form shows on the sharded one
-        for p in self.params:
-            p.to_sharded()
+        if register_forms(self.params, unsharded=False):
+            self.refresh_requires_grad()  # a flag set on the unsharded form shows on the sharded one
         self._free_unsharded()
         self._partial_send = None
         self.state = ShardState.SHARDED
@@ -529,7 +528,7 @@ class ParamGroup:
         routed its inputs (``_InputsGradReady``) or counts as unhooked (``unhooked_forward``), so a
         parameter frozen since is never freed before backward is done with it.
         """
-        if any([p.sync_requires_grad() for p in self.params]):  # a list: sync every parameter
+        if requires_grad_changed(self.params) and any([p.sync_requires_grad() for p in self.params]):  # a list: all
             self._count_trainable()
 
     @property

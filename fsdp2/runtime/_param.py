@@ -9,6 +9,7 @@ narrows the padding away and reports the true global shape.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable
 
@@ -379,8 +380,7 @@ class ShardedParam:
             # A weak reference: torch's garbage collector does not look into a tensor's
             # post-accumulate hooks, so a hook holding this object would keep it, its group and
             # the unsharded buffer alive forever once the model is deleted.
-            me = weakref.ref(self)
-            self.unsharded.register_post_accumulate_grad_hook(lambda _p: _grad_ready(me))
+            self.unsharded.register_post_accumulate_grad_hook(functools.partial(_grad_ready, weakref.ref(self)))
             self._grad_hooked = True
 
     def sync_requires_grad(self) -> bool:
@@ -499,6 +499,31 @@ class ShardedParam:
                 _compat.dtensor_local(grad).add_(local.to(padded.device) if move else local)
 
 
+def register_forms(params: list[ShardedParam], unsharded: bool) -> bool:
+    """Point the modules at each parameter's unsharded form (``unsharded``) or its sharded one,
+    as ``to_unsharded`` / ``to_sharded`` do, in one loop for a group; returns whether any
+    ``requires_grad`` flag differs from the last one seen (``ParamGroup.refresh_requires_grad``
+    then follows it). Runs at each gather and reshard, per parameter: no call per parameter."""
+    changed = False
+    for p in params:
+        flag, full, shard = p.requires_grad, p.unsharded, p.sharded
+        if shard.requires_grad is not flag or (full is not None and full.requires_grad is not flag):
+            changed = True
+        form = full if unsharded else shard
+        for module, name in p.locations:
+            module._parameters[name] = form  # plain dict writes, as _register_on_modules
+    return changed
+
+
+def requires_grad_changed(params: list[ShardedParam]) -> bool:
+    """Whether a form of some parameter has another ``requires_grad`` than the last one seen."""
+    for p in params:
+        flag, full = p.requires_grad, p.unsharded
+        if p.sharded.requires_grad is not flag or (full is not None and full.requires_grad is not flag):
+            return True
+    return False
+
+
 def raise_if_on_meta(params: list[ShardedParam], name_of: Callable[[ShardedParam], str]) -> None:
     """``RuntimeError`` (torch's type) naming the parameters still on the meta device, and the fix."""
     # (A home on meta: the memory planner's run, which computes there; no user's mesh is on meta.)
@@ -514,7 +539,7 @@ def raise_if_on_meta(params: list[ShardedParam], name_of: Callable[[ShardedParam
         )
 
 
-def _grad_ready(ref: weakref.ref) -> None:
+def _grad_ready(ref: weakref.ref, _unsharded: torch.Tensor) -> None:
     """An unsharded parameter's post-accumulate hook: tell its group (if the model still exists)."""
     param = ref()
     if param is not None:

@@ -140,3 +140,57 @@ def test_flat_copy_out_skips_the_ranks_holding_padding_only():
     results = run_on_ranks(_copy_out_of_padding_only_ranks, 4)
     assert results[0][0] == [("split_with_sizes_copy", 3 * 80)], results[0][0]
     assert all(r[1] == results[0][1] for r in results)
+
+
+def test_reduce_scatter_copy_in_fills_padding_only_ranks_with_zeros():
+    # The rank-major copy-in of the ranks holding padding only is one fill of zeros: byte for
+    # byte what chunking every gradient over all ranks gives, whatever the buffer held before
+    # (a NaN sentinel), in the gradients' dtype or cast to the reduce dtype.
+    from fsdp2._format import Chunking
+    from fsdp2.comm._collectives import copy_rank_major
+
+    cases = [
+        (8, [(2, 4), (3,), (2,)]),  # ranks 3-7 padding only
+        (4, [(3, 2), (3,)]),  # rank 3 padding only
+        (4, [(8, 2), (1,)]),  # every rank holds rows of the first: no rank skipped
+        (256, [(64, 64), (64,), (100,)]),  # the benchmark's shapes at world 256: ranks 100-255
+    ]
+    gen = torch.Generator().manual_seed(0)
+    for world, shapes in cases:  # dim 0: one chunk_cat (and one fill)
+        for dtype in (torch.float32, torch.bfloat16):
+            grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+            layouts = [Chunking.even(g.shape, 0, world) for g in grads]
+            total = sum(lay.local_numel for lay in layouts)
+            expected = torch.empty(world, total)
+            torch._chunk_cat(grads, dim=0, num_chunks=world, out=expected)
+            got = torch.full((world, total), float("nan"))
+            offsets = [sum(lay.local_numel for lay in layouts[:i]) for i in range(len(layouts))]
+            copy_rank_major(got, layouts, grads, offsets)
+            assert torch.equal(got, expected), (world, shapes, dtype)
+
+
+def test_reduce_scatter_copy_in_of_uneven_shards_on_another_dim():
+    # Shard(1) with fewer columns than a multiple of the world: each rank's chunk of columns,
+    # zero past the gradient's end, in a few ops whatever the world (once one per rank),
+    # byte for byte what cutting each rank's columns out one by one gives.
+    from fsdp2._format import Chunking
+    from fsdp2.comm._collectives import copy_rank_major
+
+    gen = torch.Generator().manual_seed(0)
+    for world, shapes in [(4, [(3, 10), (2, 7)]), (8, [(2, 3), (5, 16)]), (256, [(4, 100)]), (4, [(2, 8)])]:
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        layouts = [Chunking.even(g.shape, 1, world) for g in grads]
+        total = sum(lay.local_numel for lay in layouts)
+        expected = torch.zeros(world, total)
+        off = 0
+        for lay, g in zip(layouts, grads):
+            for r in range(world):
+                piece = torch.zeros(lay.local_shape)
+                rows = lay.rows(r)
+                piece[:, :rows] = g[:, r * lay.chunk:r * lay.chunk + rows]
+                expected[r, off:off + lay.local_numel] = piece.flatten()
+            off += lay.local_numel
+        got = torch.full((world, total), float("nan"))
+        offsets = [sum(lay.local_numel for lay in layouts[:i]) for i in range(len(layouts))]
+        copy_rank_major(got, layouts, grads, offsets)
+        assert torch.equal(got, expected), (world, shapes)

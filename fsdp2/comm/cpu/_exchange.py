@@ -315,11 +315,12 @@ def _exchange_headers(header: torch.Tensor, pg: Link) -> tuple[torch.Tensor, lis
     """
     me, world = pg.rank(), pg.size()
     headers = torch.empty(world, HEADER, dtype=torch.uint8)
-    headers[me].copy_(header)
+    own = headers[me]
+    own.copy_(header)  # sent from here: the caller may rewrite ``header`` once this returns
     works: list[dist.Work] = []
     for peer in range(world):
         if peer != me:
-            _post(pg, [(header, TAG)], [(headers[peer], TAG)], peer, works)
+            _post(pg, [(own, TAG)], [(headers[peer], TAG)], peer, works)
     return headers, works
 
 
