@@ -3,7 +3,7 @@
 One process plays rank 0 of the layout's world: a fake process group of ``world`` ranks
 (collectives that move nothing), the model built on the meta device (shapes, no data),
 tensor parallelism by the model's plan, the real ``fully_shard`` on each block and the root,
-and a real optimizer. The groups then compute on meta too (``_on_meta``): every buffer the
+and a real optimizer. The groups then compute on meta too (``ParamGroup.compute_on_meta``): every buffer the
 runtime makes is a meta tensor, whose storage has a size and no data, so the tracker counts
 it as on a CPU run; attention takes the kernel the CPU would (``_meta_attention.py``). One
 training step runs untracked (so the optimizer state exists and the runtime knows the forward
@@ -210,7 +210,7 @@ def simulate(layout: Layout, builder: ModelBuilder) -> Simulation:
             _shard(model, layout, dp_mesh)
             groups = _groups(model)
             for group in groups:
-                _on_meta(group)
+                group.compute_on_meta()
             opt = _OPTIMIZERS[layout.optimizer](list(model.parameters()))
             _step(model, builder, layout, opt)  # the first step: optimizer state, forward order
         for group in groups:  # the transport a real run picks (FSDP2_CPU_COLLECTIVES as set), or its stand-in
@@ -283,17 +283,6 @@ def _inputs(builder: ModelBuilder, layout: Layout) -> torch.Tensor:
 def _loss(builder: ModelBuilder, output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     with _META:  # (its constants too)
         return builder.loss_fn(output, tokens)
-
-
-def _on_meta(group: ParamGroup) -> None:
-    """The group computes on the meta device, as a CPU run without data: its shards are there
-    already (the model was built there), and every buffer the runtime makes for it goes there.
-    No user's group is on meta (``fully_shard`` refuses a meta mesh): the runtime then lets
-    its shards stay on meta past lazy init (``raise_if_on_meta``)."""
-    group.device = torch.device("meta")
-    for p in group.params:
-        p._home_device = group.device
-    group.invalidate()  # its buffers and plans made again for the new device
 
 
 class _Born(TorchDispatchMode):

@@ -178,6 +178,13 @@ class ParamGroup:
             self._ext = GroupExtension.of(self.params, self.dp, self.subgroup is not None)
             self.invalidate()
 
+    def compute_on_meta(self) -> None:
+        """The memory planner's run (``memory/_simulate.py``): every buffer of this group on meta."""
+        self.device = torch.device("meta")
+        for p in self.params:
+            p._home_device = self.device  # (raise_if_on_meta lets these shards through)
+        self.invalidate()
+
     def invalidate(self) -> None:
         """Forget buffers and plans after devices or dtypes changed (``nn.Module._apply``) or
         parameters were replaced."""
