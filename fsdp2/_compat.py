@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
+from torch.overrides import has_torch_function
 
 
 def queue_end_of_backward_callback(fn: Callable[[], None]) -> None:
@@ -191,10 +192,60 @@ def detach(t: torch.Tensor) -> torch.Tensor:
     return keep_spec(t.detach(), t)
 
 
-# torch 2.13 renamed the flat collectives (the old names warn); older releases only have the old ones.
-all_gather_flat = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-reduce_scatter_flat = (getattr(torch.distributed, "reduce_scatter_single", None)
-                       or torch.distributed.reduce_scatter_tensor)
+# ---- the flat collectives --------------------------------------------------------------
+# torch 2.13 renamed them (the old names warn); older releases only have the old ones. The
+# process group's own methods run them: ``all_gather_single`` / ``reduce_scatter_single``
+# from 2.13, ``_allgather_base`` / ``_reduce_scatter_base`` (private) before.
+_C10D = torch.distributed.distributed_c10d
+_RENAMED = hasattr(torch.distributed, "all_gather_single")
+_ALL_GATHER = torch.distributed.all_gather_single if _RENAMED else torch.distributed.all_gather_into_tensor
+_REDUCE_SCATTER = torch.distributed.reduce_scatter_single if _RENAMED else torch.distributed.reduce_scatter_tensor
+_ALL_GATHER_METHOD = "all_gather_single" if _RENAMED else "_allgather_base"
+_REDUCE_SCATTER_METHOD = "reduce_scatter_single" if _RENAMED else "_reduce_scatter_base"
+
+
+def _plain_call(group, tensor: torch.Tensor) -> bool:
+    """Whether torch's public collective would do nothing but call ``group``'s own method: a
+    process group this rank is in, a plain real tensor (no ``__torch_function__`` subclass or
+    mode to hand the call to, nothing to view as real), no ``_coalescing_manager`` open
+    (``_world.pg_coalesce_state``, private: there the call is recorded, not issued)."""
+    return (isinstance(group, torch.distributed.ProcessGroup) and not has_torch_function((tensor,))
+            and not tensor.is_complex() and not _C10D._world.pg_coalesce_state)
+
+
+def all_gather_flat(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
+                    async_op: bool = False):
+    """``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13), as fsdp2 calls it
+    at every all-gather: ``group``'s own method directly where torch's function would do
+    nothing else (``_plain_call``), which skips its argument checks and its logging wrapper,
+    paid at every collective on every backend; else torch's function itself."""
+    if not _plain_call(group, input_tensor):
+        return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
+    opts = _C10D.AllgatherOptions()
+    opts.asyncOp = async_op
+    work = getattr(group, _ALL_GATHER_METHOD)(output_tensor, input_tensor, opts)
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
+
+
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None,
+                        async_op: bool = False):
+    """``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13), called as
+    :func:`all_gather_flat` calls its all-gather."""
+    if not _plain_call(group, input):
+        return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
+    opts = _C10D.ReduceScatterOptions()
+    opts.reduceOp = op
+    opts.asyncOp = async_op
+    work = getattr(group, _REDUCE_SCATTER_METHOD)(output, input, opts)
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
 
 
 def root_mesh(mesh):

@@ -11,11 +11,13 @@ replaceable objects (``_comm.py``, torch's interface) and run on side streams
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import _compat
 from ..diagnostics import _bytes, _debug
 from .._format import HEADER, GatherFormat, packed_offsets
 from ._collectives import (AllGatherInFlight, GatherTargets, QuantizedReduction, ReduceScatterInFlight, ReduceTarget,
@@ -231,7 +233,7 @@ def _start_all_gather(
     """
     streams = streams_for(device)
     if header is not None:
-        send[:HEADER].copy_(header, non_blocking=True)
+        _stamp(send, header)
     if fmt.world == 1:  # nothing to gather: the send buffer is the result
         return FlatAllGather(copied or Completion(), fmt, send[None, :HEADER], transport, send, send)
     if _bytes._ACTIVE:
@@ -246,6 +248,17 @@ def _start_all_gather(
     headers = output.as_strided((fmt.world, HEADER), (fmt.slice_bytes, 1), output.storage_offset()) \
         if header is not None else None
     return FlatAllGather(done, fmt, headers, transport, send, output)
+
+
+def _stamp(send: torch.Tensor, header: torch.Tensor) -> None:
+    """Write the 16-byte ``header`` at the start of ``send``. In CPU memory outside dispatch
+    modes, a plain copy of the bytes (no tensor op: it would cost more than the 16 bytes);
+    elsewhere ``copy_``, so that what a dispatch mode (a memory tracker, the planner's meta
+    run) or a device stream sees is unchanged."""
+    if send.is_cpu and header.is_cpu and not _compat.dispatch_modes_active():
+        ctypes.memmove(send.data_ptr(), header.data_ptr(), HEADER)
+    else:
+        send[:HEADER].copy_(header, non_blocking=True)
 
 
 def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:

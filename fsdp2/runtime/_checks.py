@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import struct
@@ -177,8 +178,8 @@ def _first_difference(all_lines: list[list[str]], pg: dist.ProcessGroup) -> str:
 # ---- all-gather headers ---------------------------------------------------------------
 class HeaderSlot:
     """A group's all-gather header on CPU, rewritten in place at each all-gather: 16 bytes of a
-    bytearray seen as a tensor (no tensor made per call), and its key (group index and phase)
-    repeated once per rank, per world size, for the comparison (no view made per call).
+    bytearray seen as a tensor (no tensor made per call), and the comparison of every rank's
+    key (group index and phase) with its own, read in place (``keys_agree``).
 
     Safe to rewrite at the group's next all-gather: transports copy the header at issue (the
     flat one into its send slice, the exchange into its own row of the headers it sends), and
@@ -193,13 +194,23 @@ class HeaderSlot:
         self.raw = bytearray(16)
         self.tensor = torch.frombuffer(self.raw, dtype=torch.uint8)
         self.current = False  # it holds the header of the group's latest all-gather
-        self._repeated: dict[int, torch.Tensor] = {}
+        self._repeated: dict[tuple[int, bytes], memoryview] = {}  # (world, key) -> the key, world times
 
-    def key_repeated(self, world: int) -> torch.Tensor:
-        rows = self._repeated.get(world)
-        if rows is None:
-            rows = self._repeated[world] = self.tensor[8:].expand(world, 8)
-        return rows
+    def keys_agree(self, headers: torch.Tensor) -> bool:
+        """Whether every row of ``headers`` ((world, HEADER) bytes in CPU memory, done) carries
+        this slot's key in its second 8 bytes. Read where the rows are, as 8-byte integers (a
+        strided memoryview over the rows' memory, compared with the key repeated): no tensor
+        op, which would cost more than the comparison for a few hundred rows. False, for the
+        caller's slower look, on any difference or where the rows are not 8-byte strided."""
+        world, stride = headers.shape[0], headers.stride(0)
+        if stride % 8 or headers.stride(1) != 1:
+            return False
+        key = bytes(self.raw[8:])
+        mine = self._repeated.get((world, key))
+        if mine is None:
+            mine = self._repeated[(world, key)] = memoryview(key * world).cast("q")
+        rows = (ctypes.c_char * ((world - 1) * stride + 8)).from_address(headers.data_ptr() + 8)
+        return memoryview(rows).cast("B").cast("q")[::stride // 8] == mine
 
 
 def before_all_gather(group: ParamGroup, fmt: GatherFormat, pg: dist.ProcessGroup) -> torch.Tensor | None:
@@ -256,19 +267,19 @@ def _check_all_gather_headers(group: ParamGroup, headers: torch.Tensor, pg: dist
         return
     # The usual case in one comparison, whatever the world size and without a copy: the header's
     # second 8 bytes (group index and phase) are the same on every rank (the iteration, in the
-    # first 8, may differ). Anything else is rare: row by row below. A strided view of the rows'
-    # bytes (``headers`` is (world, HEADER) uint8, each row contiguous), every rank's key, against
-    # this rank's own key repeated (``HeaderSlot``, CPU) or rank 0's (stride 0): all equal to
-    # either is all equal; any difference goes the slow way below.
-    world, stride, base = headers.shape[0], headers.stride(0), headers.storage_offset() + 8
-    keys = headers.as_strided((world, 8), (stride, 1), base)
+    # first 8, may differ). Anything else is rare: row by row below. On CPU (``HeaderSlot``)
+    # every rank's key is read in place against this rank's own; elsewhere (CUDA in debug mode,
+    # under a dispatch mode) a strided view of the keys against rank 0's (stride 0). All equal
+    # to either is all equal; any difference goes the slow way below.
     slot = getattr(group, "header_slot", None)  # (a group, or a stand-in with its root only)
-    if slot is not None and slot.current and headers.device.type == "cpu" and not _compat.dispatch_modes_active():
-        mine = slot.key_repeated(world)
+    if slot is not None and slot.current and headers.is_cpu and not _compat.dispatch_modes_active():
+        if slot.keys_agree(headers):
+            return
     else:
-        mine = headers.as_strided((world, 8), (0, 1), base)
-    if torch.equal(keys, mine):  # on CUDA a device sync (debug mode only)
-        return
+        world, stride, base = headers.shape[0], headers.stride(0), headers.storage_offset() + 8
+        keys = headers.as_strided((world, 8), (stride, 1), base)
+        if torch.equal(keys, headers.as_strided((world, 8), (0, 1), base)):  # on CUDA a device sync (debug mode only)
+            return
     rows = headers.contiguous().view(torch.int32).cpu().tolist()  # (world, 4)
     if any(row[0] != ALL_GATHER_MAGIC for row in rows):
         return

@@ -4,6 +4,8 @@ have nothing to do in fsdp2 (``share_comm_ctx``) or are not supported (symmetric
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -262,3 +264,44 @@ def test_process_group_buffers_have_the_shape_asked_for():
     # gloo has no allocator of its own (asked once per device): torch.empty, shaped as asked.
     assert run_on_ranks(_process_group_buffers, 2) == [[[(3, 4), "torch.float16"], [(5,), "torch.float32"],
                                                         [None]]] * 2
+
+
+# ---- the flat collectives' calls (fsdp2/_compat.py) ------------------------------------------
+def _collective_calls(world: int, mode_active: bool) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """All-gather and reduce-scatter through fsdp2's entry points on a gloo group of ``world``
+    ranks, optionally under a TorchFunctionMode that records what it sees."""
+    from torch.overrides import TorchFunctionMode
+
+    from fsdp2 import _compat
+
+    seen: list[str] = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    rank = dist.get_rank()
+    inp = torch.full((3,), float(rank + 1))
+    gathered = torch.empty(world * 3)
+    full = torch.arange(world * 2, dtype=torch.float32) * (rank + 1)
+    reduced = torch.empty(2)
+    with Recording() if mode_active else contextlib.nullcontext():
+        work = _compat.all_gather_flat(gathered, inp, group=dist.group.WORLD, async_op=True)
+        work.wait()
+        assert _compat.reduce_scatter_flat(reduced, full, op=dist.ReduceOp.SUM, group=dist.group.WORLD) is None
+    return seen, gathered, reduced
+
+
+@pytest.mark.parametrize("mode_active", [False, True])
+def test_flat_collectives_run_as_torchs_functions_do_and_a_function_mode_sees_them(mode_active):
+    # Outside any mode fsdp2 calls the process group's own method (torch's function would do
+    # nothing more); under a TorchFunctionMode it calls torch's function, which hands the call
+    # to the mode, as it does for torch's FSDP2. The results are the same either way.
+    results = run_on_ranks(_collective_calls, 2, 2, mode_active)
+    names = {"all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor"}
+    for rank, (seen, gathered, reduced) in enumerate(results):
+        assert torch.equal(gathered, torch.tensor([1.0] * 3 + [2.0] * 3))
+        assert torch.equal(reduced, (torch.arange(4, dtype=torch.float32) * 3)[2 * rank:2 * rank + 2])
+        collectives = [name for name in seen if name in names]
+        assert len(collectives) == (2 if mode_active else 0), seen

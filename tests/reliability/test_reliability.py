@@ -224,6 +224,37 @@ def test_the_header_check_finds_the_odd_rank_at_any_world_size(world):
         check([0, 0, 4, 1])  # stale bytes (no header this time): not compared
 
 
+@pytest.mark.parametrize("world,stride", [(4, 16), (64, 48), (256, 592), (8, 20)])
+def test_the_in_place_key_comparison_finds_the_odd_rank(world, stride):
+    # On CPU each rank's key is read where the all-gather put it (HeaderSlot.keys_agree): rows
+    # ``stride`` bytes apart, as in a flat all-gather's output; rows not 8-byte strided take
+    # the slower look, which must reach the same verdict.
+    import struct
+    from types import SimpleNamespace
+
+    from fsdp2._compat import fake_process_group
+    from fsdp2.runtime import _checks
+
+    magic, odd = 0x46534432, world // 2 + 1
+    slot = _checks.HeaderSlot()
+    struct.pack_into("=4i", slot.raw, 0, magic, 5, 3, 0)
+    slot.current = True
+    group = SimpleNamespace(root=None, header_slot=slot)
+    output = torch.zeros(world * stride + 4, dtype=torch.uint8)
+    headers = output.as_strided((world, 16), (stride, 1), 4 if stride % 8 else 0)
+    headers.copy_(slot.tensor.expand(world, 16))
+    # Another iteration on rank 1: only the key must agree.
+    headers[1, 4:8] = torch.tensor([6], dtype=torch.int32).view(torch.uint8)
+    assert slot.keys_agree(headers) is (stride % 8 == 0)
+    with fake_process_group(world):
+        _checks._check_all_gather_headers(group, headers, dist.group.WORLD)
+        headers[odd, 8:12] = torch.tensor([4], dtype=torch.int32).view(torch.uint8)
+        assert not slot.keys_agree(headers)
+        with pytest.raises(RuntimeError, match=rf"rank {odd} is gathering group #4 in forward of iteration 5 "
+                                               r"while rank 0 is gathering group #3 in forward"):
+            _checks._check_all_gather_headers(group, headers, dist.group.WORLD)
+
+
 @pytest.mark.parametrize("layout", ["partial", "hsdp", "one_rank"])
 def test_headers_agree_on_every_all_gather_path(layout):
     assert run_on_ranks(_aligned_schedules, 4, layout) == [1] * 4
