@@ -96,6 +96,7 @@ class GatherTargets:
         self.fmt = fmt
         self.chunks = chunks
         self.ranks = fmt.world if ranks is None else ranks
+        self.split_is_data: list[bool] = []  # per piece of ``split``: an entry's (True) or padding
 
     @cached_property
     def copied_chunks(self) -> list[torch.Tensor]:
@@ -133,6 +134,7 @@ class GatherTargets:
         pads = [size for size, place in zip(sizes, places) if place is None]
         scratch = iter(torch.empty(ranks, sum(pads), dtype=torch.uint8, device=chunks[0].device).split(pads, dim=1)
                        if pads else ())
+        self.split_is_data = [place is not None for place in places]
         return sizes, [next(scratch) if place is None else place for place in places]
 
 

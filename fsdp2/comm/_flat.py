@@ -35,15 +35,17 @@ __all__ = ["FlatAllGather", "FlatReduceScatter", "QuantizedReduceScatter", "Flat
 
 class FlatAllGather(AllGatherInFlight):
     """A flat all-gather in flight: ``output`` receives every rank's ``send`` slice (rank-major),
-    copied out into the unsharded buffer at the end."""
+    copied out into the unsharded buffer at the end; ``kept``: the transport's ``KeptOutput``
+    that ``output`` is, if it is one."""
 
-    __slots__ = ("send", "output")
+    __slots__ = ("send", "output", "kept")
 
     def __init__(self, done: Completion, fmt: GatherFormat, headers: torch.Tensor | None, transport: Transport,
-                 send: torch.Tensor, output: torch.Tensor) -> None:
+                 send: torch.Tensor, output: torch.Tensor, kept: KeptOutput | None = None) -> None:
         super().__init__(done, fmt, headers, transport)
         self.send = send
         self.output = output
+        self.kept = kept
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.send, self.output]
@@ -101,6 +103,50 @@ class QuantizedReduceScatter(ReduceScatterInFlight):
         return [*self.held, self.recv] + ([self.output] if self.output is not None else [])
 
 
+class KeptOutput:
+    """A flat all-gather's output in CPU memory, kept by its transport from one all-gather to the
+    next: one tensor whose storage is allocated at each issue and freed after the copy-out (where
+    a new tensor's would be), so that what every all-gather reads from it, the ranks' headers and
+    the copy-out's pieces, is viewed once instead of at each call, and the copy-out copies the
+    entries alone, not their alignment padding. Not used on accelerators, with a custom
+    all-gather (its ``allocate`` is called every time), for quantized formats or under a dispatch
+    mode (which sees each output made as before)."""
+
+    __slots__ = ("tensor", "headers", "busy", "_slice_bytes", "_pieces")
+
+    def __init__(self, fmt: GatherFormat, device: torch.device) -> None:
+        self._slice_bytes = fmt.slice_bytes
+        with torch.inference_mode(False):  # written by later all-gathers outside inference mode too
+            self.tensor = torch.empty(fmt.world * fmt.slice_bytes, dtype=torch.uint8, device=device)
+            self.headers = self.tensor.as_strided((fmt.world, HEADER), (fmt.slice_bytes, 1), 0)
+        self.busy = True  # allocated and in use by an all-gather not yet copied out
+        self._pieces: tuple[GatherTargets, list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def take(self) -> torch.Tensor:
+        storage = self.tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.tensor.numel())
+        self.busy = True
+        return self.tensor
+
+    def copy_out(self, targets: GatherTargets, split: tuple[list[int], list[torch.Tensor]]) -> None:
+        """``targets.split``'s copy, less its padding columns: a foreach copy of views made once
+        per targets (the first ``targets.ranks`` rows of each entry's bytes, to their places)."""
+        pieces = self._pieces
+        if pieces is None or pieces[0] is not targets:
+            size = self._slice_bytes
+            with torch.inference_mode(False):  # (as ``tensor``)
+                rows = self.tensor.as_strided((targets.ranks, size - HEADER), (size, 1), HEADER)
+                sources = [piece for piece, data in zip(rows.split(split[0], dim=1), targets.split_is_data) if data]
+            places = [place for place, data in zip(split[1], targets.split_is_data) if data]
+            pieces = self._pieces = (targets, places, sources)
+        torch._foreach_copy_(pieces[1], pieces[2])
+
+    def release(self) -> None:
+        self.tensor.untyped_storage().resize_(0)
+        self.busy = False
+
+
 class FlatTransport(Transport):
     """The flat collectives, run by ``all_gather`` / ``reduce_scatter`` (``_comm.py``); with
     ``grad_block``, the gradients are reduced quantized (``grad_bits``-bit values, int8 or two
@@ -115,6 +161,7 @@ class FlatTransport(Transport):
         self.reduce_scatter = reduce_scatter or DEFAULT_REDUCE_SCATTER
         self.grad_block = grad_block
         self.grad_bits = grad_bits
+        self._kept: dict[tuple[int, int], KeptOutput] = {}  # (world, slice bytes) -> the CPU output kept
 
     def start_all_gather(self, source: GatherSource, fmt: GatherFormat, pg: dist.ProcessGroup,
                          header: torch.Tensor | None, explicit: bool) -> AllGatherInFlight:
@@ -125,6 +172,23 @@ class FlatTransport(Transport):
 
     def finish_all_gather(self, inflight: AllGatherInFlight, targets: GatherTargets) -> None:
         _copy_out(inflight, targets)
+        if inflight.kept is not None:
+            inflight.kept.release()
+
+    def _output(self, fmt: GatherFormat, device: torch.device) -> tuple[torch.Tensor, KeptOutput | None]:
+        """An all-gather's output: the kept one where it may be used and is free (``KeptOutput``),
+        else one allocated now by the all-gather's ``allocate``."""
+        if device.type == "cpu" and self.all_gather is DEFAULT_ALL_GATHER and not fmt.block \
+                and not _compat.dispatch_modes_active():
+            key = (fmt.world, fmt.slice_bytes)
+            kept = self._kept.get(key)
+            if kept is None:
+                kept = self._kept[key] = KeptOutput(fmt, device)
+                return kept.tensor, kept
+            if not kept.busy:
+                return kept.take(), kept
+        output = self.all_gather.allocate((fmt.world * fmt.slice_bytes,), dtype=torch.uint8, device=device)
+        return output, None
 
     def start_reduce_scatter(self, layouts: Sequence[Chunking], grads: list[torch.Tensor], dtype: torch.dtype,
                              target: ReduceTarget, device: torch.device,
@@ -240,14 +304,17 @@ def _start_all_gather(
         _bytes.count("all_gather", fmt.slice_bytes, group)
     with streams.side("all_gather"):
         streams.after(copied)
-        comm = transport.all_gather
-        output = comm.allocate((fmt.world * fmt.slice_bytes,), dtype=torch.uint8, device=device)
-        work = comm(output, send, group, async_op=True)
+        output, kept = transport._output(fmt, device)
+        work = transport.all_gather(output, send, group, async_op=True)
         done = streams.issued(work)
     # Read only where a header was sent (CPU, debug): the GPU path makes no views for them.
-    headers = output.as_strided((fmt.world, HEADER), (fmt.slice_bytes, 1), output.storage_offset()) \
-        if header is not None else None
-    return FlatAllGather(done, fmt, headers, transport, send, output)
+    if header is None:
+        headers = None
+    elif kept is not None:
+        headers = kept.headers
+    else:
+        headers = output.as_strided((fmt.world, HEADER), (fmt.slice_bytes, 1), output.storage_offset())
+    return FlatAllGather(done, fmt, headers, transport, send, output, kept)
 
 
 def _stamp(send: torch.Tensor, header: torch.Tensor) -> None:
@@ -275,6 +342,9 @@ def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:
             dequantize_entries(fmt, inflight.output, targets.chunks)
         return
     split = targets.split
+    if split is not None and inflight.kept is not None:
+        inflight.kept.copy_out(targets, split)
+        return
     if split is not None:
         # The first ``ranks`` slices after their headers in one view; no grad mode to set
         # aside: neither the output nor the buffer's chunks require grad.

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
+from fsdp2.runtime._state import get_state
 from tests._dist import environ, run_on_ranks
 from tests._models import MLP
 
@@ -194,3 +195,54 @@ def test_reduce_scatter_copy_in_of_uneven_shards_on_another_dim():
         offsets = [sum(lay.local_numel for lay in layouts[:i]) for i in range(len(layouts))]
         copy_rank_major(got, layouts, grads, offsets)
         assert torch.equal(got, expected), (world, shapes)
+
+
+def _kept_all_gather_output() -> list[float]:
+    # The flat all-gather's output on CPU is kept by the group's transport between all-gathers
+    # (``KeptOutput``): allocated at issue, freed after the copy-out, viewed once; the copy-out
+    # skips the entries' alignment padding. Four ranks, tensors of 2 or 3 rows (rank 3 holds
+    # padding only) and 1-2 element chunks padded to 16 bytes: every path of the copy-out.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 3))
+    reference = nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 3))
+    reference.load_state_dict(model.state_dict())
+    with environ(CPU_COLLECTIVES_ENV, "flat"):
+        fsdp2.fully_shard(model)
+    group = get_state(model).group
+    model.unshard()
+    (kept,) = group.gather_transport._kept.values()
+    tensor, headers = kept.tensor, kept.headers
+    assert tensor.untyped_storage().nbytes() == 0 and not kept.busy  # freed after the copy-out
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0)
+    model.reshard()
+    handle = model.unshard(async_op=True)
+    assert kept.busy and tensor.untyped_storage().nbytes() == tensor.numel()  # in flight: allocated
+    # Another all-gather of the same format through this transport meanwhile: one of its own.
+    fmt = group._gather_format(group.world)
+    other, other_kept = group.gather_transport._output(fmt, torch.device("cpu"))
+    assert other_kept is None and other.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    handle.wait()
+    model.reshard()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).square().sum()
+        loss.backward()
+        ref_loss = reference(x).square().sum()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        for p, r in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        losses.append(loss.item())
+    assert list(group.gather_transport._kept.values()) == [kept]
+    assert kept.tensor is tensor and kept.headers is headers and tensor.untyped_storage().nbytes() == 0
+    return losses
+
+
+def test_flat_all_gather_output_is_kept_between_all_gathers_and_freed_after_each():
+    results = run_on_ranks(_kept_all_gather_output, 4)
+    assert all(r == results[0] for r in results)
