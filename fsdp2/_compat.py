@@ -223,12 +223,7 @@ def all_gather_flat(output_tensor: torch.Tensor, input_tensor: torch.Tensor, gro
         return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
     opts = _C10D.AllgatherOptions()
     opts.asyncOp = async_op
-    work = getattr(group, _ALL_GATHER_METHOD)(output_tensor, input_tensor, opts)
-    if async_op:
-        return work
-    if work is not None:
-        work.wait()
-    return None
+    return _handed_back(getattr(group, _ALL_GATHER_METHOD)(output_tensor, input_tensor, opts), async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None,
@@ -240,7 +235,12 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op=torch.dist
     opts = _C10D.ReduceScatterOptions()
     opts.reduceOp = op
     opts.asyncOp = async_op
-    work = getattr(group, _REDUCE_SCATTER_METHOD)(output, input, opts)
+    return _handed_back(getattr(group, _REDUCE_SCATTER_METHOD)(output, input, opts), async_op)
+
+
+def _handed_back(work, async_op: bool):
+    """What torch's collective functions return for ``work``: it, with ``async_op``; else None,
+    once it finished."""
     if async_op:
         return work
     if work is not None:

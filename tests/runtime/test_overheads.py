@@ -104,14 +104,20 @@ def test_optimizer_updates_reach_the_all_gather():
 
 
 
-def _copy_out_of_padding_only_ranks() -> tuple[list[tuple[str, int]], list[float]]:
-    # One group on 4 ranks whose tensors have 2 or 3 rows: rank 3 holds padding only.
+def _sharded_with_reference() -> tuple[nn.Module, nn.Module]:
+    """One flat group on 4 ranks whose tensors have 2 or 3 rows (rank 3 holds padding only), and
+    the same model unsharded."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 3))
     reference = nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 3))
     reference.load_state_dict(model.state_dict())
     with environ(CPU_COLLECTIVES_ENV, "flat"):
         fsdp2.fully_shard(model)
+    return model, reference
+
+
+def _copy_out_of_padding_only_ranks() -> tuple[list[tuple[str, int]], list[float]]:
+    model, reference = _sharded_with_reference()
     with _RecordCopies() as mode:
         model.unshard()
     for p, r in zip(model.parameters(), reference.parameters()):
@@ -202,12 +208,7 @@ def _kept_all_gather_output() -> list[float]:
     # (``KeptOutput``): allocated at issue, freed after the copy-out, viewed once; the copy-out
     # skips the entries' alignment padding. Four ranks, tensors of 2 or 3 rows (rank 3 holds
     # padding only) and 1-2 element chunks padded to 16 bytes: every path of the copy-out.
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 3))
-    reference = nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 3))
-    reference.load_state_dict(model.state_dict())
-    with environ(CPU_COLLECTIVES_ENV, "flat"):
-        fsdp2.fully_shard(model)
+    model, reference = _sharded_with_reference()
     group = get_state(model).group
     model.unshard()
     (kept,) = group.gather_transport._kept.values()
