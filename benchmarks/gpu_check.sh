@@ -14,13 +14,15 @@
 #      (benchmarks/step_time.py --device cuda: step time, peak CUDA memory per step);
 #   4. the runtime's CPU overhead and peak memory at world 8 on one GPU, the other ranks stood in
 #      for by torch's fake process group (benchmarks/overhead.py --device cuda);
-#   5. step 2 again under TORCH_CUDA_SANITIZER=1 (PyTorch's CUDA stream sanitizer).
+#   5. where that host time goes, on the CPU and the GPU of the same machine: ATen ops, copies,
+#      kernels and CUDA API calls per step of each runtime (benchmarks/host_profile.py);
+#   6. step 2 again under TORCH_CUDA_SANITIZER=1 (PyTorch's CUDA stream sanitizer).
 # --dry-run runs the same steps on CPU (gloo, small sizes; the cuda tests skip) so that CI
 # checks the script itself. Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
 dry=0
 report=gpu_check_report.md
 while (($#)); do
@@ -109,15 +111,19 @@ section "pytest -m cuda" 150 "${pytest_cuda[@]}"
 if ((dry)); then
     step_args=(--device cpu --sweep tiny --steps 2 --warmup 1)
     overhead_args=(--device cpu --groups 4 --steps 2 --warmup 1)
+    profile_args=(--device cpu --groups 2 --steps 2)
 else
     step_args=(--device cuda --sweep 17M,100M --steps 20 --warmup 5 --foreach)
     overhead_args=(--device cuda --world 8 --groups 32 --steps 30 --warmup 5)
+    profile_args=(--device cpu,cuda --world 8 --groups 32 --steps 20)
 fi
 section "step time against torch FSDP2, DDP, no communication ($gpus rank(s), $device)" 120 \
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$gpus" benchmarks/step_time.py \
     --impls fsdp2,torch_fsdp2,ddp,nocomm --out "$work/step_time.jsonl" "${step_args[@]}"
 section "overhead at world 8, fake process group ($device)" 90 \
     "$PYTHON" benchmarks/overhead.py --out "$work/overhead.jsonl" "${overhead_args[@]}"
+section "where the host time goes, CPU against $device (host_profile.py)" 150 \
+    "$PYTHON" benchmarks/host_profile.py --out "$work/host_profile.json" "${profile_args[@]}"
 section "pytest -m cuda under TORCH_CUDA_SANITIZER=1" 170 env TORCH_CUDA_SANITIZER=1 "${pytest_cuda[@]}"
 
 {

@@ -132,8 +132,11 @@ class GatherTargets:
                 sizes.append(end - start - data)
                 places.append(None)
         pads = [size for size, place in zip(sizes, places) if place is None]
-        scratch = iter(torch.empty(ranks, sum(pads), dtype=torch.uint8, device=chunks[0].device).split(pads, dim=1)
-                       if pads else ())
+        # One block of memory per padding piece (rows of one flat scratch, not columns of a 2-D
+        # one): with every piece dense, CUDA runs the whole copy-out as one fused kernel.
+        scratch = iter(torch.empty(ranks * sum(pads), dtype=torch.uint8, device=chunks[0].device)
+                       .split([ranks * pad for pad in pads]) if pads else ())
+        scratch = (piece.view(ranks, -1) for piece in scratch)
         self.split_is_data = [place is not None for place in places]
         return sizes, [next(scratch) if place is None else place for place in places]
 

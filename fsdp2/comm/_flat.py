@@ -346,15 +346,37 @@ def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:
         inflight.kept.copy_out(targets, split)
         return
     if split is not None:
-        # The first ``ranks`` slices after their headers in one view; no grad mode to set
-        # aside: neither the output nor the buffer's chunks require grad.
+        # No grad mode to set aside: neither the output nor the buffer's chunks require grad.
         output = inflight.output
-        rows = output.as_strided((targets.ranks, fmt.slice_bytes - HEADER), (fmt.slice_bytes, 1),
-                                 output.storage_offset() + HEADER)
-        torch.split_with_sizes_copy(rows, split[0], dim=1, out=split[1])
+        if output.device.type in ("cpu", "meta"):  # the first ``ranks`` slices after their headers
+            rows = output.as_strided((targets.ranks, fmt.slice_bytes - HEADER), (fmt.slice_bytes, 1),
+                                     output.storage_offset() + HEADER)
+            torch.split_with_sizes_copy(rows, split[0], dim=1, out=split[1])
+        else:
+            dense_copy_out(output, fmt.slice_bytes, targets.ranks, split)
         return
     with torch.no_grad():
         torch._foreach_copy_(targets.copied_chunks, fmt.rank_major(inflight.output, targets.ranks))
+
+
+_HEADER_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def dense_copy_out(output: torch.Tensor, slice_bytes: int, ranks: int,
+                   split: tuple[list[int], list[torch.Tensor]]) -> None:
+    """The flat copy-out of the first ``ranks`` slices of ``output`` as one dense
+    ``split_with_sizes_copy``: whole slices, their headers included, the headers to a scratch
+    nothing reads. torch's CUDA kernel fuses the copy only where its input and every output
+    are dense; the rows after the headers are not (one kernel per entry then, not one per
+    group). The scratch is one per device for every
+    group, grown to the most ranks seen (``ranks`` x 16 bytes)."""
+    device = output.device
+    scratch = _HEADER_SCRATCH.get(device)
+    if scratch is None or scratch.shape[0] < ranks:
+        with torch.inference_mode(False):  # written outside inference mode too
+            scratch = _HEADER_SCRATCH[device] = torch.empty(ranks, HEADER, dtype=torch.uint8, device=device)
+    rows = output.as_strided((ranks, slice_bytes), (slice_bytes, 1), output.storage_offset())
+    torch.split_with_sizes_copy(rows, [HEADER, *split[0]], dim=1, out=[scratch[:ranks], *split[1]])
 
 
 def _start_reduce_scatter(

@@ -25,8 +25,8 @@ record until the compute stream has waited on the side stream's completion; the
 reduce-scatter output the all-reduce stream works on, and the partial sums (HSDP
 without all-reduce) it adds in, by ``runtime/_reduction.ReducedGrads`` until the end of backward.
 
-Not yet run on a GPU (none was available); ``tests/comm/test_cuda.py`` checks the CUDA
-side, under ``TORCH_CUDA_SANITIZER=1``.
+``tests/comm/test_cuda.py`` checks the CUDA side, also under ``TORCH_CUDA_SANITIZER=1``
+(``benchmarks/gpu_check.sh`` runs both on a GPU machine: one H100/H200, torch 2.11).
 """
 
 from __future__ import annotations
@@ -92,6 +92,10 @@ class Streams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        # CUDA: the side stream ``side()`` made current, None outside it. Inside a stage the
+        # current stream is known: no ``torch.cuda.current_stream`` call (a few microseconds of
+        # Python each, several per stage) to ask for it again.
+        self._active: torch.cuda.Stream | None = None
         if self.cuda:
             # High priority: communication should not queue behind compute kernels.
             self.copy_in = torch.cuda.Stream(device, priority=-1)
@@ -113,13 +117,17 @@ class Streams:
         # First wait for everything the compute stream issued so far: the inputs are
         # ready, and blocks freed by the host are no longer in use (module docstring).
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            yield
+        outer, self._active = self._active, stream
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            self._active = outer
 
     def after(self, completion: Completion | None) -> None:
         """Inside ``side()``: make the side stream wait for an earlier stage (e.g. copy-in)."""
         if completion is not None and completion.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(completion.event)
+            self._current().wait_event(completion.event)
 
     def issued(self, work: dist.Work | None) -> Completion:
         """Inside ``side()``: the completion of the collective (or copies) just issued."""
@@ -128,8 +136,11 @@ class Streams:
         if work is not None:
             work.wait()  # NCCL: the side stream (not the host) waits for the collective
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self._current())
         return Completion(event=event)
+
+    def _current(self) -> torch.cuda.Stream:
+        return self._active if self._active is not None else torch.cuda.current_stream(self.device)
 
 
 _STREAMS: dict[torch.device, Streams] = {}

@@ -374,3 +374,63 @@ needs_four_gpus = pytest.mark.skipif(
 def test_cuda_one_nccl_subgroup_per_mesh_and_k():
     for flags in _launch("_subgroups_cached_on_nccl", world=4):
         assert flags == [True], flags
+
+
+def _fake_world(_index: int, fn_name: str, world: int, results) -> None:
+    """In a spawned process: rank 0 of torch's fake process group of ``world`` ranks (its
+    all-gather fills every rank's slice with this rank's), ``fn_name``'s result into ``results``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    os.environ["FSDP2_CPU_COLLECTIVES"] = "flat"  # the CPU exchange needs real peers
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        results[0] = globals()[fn_name]()
+    finally:
+        dist.destroy_process_group()
+
+
+def _copy_out_on_both_devices() -> dict:
+    """One forward of the same sharded model on the CPU and on CUDA in a fake world of 4: the
+    unsharded weights each block saw, and whether CUDA's copy-out ran as torch's fused
+    ``split_with_sizes_copy`` kernel (no per-parameter ``aten::copy_`` under it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    import fsdp2
+    from tests._models import Transformer, make_batch
+
+    seen: dict[str, list[torch.Tensor]] = {}
+    fused = []
+    for device in (torch.device("cpu"), torch.device("cuda", torch.cuda.current_device())):
+        model = Transformer(dim=40).to(device)  # 40: uneven chunks, so some entries have padding
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for block in model.layers:
+            fsdp2.fully_shard(block, mesh=mesh)
+        fsdp2.fully_shard(model, mesh=mesh)
+        weights = seen.setdefault(device.type, [])
+        for block in model.layers:
+            block.register_forward_pre_hook(lambda m, args: weights.extend(
+                p.detach().cpu().clone() for p in m.parameters()))
+        inputs, _ = make_batch(0, 0, device=device)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            fused = [all(child.name != "aten::copy_" for child in evt.cpu_children)
+                     for evt in prof.events() if evt.name == "aten::split_with_sizes_copy"]
+    same = len(seen["cpu"]) == len(seen["cuda"]) and all(
+        torch.equal(a, b) for a, b in zip(seen["cpu"], seen["cuda"]))
+    return {"same_weights": same, "copy_outs": len(fused), "all_fused": all(fused)}
+
+
+@needs_a_gpu
+def test_cuda_copy_out_is_one_fused_kernel_with_the_cpus_result():
+    """The flat copy-out hands torch's ``split_with_sizes_copy`` dense rows (headers to a
+    scratch column, padding to dense scratch pieces): CUDA runs it as one kernel per group
+    instead of one copy per parameter, and the unsharded weights are the CPU's, byte for byte."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_fake_world, args=("_copy_out_on_both_devices", 4, results), nprocs=1)
+        result = results[0]
+    assert result["same_weights"], result
+    assert result["copy_outs"] >= 3 and result["all_fused"], result

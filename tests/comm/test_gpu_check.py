@@ -19,7 +19,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 STEPS = ("environment", "pytest -m cuda", "step time against torch FSDP2, DDP, no communication",
-         "overhead at world 8, fake process group", "pytest -m cuda under TORCH_CUDA_SANITIZER=1")
+         "overhead at world 8, fake process group", "where the host time goes, CPU against cpu",
+         "pytest -m cuda under TORCH_CUDA_SANITIZER=1")
 
 
 def _run(*args: str, python: str = sys.executable, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -51,6 +52,7 @@ def test_dry_run_takes_every_step_on_cpu_and_reports_them(tmp_path):
     assert step["last_loss_rank0"]["fsdp2"] == step["last_loss_rank0"]["torch_fsdp2"]
     overhead = next(r for r in results if "overhead_ms" in r)
     assert overhead["config"]["world"] == 8 and overhead["ratio"]["fsdp2/torch_fsdp2"] > 0
+    assert "fsdp2/torch_fsdp2" in report and "copy_" in report  # host_profile.py's summary lines
     # The CUDA tests were collected (and skipped here): the marker selects them.
     assert "tests/comm/test_cuda.py::test_cuda_parity_and_prefetch_schedule SKIPPED" in report
     assert f"torch {torch.__version__}" in report

@@ -247,3 +247,37 @@ def _kept_all_gather_output() -> list[float]:
 def test_flat_all_gather_output_is_kept_between_all_gathers_and_freed_after_each():
     results = run_on_ranks(_kept_all_gather_output, 4)
     assert all(r == results[0] for r in results)
+
+
+def _dense_copy_out_matches_the_strided_one() -> bool:
+    """The accelerators' dense copy-out (``comm/_flat.dense_copy_out``, whole slices, headers to
+    a scratch) writes the unsharded buffer byte for byte as the CPU's strided one, here on CPU
+    memory: entries with alignment padding, and a rank holding padding only."""
+    from fsdp2.comm._flat import HEADER, dense_copy_out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 3), nn.LayerNorm(5))  # 2- or 3-row tensors
+    with environ(CPU_COLLECTIVES_ENV, "flat"):
+        fsdp2.fully_shard(model)
+    group = model._fsdp_state().group
+    fmt = group._gather_format(group.world)
+    model.unshard()  # the unsharded buffer exists
+    targets = group._targets(fmt)
+    written = []
+    for dense in (False, True):
+        for chunk in targets.chunks:
+            chunk.view(torch.uint8).fill_(0xAB)
+        output = torch.randint(0, 256, (fmt.world * fmt.slice_bytes,), dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(1))
+        if dense:
+            dense_copy_out(output, fmt.slice_bytes, targets.ranks, targets.split)
+        else:
+            rows = output.as_strided((targets.ranks, fmt.slice_bytes - HEADER), (fmt.slice_bytes, 1), HEADER)
+            torch.split_with_sizes_copy(rows, targets.split[0], dim=1, out=targets.split[1])
+        written.append([c.view(torch.uint8).clone() for c in targets.chunks])
+    model.reshard()
+    return targets.ranks < fmt.world and all(torch.equal(a, b) for a, b in zip(*written))
+
+
+def test_dense_copy_out_writes_what_the_strided_one_does():
+    assert run_on_ranks(_dense_copy_out_matches_the_strided_one, 4) == [True] * 4
