@@ -551,9 +551,10 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
     copies the shard's bytes alone, not the whole buffer. DLPack (public, every dtype, every
     device) is torch's one way to make such an alias: no copy, the new storage's deleter keeps
     the buffer. A view of a parameter's slot (what users see) then is a view of that storage.
-    The meta device (the memory planner's run) has no memory to alias: the view stays.
+    The meta device (the memory planner's run) has no memory to alias, and DLPack's support of
+    other devices than the CPU and CUDA (ROCm's too) varies by release: there the view stays.
     """
-    return view if view.device.type == "meta" else torch.from_dlpack(view)
+    return torch.from_dlpack(view) if view.device.type in ("cpu", "cuda") else view
 
 
 def _grad_ready(ref: weakref.ref, _unsharded: torch.Tensor) -> None:
