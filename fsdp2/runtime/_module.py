@@ -56,8 +56,8 @@ class FSDPModule:
 
     def __deepcopy__(self, memo: dict) -> NoReturn:
         # A copy would share the original's groups, buffers and hooks (or, through ``__new__``,
-        # lose them): refused up front, with torch's exception type (AssertionError).
-        raise AssertionError(
+        # lose them): refused up front, as torch's FSDP2 does (an AssertionError there).
+        raise FSDPValueError(
             f"fsdp2: FSDP does not support deepcopy ({type(self).__name__} is fully_shard-ed); copy its "
             "weights through the state dict instead, e.g. build a new model, fully_shard it the same way "
             "and call new.load_state_dict(model.state_dict()), or deepcopy the model before fully_shard"
