@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["storage_key", "plain_tensors", "LiveStorages"]
+__all__ = ["aliases", "storage_key", "plain_tensors", "LiveStorages"]
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 # A functional collective's result wrapped to be waited on later (torch 2.10 and after): on a
@@ -41,6 +41,30 @@ def storage_key(t: torch.Tensor) -> int | None:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # sparse, nested, functional wrappers
         return None
+
+
+def aliases(tensors: Iterable[object]) -> list[torch.Tensor]:
+    """The plain tensors among ``tensors`` whose storage lies within another one's bytes: a storage
+    over memory another storage holds (fsdp2's shards, DLPack aliases of their group's packed
+    buffer), which must count no bytes of its own."""
+    spans: dict[int, tuple[str, int, int, torch.Tensor]] = {}
+    for t in tensors:
+        for plain in plain_tensors(t) if isinstance(t, torch.Tensor) else ():
+            key = storage_key(plain)
+            if key is None or plain.device.type == "meta" or key in spans:
+                continue
+            storage = plain.untyped_storage()
+            if storage.nbytes():
+                spans[key] = (str(plain.device), storage.data_ptr(), -storage.nbytes(), plain)
+    out, reach = [], {}
+    # Per device, by start address, the widest first: a storage ending where an earlier one
+    # still reaches lies within it.
+    for device, start, neg_size, plain in sorted(spans.values(), key=lambda s: s[:3]):
+        end = start - neg_size
+        if end <= reach.get(device, -1):
+            out.append(plain)
+        reach[device] = max(reach.get(device, -1), end)
+    return out
 
 
 class LiveStorages(TorchDispatchMode):
@@ -88,6 +112,17 @@ class LiveStorages(TorchDispatchMode):
                 self.labels[key] = label
             weakref.finalize(storage, self._free, key)
         return key
+
+    def add_alias(self, t: torch.Tensor) -> None:
+        """Register ``t``'s storages as holding no bytes of their own: storages over memory another
+        storage holds (fsdp2's packed shards: DLPack aliases of the group's packed buffer)."""
+        for plain in plain_tensors(t):
+            key = storage_key(plain)
+            if key is not None and key not in self.sizes:
+                self.sizes[key] = 0
+                storage = plain.untyped_storage()
+                self.refs[key] = weakref.ref(storage)
+                weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
         nbytes = self.sizes.pop(key, None)

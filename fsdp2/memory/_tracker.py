@@ -18,7 +18,7 @@ from ..diagnostics import _trace
 from .._compat import in_backward, prepend_post_accumulate_grad_hook
 from .._common import ShardState
 from ..runtime._state import get_state
-from ._live import LiveStorages, plain_tensors, storage_key
+from ._live import LiveStorages, aliases, plain_tensors, storage_key
 
 if TYPE_CHECKING:
     from ..runtime._group import ParamGroup
@@ -267,6 +267,8 @@ class MemoryTracker:
             tensors += [t for ts in g.held_tensors().values() for t in ts]
         if self.optimizer is not None:
             tensors += [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        for t in aliases(tensors):
+            self._live.add_alias(t)
         for t in tensors:
             self._live.add(t)
 

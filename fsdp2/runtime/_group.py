@@ -29,7 +29,7 @@ from . import _extension
 from ._extension import GroupExtension
 from .._format import GatherFormat, segment_layout
 from ._mesh import DataParallelMesh, SubGroup
-from ._param import ShardedParam, raise_if_on_meta, register_forms, requires_grad_changed
+from ._param import ShardedParam, own_storage, raise_if_on_meta, register_forms, requires_grad_changed
 from ._policy import GroupPolicy
 from ._release import EarlyRelease, segment_bounds
 from ._reduce_queue import ReduceQueue
@@ -219,7 +219,7 @@ class ParamGroup:
             return
         fmt = self._gather_format(self.world)
         packed = torch.zeros(fmt.slice_bytes, dtype=torch.uint8, device=self.device)
-        self._packed_slots = fmt.slots(packed)
+        self._packed_slots = [own_storage(slot) for slot in fmt.slots(packed)]  # pickled as torch's shards
         for p, slot in zip(self.params, self._packed_slots):
             p.adopt_padded_local(slot)
         self._packed_ptrs = [_compat.dtensor_local(p.sharded).data_ptr() for p in self.params]
@@ -400,7 +400,7 @@ class ParamGroup:
         for inflight in self.reduce_queue.in_flight(self):
             comm += inflight.buffers()
         found = {
-            "sharded_params": [p.padded_local for p in self.params],
+            "sharded_params": [self._packed, *(p.padded_local for p in self.params)],  # (aliases of _packed)
             "gradients": grads,
             "unsharded_params": list(self._buffers) + (self._ext.held() if self._ext is not None else []),
             "communication": comm,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,15 @@ class FSDPModule:
         if written is object:
             raise TypeError("FSDPModule is not made directly: fully_shard(module) makes a module one")
         return written(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        # A copy would share the original's groups, buffers and hooks (or, through ``__new__``,
+        # lose them): refused up front, as torch's FSDP2 does (an AssertionError there).
+        raise FSDPValueError(
+            f"fsdp2: FSDP does not support deepcopy ({type(self).__name__} is fully_shard-ed); copy its "
+            "weights through the state dict instead, e.g. build a new model, fully_shard it the same way "
+            "and call new.load_state_dict(model.state_dict()), or deepcopy the model before fully_shard"
+        )
 
     def _fsdp_state(self) -> ModuleState:
         state = get_state(self)

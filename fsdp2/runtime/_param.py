@@ -25,7 +25,7 @@ from . import _extension
 from .._format import Chunking, contiguous_stride
 from ._mesh import DataParallelMesh
 
-__all__ = ["ShardedParam", "raise_if_on_meta"]
+__all__ = ["ShardedParam", "own_storage", "raise_if_on_meta"]
 
 
 class ShardedParam:
@@ -335,7 +335,8 @@ class ShardedParam:
         with torch.no_grad():
             slot.copy_(self.padded_local)
         self.padded_local = slot
-        _compat.set_dtensor_local(self.sharded, slot.narrow(self.layout.dim, 0, self.layout.rows(self.rank)))
+        # (Detached, as torch's shard: a view of the padded shard's storage with no ``_base``.)
+        _compat.set_dtensor_local(self.sharded, slot.narrow(self.layout.dim, 0, self.layout.rows(self.rank)).detach())
 
     def repad_from_local(self) -> None:
         """Rebuild the padded shard from the DTensor's current local tensor."""
@@ -537,6 +538,23 @@ def raise_if_on_meta(params: list[ShardedParam], name_of: Callable[[ShardedParam
             "fsdp2.checkpoint.load_full, or set_model_state_dict(..., options=StateDictOptions("
             "full_state_dict=True, broadcast_from_rank0=True)), which materializes them itself)"
         )
+
+
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as ``view`` (a contiguous slot of a group's packed buffer) under a storage
+    of its own that starts at the slot and holds only its bytes, keeping the buffer alive.
+
+    A shard's local tensor then sits at storage offset 0 of a storage of the padded shard's
+    size, as torch's FSDP2 shards do: ``torch.save`` / ``pickle`` of a DTensor needs that (a
+    DTensor around a local tensor at a non-zero offset gets a non-zero data pointer, and torch
+    pickles it as a plain tensor with the wrapper's storage, which has no data), and pickling
+    copies the shard's bytes alone, not the whole buffer. DLPack (public, every dtype, every
+    device) is torch's one way to make such an alias: no copy, the new storage's deleter keeps
+    the buffer. A view of a parameter's slot (what users see) then is a view of that storage.
+    The meta device (the memory planner's run) has no memory to alias, and DLPack's support of
+    other devices than the CPU and CUDA (ROCm's too) varies by release: there the view stays.
+    """
+    return torch.from_dlpack(view) if view.device.type in ("cpu", "cuda") else view
 
 
 def _grad_ready(ref: weakref.ref, _unsharded: torch.Tensor) -> None:
