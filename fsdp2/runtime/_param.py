@@ -554,7 +554,12 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
     The meta device (the memory planner's run) has no memory to alias, and DLPack's support of
     other devices than the CPU and CUDA (ROCm's too) varies by release: there the view stays.
     """
-    return torch.from_dlpack(view) if view.device.type in ("cpu", "cuda") else view
+    if view.device.type not in ("cpu", "cuda"):
+        return view
+    try:
+        return torch.from_dlpack(view)
+    except (BufferError, RuntimeError, TypeError):  # a dtype DLPack has no code for (varies by release)
+        return view
 
 
 def _grad_ready(ref: weakref.ref, _unsharded: torch.Tensor) -> None:
