@@ -217,7 +217,9 @@ class Checkpointer:
             listed += [f"{name} (moved aside earlier)" for name in aside]
             # After a failed load the model holds part of a checkpoint: only a new start can begin at step 0.
             if self._load_failed:
-                fix = f"run again with {FRESH_FLAG} to start from step 0"
+                fix = (f"run again with {FRESH_FLAG} to start from step 0 (if the model's configuration changed "
+                       "since they were saved, rename them back to their step-N names and run the configuration "
+                       "that saved them instead)")
             elif unusable:
                 fix = (f"repair them (e.g. copy them again) or move them out of the directory, or pass {FRESH_FLAG} "
                        "to start from step 0 (they are then moved aside, not deleted)")

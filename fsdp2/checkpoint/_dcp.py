@@ -25,6 +25,7 @@ import os
 import shutil
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -246,18 +247,28 @@ def _check_structure(path: Path) -> tuple[list[str], dict[str, int]]:
 
 
 def _check_content(path: Path, sums: dict[str, int]) -> list[str]:
-    """What differs from the CRC-32 the save recorded, for each file in ``sums`` (reads them all)."""
-    problems = []
-    for name, want in sorted(sums.items()):
+    """What differs from the CRC-32 the save recorded, for each file in ``sums`` (reads them all).
+
+    Files are summed on a few threads: zlib releases the GIL while it sums, so a process
+    checking many files (the ``verify`` command) uses as many cores.
+    """
+    def problem(name: str, want: int) -> str | None:
         try:
             got = crc32_of_file(path / name)
         except OSError as e:
-            problems.append(f"{name} is unreadable ({e})")
-            continue
-        if got != want:
-            problems.append(f"{name} does not match its checksum (CRC-32 {got:08x}, saved as {want:08x}): "
-                            "overwritten or corrupted after the save")
-    return problems
+            return f"{name} is unreadable ({e})"
+        if got == want:
+            return None
+        return f"{name} does not match its checksum (CRC-32 {got:08x}, saved as {want:08x}): overwritten or " \
+               "corrupted after the save"
+
+    items = sorted(sums.items())
+    if len(items) <= 1:
+        found = [problem(name, want) for name, want in items]
+    else:
+        with ThreadPoolExecutor(max_workers=min(len(items), os.cpu_count() or 1, 8)) as pool:
+            found = list(pool.map(lambda item: problem(*item), items))
+    return [p for p in found if p is not None]
 
 
 def verify_on_ranks(path: str | os.PathLike, *, content: bool = True) -> list[str]:
