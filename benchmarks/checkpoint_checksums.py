@@ -59,12 +59,16 @@ def _dcp_save(path: Path, state: dict, summed: bool) -> None:
         dcp.save(state, storage_writer=writer, no_dist=True)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=int, default=32_000_000)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dir", default="/tmp/fsdp2-checksum-bench")
-    args = parser.parse_args()
+    parser.add_argument("--params", type=int, default=32_000_000, help="parameters (fp32) of the model saved")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each figure is their minimum")
+    parser.add_argument("--dir", default="/tmp/fsdp2-checksum-bench", help="where to write (removed at the end)")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     model, optimizer = _setup(args.params)
