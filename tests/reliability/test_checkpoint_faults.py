@@ -12,8 +12,18 @@ the one log line each save, prune, resume, fresh start and moved-aside checkpoin
   the unusable ones are moved aside (not deleted) and never counted by pruning, so the new
   checkpoints survive (the issue-27 data loss: pruning deleted the new sound checkpoints
   and kept the corrupt ones).
-- A corrupt newest checkpoint over a sound older one: the run resumes from the sound one,
-  exactly (losses equal the uninterrupted run's), and moves the corrupt one aside.
+- A corrupt newest checkpoint over a sound older one (cut short, 64 KiB overwritten in place
+  and caught by its checksum, a shard or the marker deleted): the run resumes from the sound
+  one, exactly (losses equal the uninterrupted run's), and moves the corrupt one aside in one
+  line.
+- Checkpoints that pass the checks but fail to load (missing keys; a pre-checksum one
+  overwritten, which DCP meets): each is moved aside in one line and the next is loaded. When
+  none is left the run stops in one line; a restart stops before building the model and never
+  retries what was moved aside; the flag starts from step 0 over them.
+- Under ``torchrun --max-restarts`` (``_faulty_train.py`` injects the fault into the first
+  attempt): a rank SIGKILLed mid-save (a torn write), and a newest checkpoint overwritten in
+  place before a rank dies; the restart resumes from the checkpoint before, with the
+  uninterrupted run's losses, and needs no second restart.
 - A checkpoint damaged while the run goes on is moved aside by pruning, which keeps the
   newest *sound* ones.
 - Only leftovers of an interrupted save: a fresh start, saying so. A mistyped directory: a
