@@ -503,3 +503,21 @@ def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     on meta tensors, its meta implementation and autograd formula), its output alone."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+def wrap_dcp_writer_files(writer, wrap: Callable):
+    """Route every file a ``torch.distributed.checkpoint.FileSystemWriter`` opens through ``wrap(backend)``.
+
+    The writer keeps its file-system backend in the attribute ``fs`` and opens each file it
+    writes (the data files, then ``.metadata.tmp``, which it renames by ``fs.rename``) through
+    ``fs.create_stream(path, mode)``: the only place a writer's bytes can be seen on their way
+    out, which ``fsdp2.checkpoint`` uses to checksum them without reading the files back. No
+    public hook exists. Read on torch 2.13; earlier and later releases' ``filesystem.py`` open
+    and rename through the same two methods. Returns the wrapped backend, or None where the writer has no such
+    backend (the caller then sums the files by reading them).
+    """
+    fs = getattr(writer, "fs", None)
+    if fs is None or not callable(getattr(fs, "create_stream", None)) or not callable(getattr(fs, "rename", None)):
+        return None
+    writer.fs = wrap(fs)
+    return writer.fs

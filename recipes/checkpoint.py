@@ -7,30 +7,37 @@ there by these patterns)::
     step-00000200/                   fsdp2_complete.json, written last)
     step-00000300.tmp-<id>/          being written (or left by a crash): never loaded
     step-00000000.del-<id>/          being pruned (or left by a crash): never loaded
-    step-00000400.unusable-<id>/     failed verification; moved aside, kept for inspection
+    step-00000400.unusable-<id>/     failed verification or loading; moved aside, kept for inspection
 
 Each checkpoint is one :func:`fsdp2.checkpoint.save`: every rank writes its own shards into
 a temporary directory, and only once all have finished does rank 0 add the completion
-marker (which lists every file and its size) and rename it into place, so a crash at any
-moment leaves the previous checkpoints intact. It holds the model and optimizer (sharded
-DTensors, so it loads at another world size or layout too) and, as ``extra``, the LR
-scheduler, the step and the skipped-step counters. The data position is the step: batches
-are a function of it (see ``data.get_batch``).
+marker (which lists every file with its size and the CRC-32 the save took of its bytes as it
+wrote them) and rename it into place, so a crash at any moment leaves the previous
+checkpoints intact. It holds the model and optimizer (sharded DTensors, so it loads at
+another world size or layout too) and, as ``extra``, the LR scheduler, the step and the
+skipped-step counters. The data position is the step: batches are a function of it (see
+``data.get_batch``).
 
-Only sound checkpoints count. A checkpoint is sound when :func:`fsdp2.checkpoint.verify`
-finds nothing wrong (marker present and readable, every file it lists there with its size,
-``.metadata`` readable and pointing inside the files). Resuming takes the newest sound one;
-unusable ones newer than it are moved aside (renamed ``.unusable-<id>``, never deleted) with a
-warning naming what is wrong. A directory that holds checkpoints but no sound one stops the
-run (:class:`UnusableCheckpointError`) rather than silently starting over, unless the run is
-told to start fresh. Pruning keeps the newest ``keep`` *sound* checkpoints: an unusable one
-never counts toward them, so it can never cost a sound one its place. A pruned checkpoint is
-renamed out of the ``step-N`` namespace before it is deleted, so a crash mid-delete never
-leaves a half-deleted checkpoint that looks complete; leftovers of interrupted saves and
-prunes are removed when the next run starts.
+Only sound checkpoints count. Before the model is allocated, :meth:`Checkpointer.choose`
+checks the checkpoints newest first with :func:`fsdp2.checkpoint.verify_on_ranks` (marker
+present and readable, every file it lists there with its size and checksum, ``.metadata``
+readable and pointing inside the files; each rank reads its share of the files) and takes
+the newest sound one. Unusable ones newer than it are moved aside (renamed
+``.unusable-<id>``, never deleted) with one line naming what is wrong, so no later start, a
+torchrun restart included, meets them again. A checkpoint that passes the checks but fails
+to load (a DCP or unpickling error, missing keys) is moved aside the same way and the next
+sound one is loaded. A directory that holds or held checkpoints (moved-aside ones count) but
+no sound one stops the run in one line (:class:`UnusableCheckpointError`), before anything
+is allocated, rather than silently starting over, unless the run is told to start fresh.
+Pruning keeps the newest ``keep`` *sound* checkpoints (sizes and ``.metadata``; the
+checksums are checked on resume): an unusable one never counts toward them, so it can never
+cost a sound one its place, and the checkpoint just saved is always kept. A pruned
+checkpoint is renamed out of the ``step-N`` namespace before it is deleted, so a crash
+mid-delete never leaves a half-deleted checkpoint that looks complete; leftovers of
+interrupted saves and prunes are removed when the next run starts.
 
-Every save (with what it pruned), resume, fresh start and moved-aside checkpoint is one log record of the
-``recipes.checkpoint`` logger, on rank 0 (``train.py`` prints them).
+Every save (with what it pruned), resume, fresh start and moved-aside checkpoint is one log
+record of the ``recipes.checkpoint`` logger, on rank 0 (``train.py`` prints them).
 """
 
 from __future__ import annotations
@@ -48,10 +55,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import fsdp2.checkpoint as ckpt
-from fsdp2._wire import broadcast_json
+from fsdp2._wire import all_gather_json, broadcast_json
 from fsdp2.checkpoint.__main__ import find_checkpoint
 
 __all__ = ["Checkpointer", "UnusableCheckpointError", "check_checkpoint_dir", "check_export", "export_model",
@@ -79,6 +87,14 @@ def _from_rank0(value: Any) -> Any:
     return broadcast_json(value)
 
 
+def _one_line(error: BaseException) -> str:
+    """An exception as one short line: DCP's own names each rank's exception with its traceback."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = " ".join(str(error).split()) or "no message"
+    return f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
 def _mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
@@ -100,67 +116,127 @@ class Checkpointer:
         self.keep = keep
         self.start_fresh_if_unusable = start_fresh_if_unusable
         self.last_step: int | None = None  # the newest checkpoint this run resumed from or saved
+        self._choice: dict[str, Any] | None = None  # what choose() decided (every rank holds rank 0's)
+        self._load_failed = False  # a checkpoint that passed the checks failed to load: the model is dirty
 
     # ---- finding ----------------------------------------------------------------------------
     def latest(self) -> tuple[int, Path] | None:
         """(step, path) of the newest sound checkpoint, as rank 0 sees it, or None.
 
         Rank 0 first removes what interrupted saves and prunes left behind, then checks the
-        checkpoints newest first with :func:`fsdp2.checkpoint.verify`, warning about each one
-        that fails (it is left in place: see :meth:`resume` for what a run does with it).
-        Every rank gets rank 0's answer: all must resume from the same step.
+        checkpoints newest first with :func:`fsdp2.checkpoint.verify` (content included),
+        warning about each one that fails (it is left in place: see :meth:`choose` for what a
+        run does with it). Every rank gets rank 0's answer: all must resume from the same step.
         """
         found = None
         if _rank() == 0:
             self._clean_leftovers()
-            found, unusable = self._newest_sound()
-            for name, problems in unusable:
-                logger.warning("checkpoint: skipping %s, unusable: %s", self.root / name, "; ".join(problems))
-            found = [found, str(self._dir(found))] if found is not None else None
+            for step in reversed(self._steps()):
+                if not (problems := ckpt.verify(self._dir(step))):
+                    found = [step, str(self._dir(step))]
+                    break
+                logger.warning("checkpoint: skipping %s, unusable: %s", self._dir(step), "; ".join(problems))
         found = _from_rank0(found)
         return (found[0], Path(found[1])) if found else None
 
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-               scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any] | None:
-        """Load the newest sound checkpoint and return its extra state, or None to start from step 0.
+    def choose(self) -> int | None:
+        """Collective, before the model is allocated: the step to resume from, or None for step 0.
 
-        Rank 0 decides, logging one line: resumed from which step, or why the run starts
-        fresh. Unusable checkpoints newer than the one loaded are moved aside (one warning
-        each). Raises :class:`UnusableCheckpointError` on every rank when the directory holds
-        checkpoints but none is sound and ``start_fresh_if_unusable`` is off.
+        Rank 0 removes what interrupted saves and prunes left behind; then the ranks check the
+        checkpoints newest first with :func:`fsdp2.checkpoint.verify_on_ranks` (sizes,
+        ``.metadata``, every file's checksum: each rank reads its share) until one is sound.
+        Unusable ones newer than it are moved aside, one warning line each, so no later start
+        (a torchrun restart included) meets them again. Raises :class:`UnusableCheckpointError`
+        on every rank when the directory holds checkpoints, or held them (moved-aside ones
+        count), but none is sound, unless ``start_fresh_if_unusable``. The answer is kept for
+        :meth:`resume`.
         """
-        decision = _from_rank0(self._decide() if _rank() == 0 else None)
+        if self._choice is not None:
+            return self._choice["step"]
+        seen = None
+        if _rank() == 0:
+            existed, leftovers = self.root.is_dir(), self._clean_leftovers()
+            seen = {"existed": existed, "leftovers": leftovers, "steps": self._steps()}
+        seen = _from_rank0(seen)
+        found, unusable = None, []
+        for step in reversed(seen["steps"]):  # every rank takes part in each check
+            if not (problems := ckpt.verify_on_ranks(self._dir(step))):
+                found = step
+                break
+            unusable.append((self._dir(step).name, problems))
+        decision = _from_rank0(self._decide(found, unusable, seen["existed"], seen["leftovers"])
+                               if _rank() == 0 else None)
         if decision["error"]:
             raise UnusableCheckpointError(decision["error"])
-        if decision["step"] is None:
-            return None
-        path = self._dir(decision["step"])
-        extra = self.load(path, model, optimizer, scheduler)
-        self.last_step = extra["step"]
-        if _rank() == 0:
-            logger.info("checkpoint: resumed from %s at step %d", path, extra["step"])
-        return extra
+        self._choice = decision
+        return decision["step"]
 
-    def _decide(self) -> dict[str, Any]:
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any] | None:
+        """Load the checkpoint :meth:`choose` picks and return its extra state, or None to start from step 0.
+
+        Collective. A checkpoint that passed the checks but still fails to load (a DCP or
+        unpickling error, missing keys: every rank's outcome is gathered, so all agree) is
+        moved aside with one warning line, and the next sound one is tried. Logs one line:
+        resumed from which step, or why the run starts fresh. Raises
+        :class:`UnusableCheckpointError` on every rank when no sound checkpoint is left.
+        """
+        while (step := self.choose()) is not None:
+            path = self._dir(step)
+            extra, failure = self._try_load(path, model, optimizer, scheduler)
+            if failure is None:
+                self.last_step = extra["step"]
+                if _rank() == 0:
+                    logger.info("checkpoint: resumed from %s at step %d", path, extra["step"])
+                return extra
+            self._choice, self._load_failed = None, True
+            if _rank() == 0:
+                aside = self._move_aside(path.name)
+                logger.warning("checkpoint: %s could not be loaded (%s); moved it to %s (kept for inspection, never "
+                               "loaded again)", path, failure, aside.name)
+        return None
+
+    def _try_load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[dict[str, Any] | None, str | None]:
+        """Collective: (extra state, None), or (None, what went wrong on the first rank it went wrong on)."""
+        extra, failure = None, None
+        try:
+            extra = self.load(path, model, optimizer, scheduler, check_content=False)  # choose() just did
+        except (Exception, dcp.CheckpointException) as e:  # whatever makes it unloadable; not Ctrl-C
+            failure = _one_line(e)
+        if dist.is_available() and dist.is_initialized():
+            failure = next((f for f in all_gather_json(failure) if f is not None), None)
+        return (extra, None) if failure is None else (None, failure)
+
+    def _decide(self, found: int | None, unusable: list[tuple[str, list[str]]], existed: bool,
+                leftovers: int) -> dict[str, Any]:
         """Rank 0: which step to resume from (None: fresh), or the error that stops the run."""
-        existed = self.root.is_dir()
-        leftovers = self._clean_leftovers()
-        found, unusable = self._newest_sound()
-        if unusable and found is None and not self.start_fresh_if_unusable:
-            listed = "; ".join(f"{name} ({'; '.join(problems)})" for name, problems in unusable)
+        aside = sorted(p.name for p in self.root.iterdir() if ".unusable-" in p.name) if existed else []
+        if found is None and (unusable or aside) and (self._load_failed or not self.start_fresh_if_unusable):
+            listed = [f"{name} ({'; '.join(problems)})" for name, problems in unusable]
+            listed += [f"{name} (moved aside earlier)" for name in aside]
+            # After a failed load the model holds part of a checkpoint: only a new start can begin at step 0.
+            if self._load_failed:
+                fix = (f"run again with {FRESH_FLAG} to start from step 0 (if the model's configuration changed "
+                       "since they were saved, rename them back to their step-N names and run the configuration "
+                       "that saved them instead)")
+            elif unusable:
+                fix = (f"repair them (e.g. copy them again) or move them out of the directory, or pass {FRESH_FLAG} "
+                       "to start from step 0 (they are then moved aside, not deleted)")
+            else:
+                fix = f"rename one back to its step-N name once repaired, or pass {FRESH_FLAG} to start from step 0"
             return {"step": None, "error": (
-                f"checkpoint.dir {self.root} holds no usable checkpoint: {listed}. Starting from step 0 would "
-                f"ignore them: repair them (e.g. copy them again) or move them out of the directory, or pass "
-                f"{FRESH_FLAG} to start from step 0 (they are then moved aside, not deleted)")}
+                f"checkpoint.dir {self.root} holds no usable checkpoint: {'; '.join(listed)}. Starting from step 0 "
+                f"would ignore them: {fix}")}
         for name, problems in unusable:
-            aside = self._move_aside(name)
+            moved = self._move_aside(name)
             logger.warning("checkpoint: %s is unusable (%s); moved it to %s (kept for inspection, never loaded)",
-                           self.root / name, "; ".join(problems), aside.name)
+                           self.root / name, "; ".join(problems), moved.name)
         if found is None:
-            logger.info("checkpoint: starting from step 0: %s", self._why_fresh(existed, leftovers, unusable))
+            logger.info("checkpoint: starting from step 0: %s", self._why_fresh(existed, leftovers, unusable or aside))
         return {"step": found, "error": None}
 
-    def _why_fresh(self, existed: bool, leftovers: int, unusable: list[tuple[str, list[str]]]) -> str:
+    def _why_fresh(self, existed: bool, leftovers: int, unusable: list) -> str:
         if unusable:
             return f"no usable checkpoint in {self.root} ({FRESH_FLAG})"
         if not existed:
@@ -179,16 +255,6 @@ class Checkpointer:
             return ""
         newest = max(int(_STEP.match(n).group(1)) for n in _step_names(parent / close[0]))
         return f" (did you mean {parent / close[0]}? it holds checkpoints up to step {newest})"
-
-    def _newest_sound(self) -> tuple[int | None, list[tuple[str, list[str]]]]:
-        """Rank 0: the newest sound checkpoint's step, and the unusable ones newer than it (name, problems)."""
-        unusable = []
-        for step in reversed(self._steps()):
-            problems = ckpt.verify(self._dir(step))
-            if not problems:
-                return step, unusable
-            unusable.append((self._dir(step).name, problems))
-        return None, unusable
 
     def newest_saved(self) -> int | None:
         """This process's view, no collective: the newest step resumed from, saved, or complete on disk.
@@ -221,9 +287,9 @@ class Checkpointer:
         return final
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+             scheduler: torch.optim.lr_scheduler.LRScheduler, *, check_content: bool = True) -> dict[str, Any]:
         """Restore model, optimizer and scheduler from ``path``; returns its extra state (``["step"]``...)."""
-        extra = ckpt.load(path, model, optimizer)
+        extra = ckpt.load(path, model, optimizer, check_content=check_content)
         scheduler.load_state_dict(extra["scheduler"])
         return extra
 
@@ -238,7 +304,7 @@ class Checkpointer:
             if kept == self.keep:
                 pruned.append(step)
                 self._delete(step)
-            elif problems := ckpt.verify(self._dir(step)):
+            elif problems := ckpt.verify(self._dir(step), content=False):  # sums: checked on resume
                 aside = self._move_aside(self._dir(step).name)
                 logger.warning("checkpoint: %s is unusable (%s); moved it to %s instead of counting it among the "
                                "%d kept", self._dir(step), "; ".join(problems), aside.name, self.keep)

@@ -437,6 +437,12 @@ def model_flops_per_token(model: Transformer, config: JobConfig) -> int:
 def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     """Collective: build, (resume,) train, export, sample; returns the step it resumed from (0: a fresh run)."""
     t, ckpt = config.training, config.checkpoint
+    checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable)
+                    if ckpt.dir else None)
+    if restarts := int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        log(f"torchrun restart {restarts}: resuming from the newest sound checkpoint")
+    if checkpointer is not None:
+        checkpointer.choose()  # before anything is allocated: stops here when no sound checkpoint is left
     torch.manual_seed(t.seed)
     dims.build_mesh(device.type)
     model = build_model(config, dims, device)
@@ -450,8 +456,6 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
         log(f"validation: the last {held_out.numel():,} bytes of the data ({config.validation.split:.0%}) held out, "
             f"{config.validation.steps} batches every {config.validation.freq} steps")
 
-    checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable)
-                    if ckpt.dir else None)
     guard = SkipGuard(t.max_skipped_steps)
     start = resume(checkpointer, model, optimizer, scheduler, guard)
     if start == 0 and ckpt.initial_load_path:
@@ -526,9 +530,6 @@ def validate(model: Transformer, held_out: torch.Tensor, dp_rank: int, config: J
 def resume(checkpointer: Checkpointer | None, model: Transformer, optimizer: torch.optim.Optimizer,
            scheduler: torch.optim.lr_scheduler.LRScheduler, guard: SkipGuard) -> int:
     """Collective: load the newest sound checkpoint, if any; returns its step (0: start afresh)."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts:
-        log(f"torchrun restart {restarts}: resuming from the newest checkpoint")
     # Logs one line: "resumed from ... at step N", or why the run starts from step 0.
     if checkpointer is None or (extra := checkpointer.resume(model, optimizer, scheduler)) is None:
         return 0

@@ -8,10 +8,12 @@ previous complete checkpoint at ``path`` or, in the instant between the two
 renames, at ``<path>.old-<id>``, which :func:`load` falls back to. A directory
 without the marker is never loaded.
 
-The marker also lists every file of the checkpoint with its size, so :func:`verify`
-(and :func:`load`, before reading anything) can tell a complete checkpoint from one
-damaged afterwards (a truncated copy, a deleted shard, a full disk during a copy)
-without reading the data: a few ``stat`` calls and DCP's small ``.metadata`` file.
+The marker also lists every file of the checkpoint with its size and its CRC-32 (summed as
+the save wrote the bytes, see ``_checksum.py``), so :func:`verify` (and :func:`load`, before
+DCP reads anything) tells a complete checkpoint from one damaged afterwards: a truncated
+copy, a deleted shard, a full disk during a copy (a few ``stat`` calls and DCP's small
+``.metadata`` file), and bytes overwritten in place (reading each file once; :func:`load`
+spreads the files over the ranks).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import shutil
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,17 +38,19 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from .. import _wire
+from .. import _compat, _wire
+from ._checksum import ChecksummingFileSystem, crc32_of_file
 from ._meta import materialize
 
-__all__ = ["MARKER", "CorruptCheckpointError", "save", "load", "verify", "find_complete", "single_process_ok"]
+__all__ = ["MARKER", "CorruptCheckpointError", "save", "load", "verify", "verify_on_ranks", "find_complete",
+           "single_process_ok"]
 
 logger = logging.getLogger(__name__)
 
 MARKER = "fsdp2_complete.json"
 """Written last, by rank 0, into a checkpoint directory every rank finished writing."""
 
-_MARKER_VERSION = 2  # 2: adds "files" (name -> size in bytes) and "bytes"; 1 had neither
+_MARKER_VERSION = 3  # 3: adds "crc32" (name -> CRC-32); 2: adds "files" (name -> size) and "bytes"; 1 had neither
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -93,15 +98,20 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         buffer = io.BytesIO()
         torch.save(extra, buffer)
         state["extra"] = buffer  # one opaque blob: DCP would flatten a dict into keys
+    writer = dcp.FileSystemWriter(str(tmp))
+    summing = _compat.wrap_dcp_writer_files(writer, lambda fs: ChecksummingFileSystem(fs, tmp))
     with single_process_ok():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
-    if distributed:
-        dist.barrier()  # every rank's files are closed before the marker says so
+        dcp.save(state, storage_writer=writer, no_dist=not distributed)
+    sums = summing.sums if summing is not None else {}
+    if distributed:  # also the barrier: every rank's files are closed before the marker says so
+        sums = {name: crc for each in _wire.all_gather_json(sums) for name, crc in each.items()}
     if not distributed or dist.get_rank() == 0:
-        files = _file_sizes(tmp)  # after the barrier: every rank's files are complete
+        files = _file_sizes(tmp)  # after the gather: every rank's files are complete
+        # A file whose bytes went past the running sum (a seek, an older torch): summed by reading it.
+        crc = {name: sums[name] if sums.get(name) is not None else crc32_of_file(tmp / name) for name in files}
         marker = {"format": "fsdp2.checkpoint", "version": _MARKER_VERSION, "optimizer": optimizer is not None,
                   "extra": extra is not None, "world_size": dist.get_world_size() if distributed else 1,
-                  "torch": torch.__version__, "files": files, "bytes": sum(files.values())}
+                  "torch": torch.__version__, "files": files, "bytes": sum(files.values()), "crc32": crc}
         _write_synced(tmp / MARKER, json.dumps(marker, indent=1).encode())
         old = path.with_name(f"{path.name}.old-{token}")
         if path.exists():
@@ -115,36 +125,38 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         dist.barrier()  # nobody returns (and maybe loads) before the rename
 
 
-def load(path: str | os.PathLike, model: nn.Module,
-         optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         check_content: bool = True) -> dict[str, Any] | None:
     """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``); return ``extra``.
 
     Works on any number of ranks and any sharding (DCP reads the slices each
     rank needs), including a plain model in a single process, and a model built
     on the meta device and sharded, never materialized (this rank's shards are
-    allocated first; see ``_meta.py``). Before reading anything, rank 0 checks
-    the checkpoint with :func:`verify` and tells the other ranks, so every rank
-    raises the same error (none is left waiting in a collective).
+    allocated first; see ``_meta.py``). Before DCP reads anything, the ranks
+    check the checkpoint together (:func:`verify_on_ranks`: rank 0 the sizes and
+    ``.metadata``, each rank the checksums of its share of the files), so every
+    rank raises the same error (none is left waiting in a collective).
+    ``check_content=False`` skips the checksums (the cheap checks still run), for a
+    caller that has just run :func:`verify_on_ranks` itself.
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path`` (a directory
             without the completion marker is an interrupted save).
         CorruptCheckpointError: the marker is there but a file it lists is
-            missing or has another size, or DCP's ``.metadata`` is unreadable
-            or points past the end of a file.
+            missing, has another size or another checksum, or DCP's
+            ``.metadata`` is unreadable or points past the end of a file.
         ValueError: an optimizer was given but the checkpoint has none.
     """
     distributed = dist.is_available() and dist.is_initialized()
-    checked: Any = None
+    found: Any = None
     if not distributed or dist.get_rank() == 0:
-        checked = _check(path)
+        found = _find(path)
     if distributed:
-        checked = _wire.broadcast_json(checked)
-    found, not_found, problems = checked
-    if not_found is not None:
-        raise FileNotFoundError(not_found)
-    path = Path(found)
-    if problems:
+        found = _wire.broadcast_json(found)
+    if found["error"] is not None:
+        raise FileNotFoundError(found["error"])
+    path = Path(found["path"])
+    if problems := verify_on_ranks(path, content=check_content):
         raise CorruptCheckpointError(path, problems)
     marker = json.loads((path / MARKER).read_text())
     if optimizer is not None and not marker["optimizer"]:
@@ -180,25 +192,36 @@ def find_complete(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"no complete fsdp2 checkpoint at {path}: the directory {why}")
 
 
-def verify(path: str | os.PathLike) -> list[str]:
+def verify(path: str | os.PathLike, *, content: bool = True) -> list[str]:
     """The problems that make ``path`` unusable as a checkpoint; an empty list if it is sound.
 
-    Cheap (no tensor data is read): the completion marker must be there and
-    parse; every file it lists must exist with the size it recorded; DCP's
-    ``.metadata`` must unpickle and every byte range it points to must lie
-    inside an existing file. Checkpoints saved before the marker listed its
-    files (version 1) get the ``.metadata`` checks only. Local, no collective.
+    The completion marker must be there and parse; every file it lists must exist with the
+    size it recorded; DCP's ``.metadata`` must unpickle and every byte range it points to
+    must lie inside an existing file (a few ``stat`` calls and one small read). With
+    ``content`` (the default), every file's CRC-32 must also equal the one the save recorded
+    as it wrote the bytes, which reads the whole checkpoint once: pass ``content=False`` for
+    the cheap checks alone. Checkpoints saved before the marker held sums (version 2) get the
+    size checks, before it listed files (version 1) the ``.metadata`` checks only. Local, one
+    process, no collective (:func:`load` spreads the content check over the ranks).
     """
-    path = Path(path)
+    problems, sums = _check_structure(Path(path))
+    if problems or not content:
+        return problems
+    return _check_content(Path(path), sums)
+
+
+def _check_structure(path: Path) -> tuple[list[str], dict[str, int]]:
+    """(what the cheap checks find wrong, the marker's CRC-32 per file: empty for old markers)."""
     if not path.is_dir():
-        return [f"{path} does not exist or is not a directory"]
+        return [f"{path} does not exist or is not a directory"], {}
     if not (path / MARKER).is_file():
-        return [f"{path} has no completion marker {MARKER} (an interrupted or foreign save)"]
+        return [f"{path} has no completion marker {MARKER} (an interrupted or foreign save)"], {}
     try:
         marker = json.loads((path / MARKER).read_text())
         listed = {str(name): int(size) for name, size in marker.get("files", {}).items()}
-    except (OSError, ValueError, AttributeError) as e:
-        return [f"{MARKER} is unreadable ({e})"]
+        sums = {str(name): int(crc) for name, crc in marker.get("crc32", {}).items()}
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        return [f"{MARKER} is unreadable ({e})"], {}
     problems: dict[str, str] = {}  # file -> what is wrong with it; one problem per file
     for name, size in sorted(listed.items()):
         actual = _size(path / name)
@@ -220,7 +243,50 @@ def verify(path: str | os.PathLike) -> list[str]:
                     problems[name] = f"{name} is missing (.metadata points into it)"
                 elif actual < end:
                     problems[name] = f"{name} is {actual} bytes but .metadata needs {end} (truncated)"
-    return list(problems.values())
+    return list(problems.values()), sums
+
+
+def _check_content(path: Path, sums: dict[str, int]) -> list[str]:
+    """What differs from the CRC-32 the save recorded, for each file in ``sums`` (reads them all).
+
+    Files are summed on a few threads: zlib releases the GIL while it sums, so a process
+    checking many files (the ``verify`` command) uses as many cores.
+    """
+    def problem(name: str, want: int) -> str | None:
+        try:
+            got = crc32_of_file(path / name)
+        except OSError as e:
+            return f"{name} is unreadable ({e})"
+        if got == want:
+            return None
+        return f"{name} does not match its checksum (CRC-32 {got:08x}, saved as {want:08x}): overwritten or " \
+               "corrupted after the save"
+
+    items = sorted(sums.items())
+    if len(items) <= 1:
+        found = [problem(name, want) for name, want in items]
+    else:
+        with ThreadPoolExecutor(max_workers=min(len(items), os.cpu_count() or 1, 8)) as pool:
+            found = list(pool.map(lambda item: problem(*item), items))
+    return [p for p in found if p is not None]
+
+
+def verify_on_ranks(path: str | os.PathLike, *, content: bool = True) -> list[str]:
+    """Collective :func:`verify`: the same list on every rank, each rank reading its share of the files.
+
+    Rank 0 runs the cheap checks and broadcasts them; when they pass, rank ``r`` checks the
+    sums of files ``r``, ``r + world``, ... (DCP writes one file per rank, so each rank reads
+    about one file) and every rank gets all the findings. ``content=False``: the cheap checks
+    only. Without a process group: :func:`verify`.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return verify(path, content=content)
+    checked = _check_structure(Path(path)) if dist.get_rank() == 0 else None
+    problems, sums = _wire.broadcast_json(checked)
+    if problems or not content:
+        return problems
+    mine = dict(sorted(sums.items())[dist.get_rank()::dist.get_world_size()])
+    return sorted(p for found in _wire.all_gather_json(_check_content(Path(path), mine)) for p in found)
 
 
 def _ends(metadata: Any) -> dict[str, int]:
@@ -242,13 +308,12 @@ def _size(file: Path) -> int | None:
         return None
 
 
-def _check(path: str | os.PathLike) -> tuple[str | None, str | None, list[str]]:
-    """(the complete checkpoint to load, why there is none, what is wrong with it), JSON-serialisable."""
+def _find(path: str | os.PathLike) -> dict[str, str | None]:
+    """The complete checkpoint to load, or why there is none (JSON-serialisable)."""
     try:
-        found = find_complete(path)
+        return {"path": str(find_complete(path)), "error": None}
     except FileNotFoundError as e:
-        return None, str(e), []
-    return str(found), None, verify(found)
+        return {"path": None, "error": str(e)}
 
 
 def _file_sizes(root: Path) -> dict[str, int]:

@@ -12,8 +12,18 @@ the one log line each save, prune, resume, fresh start and moved-aside checkpoin
   the unusable ones are moved aside (not deleted) and never counted by pruning, so the new
   checkpoints survive (the issue-27 data loss: pruning deleted the new sound checkpoints
   and kept the corrupt ones).
-- A corrupt newest checkpoint over a sound older one: the run resumes from the sound one,
-  exactly (losses equal the uninterrupted run's), and moves the corrupt one aside.
+- A corrupt newest checkpoint over a sound older one (cut short, 64 KiB overwritten in place
+  and caught by its checksum, a shard or the marker deleted): the run resumes from the sound
+  one, exactly (losses equal the uninterrupted run's), and moves the corrupt one aside in one
+  line.
+- Checkpoints that pass the checks but fail to load (missing keys; a pre-checksum one
+  overwritten, which DCP meets): each is moved aside in one line and the next is loaded. When
+  none is left the run stops in one line; a restart stops before building the model and never
+  retries what was moved aside; the flag starts from step 0 over them.
+- Under ``torchrun --max-restarts`` (``_faulty_train.py`` injects the fault into the first
+  attempt): a rank SIGKILLed mid-save (a torn write), and a newest checkpoint overwritten in
+  place before a rank dies; the restart resumes from the checkpoint before, with the
+  uninterrupted run's losses, and needs no second restart.
 - A checkpoint damaged while the run goes on is moved aside by pruning, which keeps the
   newest *sound* ones.
 - Only leftovers of an interrupted save: a fresh start, saying so. A mistyped directory: a
@@ -26,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -36,10 +47,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
+import recipes.train as train_module
+from fsdp2.checkpoint._checksum import crc32_of_file
 from recipes.checkpoint import Checkpointer, UnusableCheckpointError
 from recipes.train import Interrupted, ctrl_c_after
 from tests._dist import run_on_ranks
+from tests.reliability._faulty_train import overwrite_in_place
 from tests.reliability.test_fault import BASE, _plain_setup
 from tests.tools.test_recipe import _train_on_ranks, _without_numpy
 
@@ -47,6 +62,7 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
 ARGS = [*BASE, "--training.steps=6", "--checkpoint-every", "2", "--checkpoint.keep=2"]
 FRESH = "--checkpoint.start_fresh_if_unusable"
+MARKER = "fsdp2_complete.json"
 
 
 class _Records(logging.Handler):
@@ -112,6 +128,182 @@ def _truncate(path: Path) -> None:
 
 def _snapshot(root: Path) -> dict[str, int]:
     return {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+# ---- damage found by the checks, before anything is loaded ------------------------------------
+def _same_size_overwrite(checkpoint: Path) -> None:
+    overwrite_in_place(checkpoint / "__1_0.distcp")  # up to 64 KiB, other bytes: a bad sector
+
+
+DAMAGE = {  # what is done to the newest checkpoint, what the line moving it aside says
+    "truncated": (lambda c: _truncate(c / "__0_0.distcp"), "(__0_0.distcp is "),
+    "same-size overwrite": (_same_size_overwrite, "(__1_0.distcp does not match its checksum (CRC-32 "),
+    "shard deleted": (lambda c: (c / "__1_0.distcp").unlink(), "(__1_0.distcp is missing)"),
+    "marker deleted": (lambda c: (c / MARKER).unlink(), "has no completion marker fsdp2_complete.json"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_run_resumes_exactly(sound, tmp_path, damage):
+    _copy(sound, 2, tmp_path)
+    _copy(sound, 4, tmp_path)
+    harm, said = DAMAGE[damage]
+    harm(_copy(sound, 6, tmp_path))
+    starts, errors, lines = _run(tmp_path)
+    assert starts == [4, 4] and errors == [None, None]
+    ckpt = tmp_path / "ckpt"
+    assert lines[0].startswith(f"WARNING: checkpoint: {ckpt / 'step-00000006'} is unusable (") and said in lines[0]
+    assert "; moved it to step-00000006.unusable-" in lines[0]
+    assert lines[1] == f"INFO: checkpoint: resumed from {ckpt / 'step-00000004'} at step 4"
+    assert _listing(ckpt) == ["step-00000004", "step-00000006", "step-00000006.unusable"]
+    got, want = _records(tmp_path / "metrics.jsonl"), _records(sound / "metrics.jsonl")
+    assert sorted(got) == [5, 6]
+    for step in (5, 6):
+        for key in ("loss", "grad_norm", "lr"):
+            assert got[step][key] == want[step][key], (step, key)
+
+
+# ---- damage the checks cannot see: the load fails, the next checkpoint is tried ------------------
+def _without_a_key(checkpoint: Path, key: str) -> None:
+    """A checkpoint consistent in itself (sizes, sums) that lacks ``key``: another model's, say."""
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    del metadata.state_dict_metadata[key]
+    with open(checkpoint / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    _reseal(checkpoint)
+
+
+def _reseal(checkpoint: Path, *, sums: bool = True) -> None:
+    """Rewrite the marker to match the files as they are now (with no sums: a version 2 marker)."""
+    marker = json.loads((checkpoint / MARKER).read_text())
+    marker["files"] = {p.name: p.stat().st_size for p in sorted(checkpoint.iterdir()) if p.name != MARKER}
+    marker["bytes"] = sum(marker["files"].values())
+    marker["crc32"] = {name: crc32_of_file(checkpoint / name) for name in marker["files"]}
+    if not sums:
+        del marker["crc32"]
+        marker["version"] = 2
+    (checkpoint / MARKER).write_text(json.dumps(marker))
+
+
+def test_checkpoints_that_fail_to_load_are_moved_aside_until_one_loads(sound, tmp_path):
+    _copy(sound, 2, tmp_path)
+    # Saved before markers kept sums, then overwritten in place: only DCP's read finds it.
+    older = _copy(sound, 4, tmp_path)
+    _reseal(older, sums=False)
+    overwrite_in_place(older / "__0_0.distcp")
+    _without_a_key(_copy(sound, 6, tmp_path), "model.norm.weight")
+
+    starts, errors, lines = _run(tmp_path)
+    assert starts == [2, 2] and errors == [None, None]
+    ckpt = tmp_path / "ckpt"
+    assert lines[0].startswith(f"WARNING: checkpoint: {ckpt / 'step-00000006'} could not be loaded (RuntimeError: "
+                               "Missing key in checkpoint state_dict: model.norm.weight")
+    assert lines[1].startswith(f"WARNING: checkpoint: {ckpt / 'step-00000004'} could not be loaded (")
+    for line in lines[:2]:
+        assert "; moved it to step-0000000" in line and line.endswith("(kept for inspection, never loaded again)")
+    assert lines[2] == f"INFO: checkpoint: resumed from {ckpt / 'step-00000002'} at step 2"
+    got, want = _records(tmp_path / "metrics.jsonl"), _records(sound / "metrics.jsonl")
+    for step in (3, 4, 5, 6):
+        for key in ("loss", "grad_norm", "lr"):
+            assert got[step][key] == want[step][key], (step, key)
+    assert _listing(ckpt) == ["step-00000004", "step-00000004.unusable", "step-00000006", "step-00000006.unusable"]
+
+
+def _train_counting_builds(argv: list[str]) -> tuple[int | None, str | None, list[str], int]:
+    """``_train_logged``, and how many times this rank built the model."""
+    built = []
+    build = train_module.build_model
+
+    def counting(*args, **kwargs):
+        built.append(True)
+        return build(*args, **kwargs)
+
+    train_module.build_model = counting
+    try:
+        return (*_train_logged(argv), len(built))
+    finally:
+        train_module.build_model = build
+
+
+def test_no_sound_checkpoint_left_stops_before_the_model_is_built(sound, tmp_path):
+    _without_a_key(_copy(sound, 6, tmp_path), "model.norm.weight")
+    ckpt = tmp_path / "ckpt"
+    argv = [*ARGS, "--checkpoint-dir", str(ckpt), "--metrics-file", str(tmp_path / "metrics.jsonl")]
+    first = run_on_ranks(_train_counting_builds, 2, argv, timeout=240.0)
+    # The checks pass, the load fails: it is moved aside, nothing else is left, the run stops.
+    assert [r[0] for r in first] == [None, None] and first[0][1] == first[1][1]
+    assert first[0][1].startswith(f"checkpoint.dir {ckpt} holds no usable checkpoint: step-00000006.unusable-")
+    assert f"(moved aside earlier). Starting from step 0 would ignore them: run again with {FRESH} to start from " \
+        "step 0 (if the model's configuration changed since they were saved, rename them back" in first[0][1]
+    assert len(first[0][2]) == 1 and "could not be loaded (RuntimeError: Missing key" in first[0][2][0]
+    # A restart does not try it again, and stops before building anything.
+    again = run_on_ranks(_train_counting_builds, 2, argv, timeout=240.0)
+    assert [r[0] for r in again] == [None, None] and [r[3] for r in again] == [0, 0]
+    aside = first[0][1].split(" (moved aside earlier)")[0]
+    assert again[0][1] == (f"{aside} (moved aside earlier). Starting from step 0 would ignore them: rename one back "
+                           f"to its step-N name once repaired, or pass {FRESH} to start from step 0")
+    assert again[0][2] == [], "nothing moved, loaded or started"
+    assert not (tmp_path / "metrics.jsonl").exists()
+    # Told to, it starts from step 0 over them, as an uninterrupted run.
+    fresh = run_on_ranks(_train_counting_builds, 2, [*argv, FRESH], timeout=240.0)
+    assert [r[0] for r in fresh] == [0, 0]
+    assert fresh[0][2][0] == f"INFO: checkpoint: starting from step 0: no usable checkpoint in {ckpt} ({FRESH})"
+    got, want = _records(tmp_path / "metrics.jsonl"), _records(sound / "metrics.jsonl")
+    assert [got[s]["loss"] for s in got] == [want[s]["loss"] for s in want]
+
+
+# ---- faults in a real run under torchrun --max-restarts --------------------------------------------
+FAULTY = REPO / "tests" / "reliability" / "_faulty_train.py"
+
+
+def _torchrun_with_fault(root: Path, fault: str, restarts: int) -> str:
+    """``_faulty_train.py`` (train.py, ``fault`` injected into the first attempt) under torchrun; its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           str(restarts), "--monitor-interval", "0.1", str(FAULTY), *ARGS, "--checkpoint-dir", str(root / "ckpt"),
+           "--metrics-file", str(root / "metrics.jsonl")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FSDP2_TEST_FAULT": fault}
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout
+    assert "torchrun restart 1" in proc.stdout and "torchrun restart 2" not in proc.stdout, proc.stdout
+    return proc.stdout
+
+
+def _assert_uninterrupted(root: Path, sound: Path) -> None:
+    """Every step recorded once, with the uninterrupted run's loss, gradient norm and learning rate."""
+    steps = [json.loads(line)["step"] for line in (root / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))
+    got, want = _records(root / "metrics.jsonl"), _records(sound / "metrics.jsonl")
+    for step in range(1, 7):
+        for key in ("loss", "grad_norm", "lr"):
+            assert got[step][key] == want[step][key], (step, key)
+
+
+@pytest.mark.slow  # torchrun, a kill and a restart
+def test_a_save_torn_by_a_kill_resumes_from_the_checkpoint_before(sound, tmp_path):
+    output = _torchrun_with_fault(tmp_path, "torn:6", restarts=1)
+    ckpt = tmp_path / "ckpt"
+    assert re.search(rf"checkpoint: removed {re.escape(str(ckpt / 'step-00000006'))}\.tmp-\w+, left by an "
+                     "interrupted save or prune", output), output
+    assert f"checkpoint: resumed from {ckpt / 'step-00000004'} at step 4" in output, output
+    _assert_uninterrupted(tmp_path, sound)
+    assert _listing(ckpt) == ["step-00000004", "step-00000006"]
+
+
+@pytest.mark.slow  # torchrun, a kill and a restart
+def test_a_same_size_corrupted_checkpoint_under_max_restarts_resumes_from_the_one_before(sound, tmp_path):
+    # The first attempt saves step 4, a bad sector overwrites 64 KiB of it, the rank dies; the
+    # restart must not load it (before: ~90 lines of traceback on every restart, for good).
+    output = _torchrun_with_fault(tmp_path, "corrupt:4", restarts=3)
+    ckpt = tmp_path / "ckpt"
+    moved = [line for line in output.splitlines() if "is unusable" in line]
+    assert len(moved) == 1 and f"checkpoint: {ckpt / 'step-00000004'} is unusable (__0_0.distcp does not match " \
+        "its checksum (CRC-32 " in moved[0], output
+    assert f"checkpoint: resumed from {ckpt / 'step-00000002'} at step 2" in output, output
+    assert "; moved it to step-00000004.unusable-" in moved[0]
+    _assert_uninterrupted(tmp_path, sound)
+    assert _listing(ckpt) == ["step-00000004", "step-00000004.unusable", "step-00000006"]
 
 
 # ---- only unusable checkpoints ------------------------------------------------------------------

@@ -17,7 +17,8 @@ new command in the docs needs a check here. What each rule does:
   world (keys, values, the layout, packages, paths, the data). ``--help`` runs for real. The
   training runs themselves are tests/tools/test_recipe*.py's and CI's Quickstart.
 - ``python -m fsdp2.checkpoint export``: runs for real on a checkpoint made here at the path
-  the command names; ``python -m fsdp2.plan``: runs for real.
+  the command names; ``... verify``: runs for real on a run's directory made there;
+  ``python -m fsdp2.plan``: runs for real.
 - the benchmarks: their own parsers read and validate the arguments (the measurements take
   minutes to hours); ``benchmarks/gpu_check.sh`` without a GPU is run by
   tests/comm/test_gpu_check.py (it asks for ``--dry-run``, which CI runs too).
@@ -218,6 +219,16 @@ def check_export(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert Path(args[2]).is_file()
 
 
+def check_verify(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = list(cmd.words[cmd.words.index("verify"):])
+    monkeypatch.chdir(tmp_path)
+    fsdp2.checkpoint.save(Path(args[1]) / "step-00000100", torch.nn.Linear(4, 3))  # DIR: a run's directory
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert checkpoint_main(args) == 0
+    assert out.getvalue().startswith("step-00000100: sound ("), out.getvalue()
+
+
 def check_plan(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     if "--hf-config" in cmd.words:  # a model's config.json, as the user would have it
@@ -290,6 +301,7 @@ RULES: dict[str, tuple[Callable[[Command], bool], Callable[..., None]]] = {
     "pytest": (_is("python", "-m", "pytest"), check_pytest),
     "recipe": (_runs("recipes/train.py"), check_recipe),
     "export": (_is("python", "-m", "fsdp2.checkpoint", "export"), check_export),
+    "verify": (_is("python", "-m", "fsdp2.checkpoint", "verify"), check_verify),
     "plan": (_is("python", "-m", "fsdp2.plan"), check_plan),
     "gpu_check": (_is("bash", "benchmarks/gpu_check.sh"), check_gpu_check),
     "benchmark": (_runs("benchmarks/"), check_benchmark),
