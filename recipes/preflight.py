@@ -18,6 +18,8 @@ it, and the planner's peak is per rank.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import os
 import re
 from pathlib import Path
@@ -229,20 +231,29 @@ class MemoryCheck(NamedTuple):
 def check_memory(config: JobConfig, dims: ParallelDims, device_type: str, *, local_rank: int = 0) -> MemoryCheck | None:
     """The planner's verdict for this run (None where the device's memory cannot be read).
 
-    Call before ``init_process_group``: the planner runs fsdp2 over a fake process group.
+    The planner runs in a child process: it runs fsdp2 over a fake process group, and DTensor's
+    caches keep what it computed there as rank 0 of a mesh equal by value to the run's own, which
+    on another rank gave that rank rank 0's initial weights. A fresh process leaves this one as it
+    was (a few seconds for the child's ``import torch``).
     """
     found = device_memory(device_type, local_rank)
     if found is None:
         return None
     memory, source = found
     argv = plan_argv(config, dims, device_type, memory)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as child:
+        return child.submit(_verdict, argv, memory, source).result()
+
+
+def _verdict(argv: list[str], memory: int, source: str) -> MemoryCheck:
     fit = check_fit(argv)
     est = fit.estimate
     needs = f"{_size(est.needed_bytes)} per rank"
     device = f"{_size(memory)} ({source})"
     if est.fits:
-        summary = (f"memory: the planner's peak is {needs} (at {est.peak_point}), "
-                   f"{100 * est.needed_bytes / memory:.0f}% of the device's {device}")
+        summary = (f"memory: the planner says {needs} (peak at {est.peak_point}), "
+                   f"{100 * est.needed_bytes / memory:.1f}% of the device's {device}")
         return MemoryCheck(True, summary, est.table(), argv)
     if fit.fitting:
         layouts = "; ".join(f"{recipe_flags(flags)} ({_size(e.needed_bytes)})" for flags, e in fit.fitting)
