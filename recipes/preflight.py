@@ -39,21 +39,22 @@ _GiB = 2**30
 
 # ---- paths ------------------------------------------------------------------------------------
 def _creatable_dir(path: str | Path, what: str) -> None:
-    """Raise ValueError unless ``path`` is a directory or could be made one (mkdir -p)."""
+    """Raise ValueError unless ``path`` is a directory or could be made one (mkdir -p); ``what``
+    names the setting ("checkpoint.dir=runs/ckpt")."""
     path = Path(path)
     if path.exists():
         if not path.is_dir():
-            raise ValueError(f"{what}={path} is a file, not a directory; give a directory")
+            raise ValueError(f"{what}: {path} is a file, not a directory")
         if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"{what}={path} is not writable; give a directory this user can write to")
+            raise ValueError(f"{what}: {path} is not writable by this user")
         return
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise ValueError(f"{what}={path}: {parent} is a file, so the directory cannot be created")
+        raise ValueError(f"{what}: cannot create {path}, {parent} is a file")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what}={path}: cannot create it, {parent} is not writable")
+        raise ValueError(f"{what}: cannot create {path}, {parent} is not writable by this user")
 
 
 def check_paths(config: JobConfig) -> None:
@@ -73,19 +74,19 @@ def check_paths(config: JobConfig) -> None:
         raise ValueError(f"{flag}: {size} bytes, fewer than training.seq_len + 2 = {t.seq_len + 2}; "
                          "give more data or shorten training.seq_len")
     if c.dir:
-        _creatable_dir(c.dir, "checkpoint.dir")
+        _creatable_dir(c.dir, f"checkpoint.dir={c.dir}")
     for key, path in (("checkpoint.export", c.export), ("metrics.file", m.file)):
         if path:
             if Path(path).is_dir():
                 raise ValueError(f"{key}={path} is a directory; give a file name")
-            _creatable_dir(Path(path).parent, f"{key}={path}: its directory")
+            _creatable_dir(Path(path).parent, f"{key}={path}")
     dump = Path(config.job.dump_folder)
     p = config.profiling
     for enabled, sub, why in ((m.enable_tensorboard, "tb", "metrics.enable_tensorboard"),
                               (p.trace_steps, "profile_traces", "profiling.trace_steps"),
                               (p.memory_snapshot_steps, "memory_snapshot", "profiling.memory_snapshot_steps")):
         if enabled:
-            _creatable_dir(dump / sub, f"job.dump_folder (for {why}: {dump / sub})")
+            _creatable_dir(dump / sub, f"job.dump_folder={dump} (for {why})")
 
 
 # ---- settings that would do nothing -----------------------------------------------------------

@@ -92,13 +92,15 @@ def test_every_path_is_checked_before_the_ranks_start(tmp_path):
     cases = [
         (["--data", "/nonexistent"], r"^--data /nonexistent: no such file or directory$"),
         (["--data", str(tmp_path / "small.txt")], r"small.txt: 4 bytes, fewer than training.seq_len \+ 2 = 130"),
-        (["--checkpoint-dir", str(a_file)], rf"^checkpoint.dir={a_file} is a file, not a directory"),
-        (["--checkpoint-dir", str(a_file / "sub")], r"file is a file, so the directory cannot be created"),
-        (["--metrics-file", str(a_file / "m.jsonl")], r"^metrics.file=.*: its directory=.*file is a file"),
-        (["--metrics-file", str(tmp_path)], r"^metrics.file=.* is a directory; give a file name"),
+        (["--checkpoint-dir", str(a_file)], rf"^checkpoint.dir={a_file}: {a_file} is a file, not a directory$"),
+        (["--checkpoint-dir", str(a_file / "sub")], rf"^checkpoint.dir=.*: cannot create .*sub, {a_file} is a file$"),
+        (["--metrics-file", str(a_file / "m.jsonl")], rf"^metrics.file=.*m.jsonl: {a_file} is a file, not"),
+        (["--metrics-file", str(tmp_path)], r"^metrics.file=.* is a directory; give a file name$"),
         (["--job.dump_folder", str(a_file), "--profiling.trace_steps=1"],
-         r"^job.dump_folder \(for profiling.trace_steps: .*profile_traces\)=.*file is a file"),
-        (["--job.dump_folder", str(a_file), "--profiling.memory_snapshot_steps=1"], r"memory_snapshot"),
+         rf"^job.dump_folder={a_file} \(for profiling.trace_steps\): cannot create .*profile_traces, {a_file} is"),
+        (["--job.dump_folder", str(a_file), "--profiling.memory_snapshot_steps=1"],
+         r"\(for profiling.memory_snapshot_steps\)"),
+        (["--job.dump_folder", str(a_file), "--metrics.enable_tensorboard"], r"\(for metrics.enable_tensorboard\)"),
     ]
     for argv, match in cases:
         with pytest.raises(ValueError, match=match):
