@@ -140,8 +140,6 @@ def preflight_memory(config: JobConfig, dims: ParallelDims, device: torch.device
     if check.fits and rank0 and not config.job.dry_run:
         print(check.summary, flush=True)
     if not check.fits and not config.job.dry_run:
-        if not rank0:  # let rank 0 print first: torchrun stops every rank when the first one exits
-            time.sleep(2)
         fail(f"error: {check.summary}", rank0)
     return check
 
@@ -190,6 +188,10 @@ def fail(message: str, rank0: bool) -> NoReturn:
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with open(error_file, "w") as f:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
+    if not rank0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun stops every rank once the first exits: the others wait a moment so that rank 0's
+        # line gets printed (every rank fails alike, and a loaded machine may run rank 0 last).
+        time.sleep(2)
     sys.exit(2)
 
 
