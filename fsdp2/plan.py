@@ -4,6 +4,7 @@
     python -m fsdp2.plan --config llama3_8b --world 8 --compare
     python -m fsdp2.plan --dim 2048 --n-layers 16 --n-heads 16 --n-kv-heads 4 --world 8
     python -m fsdp2.plan --hf-config path/to/config.json --world 8 --activation-checkpointing full
+    python -m fsdp2.plan --config recipes/configs/llama3_8b.toml --world 8 --gpu-memory 80GB
 
 Builds two blocks of the recipe's Llama (``fsdp2.models.llama``) on the meta device (no
 memory), runs fsdp2 on them over a fake process group of the layout's world size (a warm-up
@@ -12,6 +13,12 @@ adds what a GPU process holds besides (CUDA context, NCCL buffers, allocator fra
 ``fsdp2.memory.Reserve``). When the layout does not fit, it tries the nearest changes
 (activation checkpointing, resharding, FSDP instead of HSDP, a smaller micro-batch, tensor
 parallelism, more GPUs) and prints those that fit. See docs/memory.md.
+
+``--config`` also takes a recipe's TOML file (``recipes/configs/*.toml``) as it is: its
+[model] table is the model, and its [training] and [parallelism] tables the layout (batch,
+sequence, accumulation, precision, activation checkpointing, resharding, quantization, the
+mesh); flags given on the command line override them. ``check_fit`` asks the same question
+from Python (the recipe's pre-flight check does, before it allocates).
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ import dataclasses
 import json
 import re
 import sys
+import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -31,7 +39,7 @@ from .memory import Layout, MemoryEstimate, ModelBuilder, Reserve, estimate_memo
 from .memory._tracker import format_bytes, format_table
 from .models.llama import LLAMA3, ModelArgs
 
-__all__ = ["main", "parse_bytes"]
+__all__ = ["main", "parse_bytes", "check_fit", "FitCheck"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # GPU makers' "GB" are binary: an "80 GB" GPU holds 80 GiB (an "A100 40GB" reports 42,405,855,232
@@ -106,6 +114,14 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _config(text: str) -> str:
+    """A preset's name, or a recipe TOML file's path (read after parsing: flags override it)."""
+    if text in LLAMA3 or text.endswith(".toml") or Path(text).is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, sorted(LLAMA3)))}, "
+                                     "or give a recipe's .toml file)")
+
+
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults in --help, except where there is none (None) or for on/off switches."""
 
@@ -122,8 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fsdp2.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=_Help, epilog=SIZES)
     model = p.add_argument_group("the model (a preset, a Hugging Face config.json, or dimensions; flags override)")
-    model.add_argument("--config", choices=sorted(LLAMA3), default=None,
-                       help="Meta's published Llama 3 dimensions on the recipe's model")
+    model.add_argument("--config", type=_config, default=None, metavar=f"{{{','.join(sorted(LLAMA3))},FILE.toml}}",
+                       help="Meta's published Llama 3 dimensions on the recipe's model, or a recipe's TOML "
+                            "config (its model and layout; flags override them)")
     model.add_argument("--hf-config", type=Path, default=None, metavar="CONFIG_JSON",
                        help="a Hugging Face Llama-style config.json (hidden_size, num_hidden_layers, ...)")
     for flag, what in (("--dim", "model width"), ("--n-layers", "blocks"), ("--n-heads", "attention heads"),
@@ -133,7 +150,8 @@ def _parser() -> argparse.ArgumentParser:
         model.add_argument(flag, type=_positive, default=None, help=what)
     model.add_argument("--tie-embeddings", type=_bool, default=None, help="output layer shares the embedding")
     run = p.add_argument_group("the layout")
-    run.add_argument("--world", required=True, type=_positive, help="total ranks (GPUs)")
+    run.add_argument("--world", type=_positive, default=None,
+                     help="total ranks (GPUs); required unless a TOML config fixes every mesh axis")
     run.add_argument("--dp-replicate", type=_positive, default=1, help="replicas (HSDP); 1 is FSDP")
     run.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
     run.add_argument("--batch", type=_positive, default=1, help="sequences per data-parallel rank per micro-batch")
@@ -141,6 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seq", type=_positive, default=8192, help="tokens per sequence")
     run.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16", help="compute and all-gather dtype")
     run.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32", help="reduce-scatter dtype")
+    run.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
+                     help="nccl: GPUs; gloo: CPU ranks (fsdp2's CPU transport, and nothing reserved)")
     run.add_argument("--reshard-after-forward", type=_bool, default=True,
                      help="free each block's gathered parameters after its forward")
     run.add_argument("--activation-checkpointing", type=_ac, default="none", metavar="{none,full}",
@@ -166,6 +186,92 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--no-reserve", action="store_true", help="reserve nothing: compare the simulated peak alone")
     fit.add_argument("--compare", action="store_true", help="one row per candidate layout, by peak")
     return p
+
+
+# ---- a recipe's TOML config ------------------------------------------------------------------
+# The recipe's defaults for the keys the layout reads (recipes/config.py's dataclasses; fsdp2 does
+# not import the recipes, tests/tools/test_plan_toml.py checks these equal them).
+RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "training": {"batch_size": 8, "seq_len": 128, "grad_accum": 1, "mixed_precision": "fp32",
+                 "activation_checkpoint": False},
+    "parallelism": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "reshard_after_forward": "default",
+                    "quantize_weights": "", "quantize_gradients": "", "quantize_error_feedback": False,
+                    "quantize_gradient_axes": "shard"},
+}
+# recipe mixed_precision -> (--param-dtype, --reduce-dtype); reshard_after_forward -> (blocks, root)
+_RECIPE_PRECISION = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "fp32")}
+_RECIPE_RESHARD = {"default": (True, False), "always": (True, True), "never": (False, False)}
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML ({e})") from None
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(data.get("model", {})) - known)
+    if unknown:
+        raise ValueError(f"--config {path}: [model] has keys the recipe's Llama does not: {', '.join(unknown)}")
+    return data
+
+
+def _apply_recipe_toml(args: argparse.Namespace, given: set[str]) -> None:
+    """Fill ``args`` from the recipe TOML named by ``--config``: its layout where no flag was given.
+
+    The model's dimensions come from its [model] table in ``_model_args``; here the [training]
+    and [parallelism] tables, with the recipe's defaults for missing keys, as the recipe runs it.
+    """
+    path = Path(args.config)
+    data = _read_toml(path)
+    args.recipe_model = data.get("model", {})
+    t = {**RECIPE_DEFAULTS["training"], **data.get("training", {})}
+    p = {**RECIPE_DEFAULTS["parallelism"], **data.get("parallelism", {})}
+    if t["mixed_precision"] not in _RECIPE_PRECISION or p["reshard_after_forward"] not in _RECIPE_RESHARD:
+        raise ValueError(f"--config {path}: training.mixed_precision must be fp32 or bf16 and "
+                         "parallelism.reshard_after_forward default, always or never")
+    param, reduce = _RECIPE_PRECISION[t["mixed_precision"]]
+    blocks, root = _RECIPE_RESHARD[p["reshard_after_forward"]]
+    values = {"batch": t["batch_size"], "seq": t["seq_len"], "grad_accum": t["grad_accum"],
+              "param_dtype": param, "reduce_dtype": reduce, "activation_checkpointing": t["activation_checkpoint"],
+              "dp_replicate": p["dp_replicate"], "tp": p["tp"], "reshard_after_forward": blocks,
+              "quantize_weights": p["quantize_weights"] or None, "quantize_gradients": p["quantize_gradients"] or None,
+              "error_feedback": p["quantize_error_feedback"], "quantize_gradient_axes": p["quantize_gradient_axes"]}
+    for dest, value in values.items():
+        if dest not in given:
+            setattr(args, dest, value)
+    if "reshard_after_forward" not in given:
+        args.root_reshard_after_forward = root
+    shard = p["dp_shard"]
+    if shard > 0:  # the TOML fixes every axis: that is the world
+        world = args.dp_replicate * shard * args.tp
+        if args.world is None:
+            args.world = world
+        elif args.world != world:
+            raise ValueError(f"--world {args.world}, but {path} fixes dp_replicate {args.dp_replicate} x dp_shard "
+                             f"{shard} x tp {args.tp} = {world} ranks; give --world {world} or change the file")
+
+
+def _given(argv: Sequence[str]) -> set[str]:
+    """The destinations of the flags ``argv`` gives (not their defaults)."""
+    probe = _parser()
+    for action in probe._actions:
+        action.default, action.required = argparse.SUPPRESS, False
+    return set(vars(probe.parse_known_args(list(argv))[0]))
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, completed by a recipe TOML's layout; ``--world`` checked last."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.recipe_model, args.root_reshard_after_forward = None, False
+    if args.config is not None and args.config not in LLAMA3:
+        _apply_recipe_toml(args, _given(argv))
+    if args.world is None:
+        parser.error("--world is required (the total ranks), unless a recipe TOML's parallelism.dp_shard "
+                     "fixes the mesh")
+    return args
 
 
 # ---- the model --------------------------------------------------------------------------------
@@ -197,7 +303,10 @@ def _model_args(args: argparse.Namespace) -> tuple[str, ModelArgs, list[str]]:
     """(name, dimensions, notes) from --config / --hf-config and the dimension flags."""
     if args.config and args.hf_config:
         raise ValueError("give --config or --hf-config, not both")
-    base: dict[str, Any] = dataclasses.asdict(LLAMA3[args.config]) if args.config else {}
+    if args.recipe_model is not None:  # a recipe TOML: its [model] over the recipe's defaults, as it trains
+        base: dict[str, Any] = dataclasses.asdict(ModelArgs(**args.recipe_model))
+    else:
+        base = dataclasses.asdict(LLAMA3[args.config]) if args.config else {}
     notes: list[str] = []
     if args.hf_config:
         dims, notes = _hf_dims(args.hf_config)
@@ -209,7 +318,8 @@ def _model_args(args: argparse.Namespace) -> tuple[str, ModelArgs, list[str]]:
     missing = [f"--{k.replace('_', '-')}" for k in ("dim", "n_layers", "n_heads", "vocab_size") if k not in base]
     if missing:
         raise ValueError(f"no model: give --config, --hf-config or the dimensions (missing {', '.join(missing)})")
-    name = args.config or (args.hf_config.name if args.hf_config else "custom")
+    name = (Path(args.config).name if args.recipe_model is not None else args.config) or \
+        (args.hf_config.name if args.hf_config else "custom")
     if flags and (args.config or args.hf_config):
         name += " (" + ", ".join(f"{k}={v}" for k, v in flags.items()) + ")"
     base["max_seq_len"] = max(base.get("max_seq_len", 0), args.seq)
@@ -229,7 +339,8 @@ def _layout(args: argparse.Namespace, **fields: object) -> Layout:
     flags = dict(world=args.world, batch=args.batch, seq=args.seq, dp_replicate=args.dp_replicate, tp=args.tp,
                  param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype],
                  reshard_after_forward=args.reshard_after_forward, grad_accum=args.grad_accum,
-                 activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer)
+                 activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer,
+                 root_reshard_after_forward=args.root_reshard_after_forward, backend=args.backend)
     for flag, given in (("--error-feedback", args.error_feedback),
                         ("--quantize-gradient-axes", args.quantize_gradient_axes != "shard")):
         if given and not args.quantize_gradients:
@@ -242,7 +353,7 @@ def _layout(args: argparse.Namespace, **fields: object) -> Layout:
 
 
 def _reserve(args: argparse.Namespace) -> Reserve:
-    if args.no_reserve:
+    if args.no_reserve or args.backend == "gloo":  # a CPU process holds no CUDA context or NCCL buffers
         return Reserve.none()
     return Reserve(context=args.reserve_context, nccl_per_group=args.reserve_nccl, fragmentation=args.fragmentation)
 
@@ -309,9 +420,10 @@ def _changes(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> list
     return out
 
 
-def _suggest(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> list[str]:
-    """Lines naming the nearest layouts that fit: single changes, else activation checkpointing plus one."""
-    def first_fit(options: list[tuple[str, dict[str, Any]]], base: Layout, prefix: str = "") -> str | None:
+def _fitting(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> list[tuple[str, MemoryEstimate]]:
+    """(flags, estimate) of the nearest layouts that fit: single changes, else activation checkpointing plus one."""
+    def first_fit(options: list[tuple[str, dict[str, Any]]], base: Layout,
+                  prefix: str = "") -> tuple[str, MemoryEstimate] | None:
         for flags, fields in options:
             try:
                 candidate = dataclasses.replace(base, **fields)
@@ -319,26 +431,65 @@ def _suggest(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> list
             except ValueError:  # e.g. a world that tp no longer divides
                 continue
             if est.fits:
-                return f"  {prefix}{flags}: needs {format_bytes(est.needed_bytes)} " \
-                       f"({100 * est.needed_bytes / args.gpu_memory:.0f}%)"
+                return prefix + flags, est
         return None
 
     changes = _changes(args, model, layout)
-    found = [line for options in changes if (line := first_fit(options, layout))]
+    found = [fit for options in changes if (fit := first_fit(options, layout))]
     if not found and not layout.activation_checkpointing:
         with_ac = dataclasses.replace(layout, activation_checkpointing=True)
-        found = [line for options in changes[1:] if (line := first_fit(options, with_ac,
-                                                                         "--activation-checkpointing full "))]
+        found = [fit for options in changes[1:] if (fit := first_fit(options, with_ac,
+                                                                       "--activation-checkpointing full "))]
+    return found
+
+
+NOTHING_FITS = ("no layout one or two changes away fits (activation checkpointing, resharding, FSDP, smaller "
+                "micro-batches, --tp, up to 8x the GPUs)")
+
+
+def _suggest(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> list[str]:
+    """Lines naming the nearest layouts that fit."""
+    found = _fitting(args, model, layout)
     if not found:
-        return ["no layout one or two changes away fits (activation checkpointing, resharding, FSDP, smaller "
-                "micro-batches, --tp, up to 8x the GPUs); try --compare"]
-    return ["nearest layouts that fit (each from this one):", *found]
+        return [NOTHING_FITS + "; try --compare"]
+    return ["nearest layouts that fit (each from this one):",
+            *(f"  {flags}: needs {format_bytes(est.needed_bytes)} ({100 * est.needed_bytes / args.gpu_memory:.0f}%)"
+              for flags, est in found)]
+
+
+class FitCheck(NamedTuple):
+    """The planner's answer for one command line (``check_fit``)."""
+
+    name: str  # the model, as the output's first line names it
+    estimate: MemoryEstimate  # the layout's estimate; ``estimate.fits`` is the verdict
+    fitting: list[tuple[str, MemoryEstimate]]  # when it does not fit (and asked): (flags, estimate) that do
+
+
+def check_fit(argv: Sequence[str], *, suggest: bool = True) -> FitCheck:
+    """What ``python -m fsdp2.plan ARGV`` decides, as values: the estimate, and the nearest layouts
+    that fit when it does not (``suggest``; their flags are this command line's).
+
+    ``argv`` must give ``--gpu-memory``. Raises ValueError for a command line the CLI would refuse.
+    Runs the simulation on a fake process group: call it before ``init_process_group``.
+    """
+    parser = _parser()
+    try:
+        args = _parse(parser, argv)
+    except SystemExit:  # argparse's own errors: say them as a ValueError
+        raise ValueError(f"python -m fsdp2.plan {' '.join(argv)}: not a valid command line") from None
+    if args.gpu_memory is None:
+        raise ValueError("check_fit needs --gpu-memory: the bytes per rank to compare with")
+    _name, model, _notes = _model_args(args)
+    layout = _layout(args)
+    est = _estimate(args, model, layout)
+    fitting = _fitting(args, model, layout) if suggest and not est.fits else []
+    return FitCheck(_name, est, fitting)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
     try:
+        args = _parse(parser, argv)
         name, model, notes = _model_args(args)
         layout = _layout(args)
         if args.compare:

@@ -33,7 +33,7 @@ from .llama.model import ModelArgs
 __all__ = [
     "ConfigError", "JobConfig", "JobSettings", "TrainingConfig", "ParallelismConfig", "DataConfig",
     "ValidationConfig", "CheckpointConfig", "MetricsConfig", "ProfilingConfig", "FaultsConfig", "DEFAULT_CONFIG",
-    "parse_args", "load_config", "describe", "field_help",
+    "parse_args", "load_config", "describe", "field_help", "command_line_keys",
 ]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.toml"
@@ -55,6 +55,10 @@ def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> 
 class JobSettings:
     dump_folder: str = "runs"  # the run's directory: profiler traces, memory snapshots and TensorBoard events
     # go in its profile_traces/, memory_snapshot/ and tb/ folders
+    dry_run: bool = False  # --dry-run: check everything up to the first step (config, paths, the memory
+    # planner's verdict, mesh, data, checkpoint directory), print the plan and stop before allocating the model
+    skip_memory_check: bool = False  # --skip-memory-check: start even when the memory planner says this
+    # model and layout do not fit the device (the check runs before any rank allocates the model)
 
 
 @dataclass
@@ -156,7 +160,8 @@ class MetricsConfig:
     log_every: int = 10  # print (and record) every N steps, plus the first and the last
     file: str | None = None  # one JSON object per logged step; a PNG loss curve is written next to it
     plot: bool = True  # draw that PNG at the end (needs matplotlib)
-    sample_tokens: int = 0  # at the end, generate this many bytes from a prompt (greedy) and print them
+    sample_tokens: int = 0  # at the end, sample this many bytes after the prompt "def " (temperature 0.8,
+    # seeded by training.seed) and print them
     peak_tflops: float = 0.0  # one device's peak TFLOPS in the run's precision, for MFU; 0: MFU not shown
     enable_tensorboard: bool = False  # also write every record to TensorBoard, in job.dump_folder/tb
     # (needs pip install -e '.[tensorboard]')
@@ -227,6 +232,8 @@ ALIASES = {
     "--checkpoint-dir": "checkpoint.dir",
     "--checkpoint-every": "checkpoint.every",
     "--metrics-file": "metrics.file",
+    "--dry-run": "job.dry_run",
+    "--skip-memory-check": "job.skip_memory_check",
 }
 
 
@@ -407,6 +414,16 @@ def parse_args(argv: typing.Sequence[str]) -> JobConfig:
                 raise ConfigError("--config needs a path")
             break
     return load_config(path, args)
+
+
+def command_line_keys(argv: typing.Sequence[str]) -> set[str]:
+    """The ``section.key`` names ``argv``'s overrides and short flags set (not ``--config``'s file)."""
+    args = list(argv)
+    for i, arg in enumerate(args):
+        if arg == "--config" or arg.startswith("--config="):
+            del args[i:i + (1 if "=" in arg else 2)]
+            break
+    return {key for key, _raw, _source in _split_overrides(args)}
 
 
 def describe(config: JobConfig | None = None) -> str:

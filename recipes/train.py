@@ -6,9 +6,16 @@ With no arguments it trains the tiny config (recipes/configs/tiny.toml) on the P
 standard library's own source files, on 2 CPU ranks (gloo) or on GPUs (NCCL) when CUDA
 is available. Short flags: --dp-shard N, --dp-replicate N, --tp N (-1 = infer from the
 world size), --steps N, --data PATH, --checkpoint-dir DIR, --checkpoint-every N,
---metrics-file PATH. A run given a checkpoint directory that holds a complete checkpoint
-resumes from it (the newest one that passes verification). Every key (--help lists them)
-can be overridden as --section.key=value.
+--metrics-file PATH, --dry-run, --skip-memory-check. A run given a checkpoint directory that
+holds a complete checkpoint resumes from it (the newest one that passes verification). Every
+key (--help lists them) can be overridden as --section.key=value.
+
+Before any rank allocates the model: every path is checked, settings that would have no
+effect on this run are warned about, and the memory planner (python -m fsdp2.plan) predicts a
+rank's peak for this model and layout; a run that cannot fit the device is refused with the
+planner's figures and the nearest layouts that fit (--skip-memory-check starts it anyway).
+--dry-run does all of that, builds the mesh, finds the data and the checkpoint to resume from,
+prints the plan and stops.
 
 Faults: under `torchrun --max-restarts K` a crashed or killed rank makes torchrun restart
 every rank, and the run resumes from the newest checkpoint, exactly: the losses and the
@@ -55,7 +62,7 @@ from recipes.checkpoint import (
     Checkpointer, UnusableCheckpointError, check_checkpoint_dir, check_export, check_initial_load, export_model,
     load_initial,
 )
-from recipes.config import ConfigError, JobConfig, TrainingConfig, describe, parse_args
+from recipes.config import ConfigError, JobConfig, TrainingConfig, command_line_keys, describe, parse_args
 from recipes.data import ByteTokenizer, corpus_files, corpus_size, get_batch, load_corpus, split_corpus
 from recipes.llama.model import Transformer
 from recipes.llama.parallelize import ParallelDims, check_layout, parallelize
@@ -63,6 +70,7 @@ from recipes.metrics import (
     MetricsWriter, TensorBoardWriter, check_tensorboard, flops_per_token, format_duration, gather_memory_mb,
     plot_loss,
 )
+from recipes.preflight import MemoryCheck, check_memory, check_paths, check_settings, no_op_warnings
 from recipes.profiling import Profiler
 
 
@@ -79,8 +87,11 @@ def main(argv: list[str] | None = None) -> None:
         config, dims = check_command(argv, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, ValueError) as e:  # before any process starts a collective
         fail(f"error: {e}", rank0)
-    if rank0 and (problem := restart_store_problem()):
-        print(f"warning: {problem}", file=sys.stderr)
+    if rank0:
+        for warning in no_op_warnings(config, command_line_keys(argv)):
+            print(f"warning: {warning}", file=sys.stderr)
+        if problem := restart_store_problem():
+            print(f"warning: {problem}", file=sys.stderr)
     show_recipe_logs(rank0)
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -88,13 +99,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    memory = preflight_memory(config, dims, device, rank0)
     try:
         dist.init_process_group("nccl" if use_cuda else "gloo")
         try:
             if dist.get_world_size() != dims.world_size:
                 raise RuntimeError(f"WORLD_SIZE={dims.world_size} but the process group has "
                                    f"{dist.get_world_size()} ranks")
-            train(config, dims, device)
+            if config.job.dry_run:
+                dry_run(config, dims, device, memory)
+            else:
+                train(config, dims, device)
         finally:
             dist.destroy_process_group()
     except UnusableCheckpointError as e:  # every rank raises it, after rank 0's decision
@@ -103,6 +118,30 @@ def main(argv: list[str] | None = None) -> None:
         if rank0:
             print(e if isinstance(e, Interrupted) else "interrupted before training started", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+    if config.job.dry_run and memory is not None and not memory.fits:
+        sys.exit(2)  # the dry run printed why; a script can tell a run that would be refused
+
+
+def preflight_memory(config: JobConfig, dims: ParallelDims, device: torch.device, rank0: bool) -> MemoryCheck | None:
+    """Every rank asks the memory planner, before ``init_process_group`` (it runs fsdp2 over a fake
+    process group) and before allocating; a run that does not fit stops here with rank 0's line.
+
+    Every rank decides for itself (the same deterministic simulation), so none waits for a peer
+    that has already stopped, and every rank's error file names the layouts that would fit.
+    """
+    if config.job.skip_memory_check and not config.job.dry_run:
+        return None
+    check = check_memory(config, dims, device.type, local_rank=device.index or 0)
+    if check is None:
+        if rank0:
+            print("warning: cannot read this machine's available memory: the memory check is skipped",
+                  file=sys.stderr)
+        return None
+    if check.fits and rank0 and not config.job.dry_run:
+        print(check.summary, flush=True)
+    if not check.fits and not config.job.dry_run:
+        fail(f"error: {check.summary}", rank0)
+    return check
 
 
 def check_command(argv: list[str], world_size: int) -> tuple[JobConfig, ParallelDims]:
@@ -113,12 +152,15 @@ def check_command(argv: list[str], world_size: int) -> tuple[JobConfig, Parallel
     p = config.parallelism
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size)
     check_layout(dims, config)
-    check_run(config)
+    check_run(config, world_size)
     return config, dims
 
 
-def check_run(config: JobConfig) -> None:
-    """Raise ValueError for what would fail only after training started: missing packages, bad paths, data."""
+def check_run(config: JobConfig, world_size: int = 1) -> None:
+    """Raise ValueError for what would fail only after training started: missing packages, bad paths, data,
+    settings the user cannot have meant."""
+    check_paths(config)
+    check_settings(config, world_size)
     if config.checkpoint.dir:
         check_checkpoint_dir(config.checkpoint.dir)
     if config.checkpoint.export:
@@ -146,6 +188,10 @@ def fail(message: str, rank0: bool) -> NoReturn:
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with open(error_file, "w") as f:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
+    if not rank0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun stops every rank once the first exits: the others wait a moment so that rank 0's
+        # line gets printed (every rank fails alike, and a loaded machine may run rank 0 last).
+        time.sleep(2)
     sys.exit(2)
 
 
@@ -408,20 +454,20 @@ class Progress:
                 f"{speed['tflops_per_rank']:.3g} TFLOPS per rank{mfu}")
 
 
-def log_setup(config: JobConfig, dims: ParallelDims, model: Transformer, corpus: torch.Tensor) -> int:
+def log_setup(config: JobConfig, dims: ParallelDims, n_params: int, corpus_bytes: int) -> int:
     """Print what is about to run; returns the tokens per optimizer step."""
     t, args, mesh = config.training, config.model, dims.mesh
     tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * dims.dp_size
     log(f"world {dims.world_size} ({mesh.device_type}, {dist.get_backend()}), "
         f"mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}, {t.mixed_precision}, "
         f"activation checkpointing {'on' if t.activation_checkpoint else 'off'}")
-    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {args.n_layers} layers, "
+    log(f"model: {n_params / 1e6:.2f}M parameters, {args.n_layers} layers, "
         f"dim {args.dim}, {args.n_heads} heads ({args.kv_heads} kv), vocab {args.vocab_size}")
     n_files = len(corpus_files(config.data.path))
-    log(f"data: {n_files} file{'s' * (n_files != 1)}, {corpus.numel():,} bytes from "
+    log(f"data: {n_files} file{'s' * (n_files != 1)}, {corpus_bytes:,} bytes from "
         f"{config.data.path or 'the Python standard library'}")
     log(f"tokens/step = {t.batch_size} batch x {t.seq_len} seq x {t.grad_accum} accum x {dims.dp_size} dp ranks "
-        f"= {tokens_per_step:,}; chance loss ln(256) = {math.log(args.vocab_size):.3f}")
+        f"= {tokens_per_step:,}; chance loss ln({args.vocab_size}) = {math.log(args.vocab_size):.3f}")
     return tokens_per_step
 
 
@@ -432,6 +478,31 @@ def model_flops_per_token(model: Transformer, config: JobConfig) -> int:
     # A tied table is also the output projection, whose matmul costs what its weights say.
     embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
     return flops_per_token(n_params, embedding, args.n_layers, args.dim, config.training.seq_len)
+
+
+def dry_run(config: JobConfig, dims: ParallelDims, device: torch.device, memory: MemoryCheck | None) -> None:
+    """Collective: everything a run does before its first step except allocating the model; prints the plan."""
+    dims.build_mesh(device.type)
+    with torch.device("meta"):  # the parameter count, nothing allocated
+        n_params = sum(p.numel() for p in Transformer(config.model).parameters())
+    log_setup(config, dims, n_params, corpus_size(config.data.path))
+    if config.validation.enable:
+        log(f"validation: {config.validation.split:.0%} of the data held out, {config.validation.steps} batches "
+            f"every {config.validation.freq} steps")
+    ckpt = config.checkpoint
+    if ckpt.dir:
+        found = sorted(p.name for p in Path(ckpt.dir).glob("step-*") if p.is_dir()) if Path(ckpt.dir).is_dir() else []
+        log(f"checkpoints: {ckpt.dir} holds {', '.join(found)}; the run resumes from the newest sound one" if found
+            else f"checkpoints: none in {ckpt.dir} yet; the run starts at step 1")
+    if ckpt.initial_load_path:
+        log(f"initial weights: {ckpt.initial_load_path} (unless the run resumes)")
+    if memory is None:
+        log("memory: not checked (the available memory cannot be read)")
+    else:
+        log(f"memory planner (python -m fsdp2.plan {' '.join(memory.argv)}):\n{memory.table}")
+        log(memory.summary if memory.fits else f"refused: {memory.summary}")
+    log("dry run: nothing allocated; " + ("without --dry-run it trains" if memory is None or memory.fits
+                                         else "without --dry-run the run is refused (or --skip-memory-check)"))
 
 
 def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
@@ -449,7 +520,7 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     optimizer = build_optimizer(model, t)
     scheduler = lr_schedule(optimizer, t)
     corpus = load_corpus(config.data.path)
-    tokens_per_step = log_setup(config, dims, model, corpus)
+    tokens_per_step = log_setup(config, dims, sum(p.numel() for p in model.parameters()), corpus.numel())
     held_out = None
     if config.validation.enable:  # training never sees the held-out bytes
         corpus, held_out = split_corpus(corpus, config.validation.split)
@@ -499,7 +570,7 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
         log(f"exported the full model to {ckpt.export}")
     if config.metrics.sample_tokens:
         sample = generate(model, "def ", config.metrics.sample_tokens, device, seed=t.seed, multiple_of=dims.tp)
-        log("sample (temperature 0.8):\n" + sample)
+        log('sample (temperature 0.8, after the prompt "def "):\n' + sample)
     if progress.writer is not None and config.metrics.plot:
         png = plot_loss(progress.writer.path)
         log(f"metrics: {progress.writer.path}" + (f", loss curve: {png}" if png else

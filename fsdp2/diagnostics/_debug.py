@@ -90,11 +90,13 @@ def phase(root: Any) -> int:
 
 
 def describe_iteration(root: Any) -> str:
-    """e.g. ``"forward of iteration 3"``; iterations count root forwards from 0."""
+    """e.g. ``"forward of step 4"``: steps count the root's forwards from 1, as a training loop counts
+    its steps (``RootContext.iteration`` counts them from 0), so "step 21" is the loop's 21st step when
+    every step is one forward (with gradient accumulation, every micro-batch's forward counts)."""
     if root is None:
         return "before the first forward"
     where = PHASES[phase(root)]
-    return f"{'during ' if where != PHASES[2] else ''}{where} of iteration {root.iteration}"
+    return f"{'during ' if where != PHASES[2] else ''}{where} of step {root.iteration + 1}"
 
 
 def _rank() -> int:

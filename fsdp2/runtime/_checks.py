@@ -313,7 +313,7 @@ def _what(group: ParamGroup, row: list[int]) -> str:
     labels = [g.label for g in root.diag.groups] if root is not None and root.diag is not None else []
     label = labels[index] if 0 <= index < len(labels) else f"group #{index}"
     where = _debug.PHASES[phase] if 0 <= phase < len(_debug.PHASES) else f"phase {phase}"
-    return f"{label} in {where} of iteration {iteration}"
+    return f"{label} in {where} of step {iteration + 1}"  # steps count root forwards from 1, as a loop does
 
 
 # ---- reduce-scatter headers (exchange) ---------------------------------------------------
@@ -367,7 +367,7 @@ def raise_if_nonfinite(root: RootContext) -> None:
             by_rank.update(other)
     found = ", ".join(f"{c} on rank {r}" for r, c in sorted(by_rank.items()) if c > 0)
     raise FloatingPointError(
-        f"fsdp2: non-finite gradient in iteration {root.iteration}: {records[index][0]} has "
+        f"fsdp2: non-finite gradient in step {root.iteration + 1}: {records[index][0]} has "
         f"non-finite elements ({found}); the first such parameter in the order gradients were "
         "reduced (reverse forward order). The gradients were added to .grad: call "
         "optimizer.zero_grad() and skip this optimizer step, then continue"

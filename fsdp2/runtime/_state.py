@@ -503,10 +503,10 @@ class ModuleState:
             return
         where = "backward" if ctx.callback_queued else "forward"
         logger.warning(
-            "fsdp2: iteration %d of %s was interrupted by an exception in %s and reset_iter_state() "
+            "fsdp2: step %d of %s was interrupted by an exception in %s and reset_iter_state() "
             "was not called; resetting it now: collectives in flight are waited for and their "
             "results dropped, unsharded parameters and gradients freed",
-            ctx.iteration, type(self.modules[0]).__name__, where,
+            ctx.iteration + 1, type(self.modules[0]).__name__, where,  # steps count from 1, as a loop's
         )
         self.reset_iter_state(discard_reductions=True)
 

@@ -170,13 +170,13 @@ def _skipped_forward() -> str:
 
 
 def test_rank_that_skipped_a_forward_fails_on_every_rank():
-    # Rank 0 runs its 4th forward (iteration 3) and prefetches layers.0, while rank 1, one
-    # forward short, starts backward of iteration 2 by prefetching layers.2; the blocks are
+    # Rank 0 runs its 4th forward (step 4) and prefetches layers.0, while rank 1, one
+    # forward short, starts backward of step 3 by prefetching layers.2; the blocks are
     # the same size, so the two all-gathers pair up.
     messages = run_on_ranks(_skipped_forward, 2)
     assert messages[0] == messages[1]
-    assert ("rank 1 is gathering layers.2 in backward of iteration 2 while rank 0 is gathering "
-            "layers.0 in forward of iteration 3: ranks ran different forward/backward sequences") in messages[0]
+    assert ("rank 1 is gathering layers.2 in backward of step 3 while rank 0 is gathering "
+            "layers.0 in forward of step 4: ranks ran different forward/backward sequences") in messages[0]
 
 
 def _aligned_schedules(layout: str) -> int:
@@ -215,7 +215,7 @@ def test_the_header_check_finds_the_odd_rank_at_any_world_size(world):
                                           dist.group.WORLD)
 
     with fake_process_group(world):
-        with pytest.raises(RuntimeError, match=rf"rank {odd} is gathering group #4 in forward of iteration 5 "
+        with pytest.raises(RuntimeError, match=rf"rank {odd} is gathering group #4 in forward of step 6 "
                                                r"while rank 0 is gathering group #3 in forward"):
             check([magic, 5, 4, 0])  # another group
         with pytest.raises(RuntimeError, match=rf"rank {odd} is gathering group #3 in backward"):
@@ -250,7 +250,7 @@ def test_the_in_place_key_comparison_finds_the_odd_rank(world, stride):
         _checks._check_all_gather_headers(group, headers, dist.group.WORLD)
         headers[odd, 8:12] = torch.tensor([4], dtype=torch.int32).view(torch.uint8)
         assert not slot.keys_agree(headers)
-        with pytest.raises(RuntimeError, match=rf"rank {odd} is gathering group #4 in forward of iteration 5 "
+        with pytest.raises(RuntimeError, match=rf"rank {odd} is gathering group #4 in forward of step 6 "
                                                r"while rank 0 is gathering group #3 in forward"):
             _checks._check_all_gather_headers(group, headers, dist.group.WORLD)
 
@@ -300,7 +300,7 @@ def _peer_raises_before_forward() -> str:
     with _fresh_mesh(3) as mesh:
         model = _shard(Transformer(n_layers=2), mesh=mesh)
         x, y = make_batch(rank, 0)
-        lm_loss(model(x), y).backward()  # iteration 0 runs on both ranks
+        lm_loss(model(x), y).backward()  # step 1 runs on both ranks
         if rank == 1:
             with pytest.raises(InjectedFailure, match="bad batch"):
                 raise InjectedFailure("bad batch")  # the user's own error: fsdp2 is not involved
@@ -309,7 +309,7 @@ def _peer_raises_before_forward() -> str:
         # gloo words a timeout in two ways, depending on where the pair was when it expired.
         timed_out = "Timed out|Application timeout caused pair closure"
         with pytest.raises(RuntimeError, match=timed_out) as info:
-            model(x)  # iteration 1: the root's all-gather waits for rank 1 until the timeout
+            model(x)  # step 2: the root's all-gather waits for rank 1 until the timeout
         dist.barrier()
         assert info.value.__cause__ is not None and re.search(timed_out, str(info.value.__cause__))
         return str(info.value)
@@ -319,7 +319,7 @@ def test_timeout_names_group_collective_iteration_and_phase():
     messages = run_on_ranks(_peer_raises_before_forward, 2)
     assert messages[1] == "InjectedFailure: bad batch"
     assert messages[0].startswith("fsdp2: all_gather of root (2 ranks x ")
-    assert "failed on rank 0 during forward of iteration 1: " in messages[0]
+    assert "failed on rank 0 during forward of step 2: " in messages[0]
 
 
 def _peer_skips_quantized_backward(transport: str) -> str:
@@ -370,10 +370,10 @@ def test_debug_mode_logs_every_collective():
         block_bytes = sum(p.numel() * 4 for p in Block(DIM, HEADS).parameters())
         sizes = [int(m) for m in re.findall(
             r"rank \d: all_gather layers\.0 over 2 ranks: (\d+) bytes per rank uint8, during forward of "
-            r"iteration 0", "\n".join(gathers))]
+            r"step 1", "\n".join(gathers))]
         assert len(sizes) == 1 and block_bytes // 2 < sizes[0] < block_bytes // 2 + 1024, gathers
         assert any(re.fullmatch(r"rank \d: reduce_scatter layers\.0 over 2 ranks: 2 x \d+ elements float32, "
-                                r"during backward of iteration 0", m) for m in scatters), scatters
+                                r"during backward of step 1", m) for m in scatters), scatters
 
 
 @pytest.mark.slow
@@ -473,7 +473,7 @@ def test_training_goes_on_after_an_exception(where, explicit_reset):
             assert warnings == []
         else:
             assert len(warnings) == 1
-            assert f"iteration 1 of FSDPTransformer was interrupted by an exception in {where}" in warnings[0]
+            assert f"step 2 of FSDPTransformer was interrupted by an exception in {where}" in warnings[0]
 
 
 def _train_with_fault_reading(where: str) -> list[str]:
@@ -577,7 +577,7 @@ def test_non_finite_gradient_raises_on_every_rank_naming_the_parameter():
     # first non-finite one. NaN on rank 1 reaches every element of the summed gradient, so
     # each rank's half of the (32,) norm weight is all NaN.
     assert messages[0].startswith(
-        "fsdp2: non-finite gradient in iteration 1: layers.1.attn_norm.weight has non-finite elements "
+        "fsdp2: non-finite gradient in step 2: layers.1.attn_norm.weight has non-finite elements "
         "(16 on rank 0, 16 on rank 1)")
 
 

@@ -231,6 +231,8 @@ def check_verify(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def check_plan(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    if any(word.endswith(".toml") for word in cmd.words):  # a recipe config, read as the checkout has it
+        (tmp_path / "recipes").symlink_to(REPO / "recipes")
     if "--hf-config" in cmd.words:  # a model's config.json, as the user would have it
         config = Path(cmd.words[cmd.words.index("--hf-config") + 1])
         config.parent.mkdir(parents=True)
