@@ -160,12 +160,16 @@ def _callers(root: Any, stage_module: Any) -> tuple[Any, Any]:
 
 
 def _splits_backward(schedule: Any) -> bool:
+    """Whether the schedule's actions hold an input or weight pass (those of an overlapped pair too)."""
     for attribute in ("pipeline_order", "pipeline_order_with_comms"):
         order = getattr(schedule, attribute, None)
-        if isinstance(order, dict):
-            for actions in order.values():
-                for action in actions or ():
-                    kind = getattr(action, "computation_type", None)
-                    if getattr(kind, "name", None) in _SPLIT_BACKWARD:
-                        return True
+        if isinstance(order, dict) and any(_split(a) for actions in order.values() for a in actions or ()):
+            return True
     return False
+
+
+def _split(action: Any) -> bool:
+    if action is None:
+        return False
+    kind = getattr(getattr(action, "computation_type", None), "name", None)
+    return kind in _SPLIT_BACKWARD or any(map(_split, getattr(action, "sub_actions", None) or ()))

@@ -20,8 +20,7 @@ Four runs of the same model, data and schedule:
 
 from __future__ import annotations
 
-import collections
-import copy
+import logging
 import warnings
 
 import pytest
@@ -47,20 +46,26 @@ class _Layer(nn.Module):
 
 
 class _Stage(nn.Module):
-    """One pipeline stage: an input projection (the root group's own), layers, a head."""
+    """One pipeline stage, named as torchtitan's decoder after its pipeline split: the first stage
+    has the input projection (``tok_embeddings``), the last the head (``norm``, ``lm_head``)."""
 
-    def __init__(self) -> None:
+    enable_weight_tying = False
+
+    def __init__(self, first: bool, last: bool) -> None:
         super().__init__()
-        self.proj_in = nn.Linear(DIM, DIM)
+        self.tok_embeddings = nn.Linear(DIM, DIM) if first else None
         self.layers = nn.ModuleDict({str(i): _Layer() for i in range(LAYERS_PER_STAGE)})
-        self.norm = nn.LayerNorm(DIM)
-        self.proj_out = nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(DIM) if last else None
+        self.lm_head = nn.Linear(DIM, DIM) if last else None
+        self.gate = nn.Parameter(torch.ones(DIM))  # the root group's own parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj_in(x)
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
         for layer in self.layers.values():
             x = layer(x)
-        return self.proj_out(self.norm(x))
+        x = x * self.gate
+        return self.lm_head(self.norm(x)) if self.lm_head is not None else x
 
 
 def _stages_of_rank(schedule: str, per_rank: int, pp_rank: int, pp: int) -> list[int]:
@@ -74,11 +79,11 @@ def _stages_of_rank(schedule: str, per_rank: int, pp_rank: int, pp: int) -> list
 def _build_stages(num_stages: int) -> list[_Stage]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return [_Stage() for _ in range(num_stages)]
+        return [_Stage(i == 0, i == num_stages - 1) for i in range(num_stages)]
 
 
-def _shard(stage: _Stage, route: str, mesh) -> None:
-    """torchtitan's apply_fsdp_to_decoder with pipelining on, on this stage."""
+def _shard(stage: _Stage, route: str, mesh, titan: bool) -> None:
+    """torchtitan's apply_fsdp_to_decoder with pipelining on (``titan``: torchtitan's own function)."""
     if route == "ref":
         return
     if route == "direct":
@@ -86,10 +91,18 @@ def _shard(stage: _Stage, route: str, mesh) -> None:
     else:  # torch's names: torch's own, or fsdp2's while patched
         from torch.distributed.fsdp import FSDPModule as module_type
         from torch.distributed.fsdp import fully_shard as shard
-    for layer in stage.layers.values():
-        shard(layer, mesh=mesh, reshard_after_forward=False)
-    shard([stage.norm, stage.proj_out], mesh=mesh, reshard_after_forward=False)
-    shard(stage, mesh=mesh)
+    if titan:
+        from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+        apply_fsdp_to_decoder(stage, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=True)
+    else:
+        if stage.tok_embeddings is not None:
+            shard(stage.tok_embeddings, mesh=mesh, reshard_after_forward=False)
+        if stage.lm_head is not None:
+            shard([stage.norm, stage.lm_head], mesh=mesh, reshard_after_forward=False)
+        for layer in stage.layers.values():
+            shard(layer, mesh=mesh, reshard_after_forward=False)
+        shard(stage, mesh=mesh)
     for module in stage.modules():
         if isinstance(module, module_type):
             module.set_gradient_divide_factor(1.0)
@@ -142,7 +155,8 @@ def _count_comms(mode) -> dict[str, int]:
     return {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items() if n}
 
 
-def _train(route: str, schedule: str, n_microbatches: int, per_rank: int, steps: int = STEPS, pp: int = 2) -> dict:
+def _train(route: str, schedule: str, n_microbatches: int, per_rank: int, steps: int = STEPS, pp: int = 2,
+           titan: bool = False) -> dict:
     """Train the pipeline ``steps`` AdamW steps on this rank; what it ends with."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
@@ -153,9 +167,11 @@ def _train(route: str, schedule: str, n_microbatches: int, per_rank: int, steps:
     every = _build_stages(num_stages)
     mine = {i: every[i] for i in _stages_of_rank(schedule, per_rank, pp_rank, pp)}
     handle = fsdp2.patch_torch() if route == "patched" else None
+    logged = _Records()
+    logging.getLogger("fsdp2.runtime._pipeline").addHandler(logged)
     try:
         for module in mine.values():
-            _shard(module, route, mesh["dp"])
+            _shard(module, route, mesh["dp"], titan)
         stages = [PipelineStage(module, i, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
                   for i, module in mine.items()]
         cls = _schedule_class(schedule)
@@ -186,21 +202,35 @@ def _train(route: str, schedule: str, n_microbatches: int, per_rank: int, steps:
             if step_losses:
                 losses.append(torch.stack([loss.detach() for loss in step_losses]))
     finally:
+        logging.getLogger("fsdp2.runtime._pipeline").removeHandler(logged)
         if handle is not None:
             handle.undo()
-    return {"losses": losses, "params": _full(mine), "comms": comms, "dp_rank": dp_rank, "pp_rank": pp_rank}
+    return {"losses": losses, "params": _full(mine), "comms": comms, "stages": len(mine),
+            "warned": [r.getMessage() for r in logged.records]}
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
-def _all_routes(schedule: str, n_microbatches: int, per_rank: int) -> dict:
-    """Every route on this rank (the direct route only where it runs: see ``_direct_refused``)."""
-    routes = ("torch", "patched", "ref") + (() if schedule in SPLIT_BACKWARD else ("direct",))
+def _all_routes(schedule: str, n_microbatches: int, per_rank: int, titan: bool = False) -> dict:
+    """Every route on this rank (the direct route only where it runs: see ``_direct_refused``;
+    ``titan``: the stages sharded by torchtitan's own function, torch and patched only)."""
+    routes = ("torch", "patched", "ref")
+    if schedule not in SPLIT_BACKWARD and not titan:
+        routes += ("direct",)
     with warnings.catch_warnings():
         # torch 2.13's FSDP2 warns that a stage returns a view (LayerNorm's output under Linear): no in-place op follows
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        return {route: _train(route, schedule, n_microbatches, per_rank) for route in routes}
+        return {route: _train(route, schedule, n_microbatches, per_rank, titan=titan) for route in routes}
 
 
 def _direct_refused(schedule: str) -> None:
@@ -215,7 +245,7 @@ def _direct_refused(schedule: str) -> None:
         _train("direct", schedule, 2, 2, pp=1)
 
 
-def _check(results: list[dict], schedule: str) -> None:
+def _check(results: list[dict]) -> None:
     for rank, out in enumerate(results):
         torch_run, patched = out["torch"], out["patched"]
         assert patched["comms"] == torch_run["comms"], (rank, patched["comms"], torch_run["comms"])
@@ -233,12 +263,14 @@ def _check(results: list[dict], schedule: str) -> None:
             for name, value in out[route]["params"].items():
                 torch.testing.assert_close(value, out["ref"]["params"][name], **REF_TOLERANCE,
                                            msg=lambda m, name=name, route=route: f"{route} {name}: {m}")
+        assert patched["warned"] == [], (rank, patched["warned"])
         if "direct" in out:  # pipelining drives it not: one all-gather and reduce-scatter pair a microbatch
+            warned = out["direct"]["warned"]
+            assert len(warned) == out["direct"]["stages"] and all("fsdp2.patch_torch()" in w for w in warned), warned
             direct, steps = out["direct"]["comms"], len(torch_run["comms"])
             assert all(direct[s]["_reduce_scatter_base_"] > torch_run["comms"][s]["_reduce_scatter_base_"]
                        for s in range(steps)), (rank, direct, torch_run["comms"])
-        else:
-            assert schedule in SPLIT_BACKWARD
+
 
 
 MATRIX = [(s, n, 1) for s in ("GPipe", "1F1B") for n in (2, 4)] + [
@@ -249,9 +281,39 @@ MATRIX = [(s, n, 1) for s in ("GPipe", "1F1B") for n in (2, 4)] + [
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,n_microbatches,per_rank", MATRIX)
 def test_pipeline_matches_torch(schedule, n_microbatches, per_rank):
-    _check(run_on_ranks(_all_routes, 4, schedule, n_microbatches, per_rank, timeout=300), schedule)
+    _check(run_on_ranks(_all_routes, 4, schedule, n_microbatches, per_rank, timeout=300))
 
 
 @pytest.mark.parametrize("schedule", SPLIT_BACKWARD)
 def test_direct_import_refuses_split_backward(schedule):
     run_on_ranks(_direct_refused, 4, schedule, timeout=120)
+
+
+def test_pipeline_quick():
+    """The quick subset: one schedule with a full backward, every route."""
+    _check(run_on_ranks(_all_routes, 4, "1F1B", 2, 1, timeout=300))
+
+
+def test_patch_rebinds_pipelining_names():
+    """pipelining's modules, imported before the patch, see fsdp2's names while patched and torch's after."""
+    import torch.distributed.fsdp as torch_fsdp
+    import torch.distributed.pipelining.schedules as schedules
+    import torch.distributed.pipelining.stage as stage
+
+    originals = (torch_fsdp.FSDPModule, torch_fsdp.fully_shard, torch_fsdp.UnshardHandle)
+    with fsdp2.patch_torch():
+        assert stage.FSDPModule is fsdp2.FSDPModule and stage.fully_shard is fsdp2.fully_shard
+        assert schedules.FSDPModule is fsdp2.FSDPModule and schedules.UnshardHandle is fsdp2.UnshardHandle
+    assert (stage.FSDPModule, stage.fully_shard, schedules.UnshardHandle) == originals
+
+
+def test_fully_shard_state_needs_a_sharded_module():
+    with pytest.raises(ValueError, match="fully_shard.state: Linear was not passed to fully_shard"):
+        fsdp2.fully_shard.state(nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_pipeline_with_torchtitans_apply_fsdp():
+    """torchtitan's own ``apply_fsdp_to_decoder`` (pipelining on) shards the stages, under the patch."""
+    pytest.importorskip("torchtitan")
+    _check(run_on_ranks(_all_routes, 4, "ZBVZeroBubble", 4, 2, True, timeout=300))
