@@ -1,12 +1,14 @@
 """Pipeline parallelism (``torch.distributed.pipelining``) with fsdp2-sharded stages.
 
-4 gloo ranks as pp 2 x dp 2 (``init_device_mesh("cpu", (2, 2), ("pp", "dp"))``). Each stage is
-sharded as torchtitan's ``apply_fsdp_to_decoder`` does with pipelining on: every layer in its own
-group that keeps its parameters after forward (``reshard_after_forward=False``: one all-gather
-per step, not one per microbatch), the stage's head ``[norm, proj]`` as one group, then the
-stage itself (its own input projection stays in the root's group), gradient divide factor 1
-(torchtitan normalises the loss itself). Every schedule torch ships that runs on CPU, 2 and 4
-microbatches, one stage per rank and two (looped; the V schedule puts stages 0 and 3 on rank 0).
+4 gloo ranks as pp 2 x dp 2 (``init_device_mesh("cpu", (2, 2), ("pp", "dp"))``). The stages are
+torchtitan's decoder after its pipeline split (the first holds ``tok_embeddings``, the last
+``norm`` and ``lm_head``; each has layers and a parameter of the stage's own), sharded as
+torchtitan's ``apply_fsdp_to_decoder`` does with pipelining on: ``tok_embeddings``, each layer
+and ``[norm, lm_head]`` in groups that keep their parameters after forward
+(``reshard_after_forward=False``: one all-gather per step, not one per microbatch), then the
+stage; gradient divide factor 1 (torchtitan normalises the loss itself). One slow test calls
+torchtitan's function itself. Every schedule torch ships (all run on CPU), 2 and 4 microbatches,
+one stage per rank and two (looped; the V schedules put stages 0 and 3 on rank 0).
 
 Four runs of the same model, data and schedule:
 
@@ -14,7 +16,8 @@ Four runs of the same model, data and schedule:
   gloo has no PREMUL_SUM);
 * ``patched``: the same code under ``fsdp2.patch_torch()``, so pipelining drives fsdp2 as it
   drives torch's FSDP2: the same collectives per step, bit-exact losses and parameters;
-* ``direct``: ``fsdp2.fully_shard`` imported directly, which pipelining does not recognise;
+* ``direct``: ``fsdp2.fully_shard`` imported directly, which pipelining does not recognise:
+  correct with more collectives and a warning, or (split backward) refused;
 * ``ref``: the pipeline unsharded, its gradients summed over dp with ``all_reduce``.
 """
 
@@ -71,7 +74,7 @@ class _Stage(nn.Module):
 def _stages_of_rank(schedule: str, per_rank: int, pp_rank: int, pp: int) -> list[int]:
     if per_rank == 1:
         return [pp_rank]
-    if schedule == "ZBVZeroBubble":  # the V: down the ranks, then back up
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):  # the V: down the ranks, then back up
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(per_rank)]
 
@@ -218,7 +221,7 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def _all_routes(schedule: str, n_microbatches: int, per_rank: int, titan: bool = False) -> dict:
@@ -275,7 +278,7 @@ def _check(results: list[dict]) -> None:
 
 MATRIX = [(s, n, 1) for s in ("GPipe", "1F1B") for n in (2, 4)] + [
     (s, n, k) for s in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble") for n in (2, 4) for k in (1, 2)
-] + [("ZBVZeroBubble", n, 2) for n in (2, 4)]
+] + [("ZBVZeroBubble", n, 2) for n in (2, 4)] + [("DualPipeV", 4, 2)]  # (it needs a microbatch per stage)
 
 
 @pytest.mark.slow
