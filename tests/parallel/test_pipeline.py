@@ -23,6 +23,7 @@ Four runs of the same model, data and schedule:
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -85,20 +86,23 @@ def _build_stages(num_stages: int) -> list[_Stage]:
         return [_Stage(i == 0, i == num_stages - 1) for i in range(num_stages)]
 
 
-def _shard(stage: _Stage, route: str, mesh, titan: bool) -> None:
+def _shard(stage: _Stage, route: str, mesh, titan: bool, param_dtype: torch.dtype) -> None:
     """torchtitan's apply_fsdp_to_decoder with pipelining on (``titan``: torchtitan's own function)."""
     if route == "ref":
         return
     if route == "direct":
-        shard, module_type = fsdp2.fully_shard, fsdp2.FSDPModule
+        shard, module_type, policy = fsdp2.fully_shard, fsdp2.FSDPModule, fsdp2.MixedPrecisionPolicy
     else:  # torch's names: torch's own, or fsdp2's while patched
         from torch.distributed.fsdp import FSDPModule as module_type
+        from torch.distributed.fsdp import MixedPrecisionPolicy as policy
         from torch.distributed.fsdp import fully_shard as shard
     if titan:
         from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
-        apply_fsdp_to_decoder(stage, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=True)
+        apply_fsdp_to_decoder(stage, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, pp_enabled=True)
     else:
+        shard = functools.partial(shard, mp_policy=policy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                                          cast_forward_inputs=False))
         if stage.tok_embeddings is not None:
             shard(stage.tok_embeddings, mesh=mesh, reshard_after_forward=False)
         if stage.lm_head is not None:
@@ -120,7 +124,7 @@ def _schedule_class(name: str):
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output, target)
+    return F.mse_loss(output.float(), target)
 
 
 def _full(stages: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
@@ -159,7 +163,7 @@ def _count_comms(mode) -> dict[str, int]:
 
 
 def _train(route: str, schedule: str, n_microbatches: int, per_rank: int, steps: int = STEPS, pp: int = 2,
-           titan: bool = False) -> dict:
+           titan: bool = False, param_dtype: torch.dtype = torch.float32) -> dict:
     """Train the pipeline ``steps`` AdamW steps on this rank; what it ends with."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
@@ -174,7 +178,7 @@ def _train(route: str, schedule: str, n_microbatches: int, per_rank: int, steps:
     logging.getLogger("fsdp2.runtime._pipeline").addHandler(logged)
     try:
         for module in mine.values():
-            _shard(module, route, mesh["dp"], titan)
+            _shard(module, route, mesh["dp"], titan, param_dtype)
         stages = [PipelineStage(module, i, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
                   for i, module in mine.items()]
         cls = _schedule_class(schedule)
@@ -186,6 +190,7 @@ def _train(route: str, schedule: str, n_microbatches: int, per_rank: int, steps:
         for step in range(steps):
             g = torch.Generator().manual_seed(1000 * step + dp_rank)
             x, y = torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, DIM, generator=g)
+            x = x.to(param_dtype)  # (torchtitan's policy casts no inputs)
             step_losses: list[torch.Tensor] = []
             is_first, is_last = 0 in mine, num_stages - 1 in mine
             kwargs = {}
@@ -224,16 +229,18 @@ class _Records(logging.Handler):
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
-def _all_routes(schedule: str, n_microbatches: int, per_rank: int, titan: bool = False) -> dict:
+def _all_routes(schedule: str, n_microbatches: int, per_rank: int, titan: bool = False,
+                param_dtype: torch.dtype = torch.float32) -> dict:
     """Every route on this rank (the direct route only where it runs: see ``_direct_refused``;
-    ``titan``: the stages sharded by torchtitan's own function, torch and patched only)."""
-    routes = ("torch", "patched", "ref")
-    if schedule not in SPLIT_BACKWARD and not titan:
-        routes += ("direct",)
+    ``titan``: the stages sharded by torchtitan's own function; bf16: torch's and patched only)."""
+    routes = ("torch", "patched")
+    if param_dtype == torch.float32:
+        routes += ("ref",) + (("direct",) if schedule not in SPLIT_BACKWARD and not titan else ())
     with warnings.catch_warnings():
         # torch 2.13's FSDP2 warns that a stage returns a view (LayerNorm's output under Linear): no in-place op follows
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        return {route: _train(route, schedule, n_microbatches, per_rank, titan=titan) for route in routes}
+        return {route: _train(route, schedule, n_microbatches, per_rank, titan=titan, param_dtype=param_dtype)
+                for route in routes}
 
 
 def _direct_refused(schedule: str) -> None:
@@ -248,18 +255,21 @@ def _direct_refused(schedule: str) -> None:
         _train("direct", schedule, 2, 2, pp=1)
 
 
-def _check(results: list[dict]) -> None:
+def _check(results: list[dict], exact: bool = True) -> None:
+    """Patched: torch's collectives, and its numbers bit for bit (``exact``; else within
+    bf16 rounding); patched and direct: the unsharded pipeline's within float tolerance."""
+    same = torch.equal if exact else functools.partial(torch.allclose, atol=1e-3, rtol=1e-3)
     for rank, out in enumerate(results):
         torch_run, patched = out["torch"], out["patched"]
         assert patched["comms"] == torch_run["comms"], (rank, patched["comms"], torch_run["comms"])
         assert len(patched["losses"]) == len(torch_run["losses"])
         for a, b in zip(patched["losses"], torch_run["losses"]):
-            assert torch.equal(a, b), (rank, a, b)
+            assert same(a, b), (rank, a, b)
         assert patched["params"].keys() == torch_run["params"].keys()
         for name, value in patched["params"].items():
-            assert torch.equal(value, torch_run["params"][name]), (rank, name)
+            assert same(value, torch_run["params"][name]), (rank, name, value, torch_run["params"][name])
         for route in ("patched", "direct"):
-            if route not in out:
+            if route not in out or "ref" not in out:
                 continue
             for a, b in zip(out[route]["losses"], out["ref"]["losses"]):
                 torch.testing.assert_close(a, b, **REF_TOLERANCE)
@@ -316,7 +326,22 @@ def test_fully_shard_state_needs_a_sharded_module():
 
 
 @pytest.mark.slow
-def test_pipeline_with_torchtitans_apply_fsdp():
-    """torchtitan's own ``apply_fsdp_to_decoder`` (pipelining on) shards the stages, under the patch."""
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_pipeline_with_torchtitans_apply_fsdp(param_dtype):
+    """torchtitan's own ``apply_fsdp_to_decoder`` (pipelining on) shards the stages, under the patch;
+    also with bf16 parameters and fp32 reductions (torchtitan's default): see the next test."""
     pytest.importorskip("torchtitan")
-    _check(run_on_ranks(_all_routes, 4, "ZBVZeroBubble", 4, 2, True, timeout=300))
+    _check(run_on_ranks(_all_routes, 4, "ZBVZeroBubble", 4, 2, True, param_dtype, timeout=300),
+           exact=param_dtype == torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,n_microbatches,per_rank", [("1F1B", 4, 1), ("InterleavedZeroBubble", 4, 2)])
+def test_pipeline_mixed_precision_matches_torch(schedule, n_microbatches, per_rank):
+    """bf16 parameters, fp32 reductions: the same collectives; a full backward bit for bit torch's.
+    The split-backward schedules agree within bf16 rounding only: from the third step on, one
+    microbatch's weight pass gives a gradient a bf16 ulp off torch's (not explained yet;
+    docs/comparison.md)."""
+    exact = schedule not in SPLIT_BACKWARD
+    _check(run_on_ranks(_all_routes, 4, schedule, n_microbatches, per_rank, False, torch.bfloat16, timeout=300),
+           exact=exact)
