@@ -7,17 +7,17 @@ backward runs with gradient sync, resharding after backward and the last-backwar
 so gradients accumulate unsharded and the parameters stay gathered; once per step, after the
 stage's last backward, it turns them back on, finishes each group's backward and then the
 root's through ``fully_shard.state(module)``. :func:`state` answers that call with a view of
-fsdp2's state that has the few members pipelining uses, named as torch's (torch 2.11 to 2.14
-checked: ``_state_ctx.all_states``, each state's ``_fsdp_param_groups`` (2.13 on) or
-``_fsdp_param_group`` (2.11), a group's ``post_backward()``, the root's
-``_root_post_backward_final_callback()``).
+fsdp2's state that has the few members pipelining uses, named as torch's
+(``_state_ctx.all_states``, each state's ``_fsdp_param_groups`` (torch 2.13's pipelining, read) or
+``_fsdp_param_group`` (earlier pipelining, seen in its published source), a group's
+``post_backward()``, the root's ``_root_post_backward_final_callback()``).
 
 Imported directly (``from fsdp2 import fully_shard``), fsdp2's modules are not torch's
 ``FSDPModule``, so pipelining treats the stage as a plain module: each microbatch's backward
 reduce-scatters and reshards, and the next forward gathers again. That is correct but costs a
 collective pair per microbatch where torch issues one per step, so :func:`check_stage` warns
-once, naming ``patch_torch()``. The zero-bubble schedules split backward into an input pass
-and a weight pass and set the weights' gradients themselves; without pipelining's
+once, naming ``patch_torch()``. The zero-bubble schedules (and DualPipeV) split backward into an input
+pass and a weight pass and set the weights' gradients themselves; without pipelining's
 coordination the stage is resharded between the two and its gradients would never be
 reduced, so they are refused with an error naming the fix.
 """
@@ -25,10 +25,10 @@ reduced, so they are refused with an error naming the fix.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from .. import _compat
 from .._errors import FSDPValueError
 
 if TYPE_CHECKING:
@@ -102,30 +102,26 @@ def state(module: Any) -> _StateView:
 
 
 # ---- the direct route ---------------------------------------------------------------------
-_PIPELINING_DIR = os.path.join("torch", "distributed", "pipelining") + os.sep
-_SPLIT_BACKWARD = ("BACKWARD_INPUT", "BACKWARD_WEIGHT")
-
-
 def check_stage(module_state: ModuleState) -> None:
     """At a root forward: if pipelining runs this module as a stage without recognising it as
     an FSDP module, warn once (every microbatch reduces) or refuse a split-backward schedule.
 
-    Looks at the caller's frames only while ``torch.distributed.pipelining`` is imported and
-    only until the root has been seen once under it (``ModuleState.pipeline_checked``).
+    Looks at the caller's frames only while ``torch.distributed.pipelining`` is imported, and
+    only until the root has been seen under it once (``ModuleState.pipeline_checked``).
     """
     stage_module = sys.modules.get("torch.distributed.pipelining.stage")
-    root = module_state.modules[0]
     if stage_module is None:
         return
-    module_state.pipeline_checked = True
+    root = module_state.modules[0]
     if isinstance(root, getattr(stage_module, "FSDPModule", ())):
+        module_state.pipeline_checked = True
         return  # pipelining drives fsdp2 itself (patch_torch)
-    stage, schedule = _callers(root, stage_module)
+    stage, schedule = _compat.pipeline_stage_and_schedule(root)
     if stage is None:
-        module_state.pipeline_checked = False  # not a stage yet: look again at the next forward
-        return
+        return  # not a stage (yet): looked at again at the next root forward
+    module_state.pipeline_checked = True
     name = type(root).__name__
-    if schedule is not None and _splits_backward(schedule):
+    if schedule is not None and _compat.schedule_splits_backward(schedule):
         raise FSDPValueError(
             f"fsdp2: {name} is a stage of {type(schedule).__name__}, which splits backward into an input "
             "pass and a weight pass and sets the weights' gradients itself; torch.distributed.pipelining "
@@ -139,37 +135,3 @@ def check_stage(module_state: ModuleState) -> None:
         "its gradients and the next forward all-gathers the parameters again, where torch's FSDP2 does "
         "both once per step. Training is correct; call fsdp2.patch_torch() before sharding the stages to "
         "let pipelining drive fsdp2 as it drives torch's FSDP2 (see docs/integrations.md)", name)
-
-
-def _callers(root: Any, stage_module: Any) -> tuple[Any, Any]:
-    """The pipeline stage running ``root`` and its schedule, found among the caller's frames."""
-    stage = schedule = None
-    stage_base = getattr(stage_module, "_PipelineStageBase", None)
-    schedules = sys.modules.get("torch.distributed.pipelining.schedules")
-    schedule_base = getattr(schedules, "_PipelineSchedule", None)
-    frame = sys._getframe(1)
-    while frame is not None:
-        if _PIPELINING_DIR in frame.f_code.co_filename and "self" in frame.f_code.co_varnames:
-            owner = frame.f_locals.get("self")
-            if stage is None and stage_base is not None and isinstance(owner, stage_base) and owner.submod is root:
-                stage = owner
-            elif schedule is None and schedule_base is not None and isinstance(owner, schedule_base):
-                schedule = owner
-        frame = frame.f_back
-    return stage, schedule
-
-
-def _splits_backward(schedule: Any) -> bool:
-    """Whether the schedule's actions hold an input or weight pass (those of an overlapped pair too)."""
-    for attribute in ("pipeline_order", "pipeline_order_with_comms"):
-        order = getattr(schedule, attribute, None)
-        if isinstance(order, dict) and any(_split(a) for actions in order.values() for a in actions or ()):
-            return True
-    return False
-
-
-def _split(action: Any) -> bool:
-    if action is None:
-        return False
-    kind = getattr(getattr(action, "computation_type", None), "name", None)
-    return kind in _SPLIT_BACKWARD or any(map(_split, getattr(action, "sub_actions", None) or ()))
