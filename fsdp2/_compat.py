@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import sys
 from typing import Callable, Iterator
 
@@ -521,3 +522,55 @@ def wrap_dcp_writer_files(writer, wrap: Callable):
         return None
     writer.fs = wrap(fs)
     return writer.fs
+
+
+def pipeline_stage_and_schedule(module: object) -> tuple[object | None, object | None]:
+    """The ``torch.distributed.pipelining`` stage whose module is ``module`` and its schedule, if
+    the caller's frames hold them; (None, None) when pipelining is not imported.
+
+    pipelining gives a stage's module no way to know it is one (``runtime/_pipeline.py`` needs to,
+    for a module it does not drive). Its base classes ``_PipelineStageBase`` and
+    ``_PipelineSchedule`` (private; the same names in torch 2.11 and 2.13) are what a frame's
+    ``self`` is checked against; only frames of pipelining's own files are looked into.
+    """
+    stage_module = sys.modules.get("torch.distributed.pipelining.stage")
+    schedules = sys.modules.get("torch.distributed.pipelining.schedules")
+    stage_base = getattr(stage_module, "_PipelineStageBase", None)
+    schedule_base = getattr(schedules, "_PipelineSchedule", None)
+    if stage_base is None:
+        return None, None
+    folder = os.path.dirname(stage_module.__file__) + os.sep
+    stage = schedule = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith(folder) and "self" in code.co_varnames:
+            owner = frame.f_locals.get("self")
+            if stage is None and isinstance(owner, stage_base) and owner.submod is module:
+                stage = owner
+            elif schedule is None and schedule_base is not None and isinstance(owner, schedule_base):
+                schedule = owner
+        frame = frame.f_back
+    return stage, schedule
+
+
+def schedule_splits_backward(schedule: object) -> bool:
+    """Whether a pipelining schedule runs separate input and weight passes (zero bubble, DualPipeV).
+
+    Read from its action lists (``pipeline_order``, or ``pipeline_order_with_comms`` for a
+    schedule loaded with communication actions; private, torch 2.11 and 2.13): an action whose
+    ``computation_type`` is ``BACKWARD_INPUT`` or ``BACKWARD_WEIGHT``, on its own or within an
+    overlapped pair (``sub_actions``).
+    """
+    def split(action: object) -> bool:
+        if action is None:
+            return False
+        kind = getattr(getattr(action, "computation_type", None), "name", None)
+        sub_actions = getattr(action, "sub_actions", None) or ()
+        return kind in ("BACKWARD_INPUT", "BACKWARD_WEIGHT") or any(map(split, sub_actions))
+
+    for attribute in ("pipeline_order", "pipeline_order_with_comms"):
+        order = getattr(schedule, attribute, None)
+        if isinstance(order, dict) and any(split(a) for actions in order.values() for a in actions or ()):
+            return True
+    return False

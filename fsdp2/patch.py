@@ -18,7 +18,9 @@ Two kinds of module hold torch's FSDP2 objects, and each is patched its own way:
   torch.distributed.fsdp import fully_shard`` done before the patch) is rebound to fsdp2's.
 
 Undoing puts back exactly what was changed (a name someone rebound meanwhile is left as
-they set it). Other torch modules (pipelining, checkpointing) are not touched.
+they set it). torch's pipelining (``torch.distributed.pipelining`` and its submodules) is
+rebound as such a module: it drives FSDP2 stages through these names. Other torch modules
+(checkpointing, ...) are not touched.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ logger = logging.getLogger(__name__)
 _TORCH_NAMESPACES = ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard",
                      "torch.distributed._composable.fsdp", "torch.distributed._composable.fsdp.fully_shard")
 _NAMESPACE_PREFIXES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+# torch's own modules that use FSDP2 as a client does, rebound like one: pipelining checks
+# ``isinstance(stage, FSDPModule)`` and drives the stage through ``fully_shard.state``.
+_TORCH_CLIENTS = ("torch.distributed.pipelining",)
 
 
 class _Patched(types.ModuleType):
@@ -160,7 +165,7 @@ def _apply() -> _State:
                 _NAMESPACE_NAMES[module_name] = {name: ours for name, (_orig, ours) in held.items()}
                 module.__class__ = _Patched
                 state.swapped.append(module)
-            elif not _is_torch(module_name):
+            elif not _is_torch(module_name) or module_name.startswith(_TORCH_CLIENTS):
                 namespace = vars(module)
                 for name, (original, ours) in held.items():
                     namespace[name] = ours

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, QuantizedComm,
                    as_comm_policy, as_mixed_precision_policy, as_offload_policy)
 from .. import _compat
-from . import _extension
+from . import _extension, _pipeline
 from ._group import ParamGroup, SubGroup
 from ._mesh import DataParallelMesh, SpmdAxes, tp_mesh_of
 from ._module import FSDPModule
@@ -612,6 +612,9 @@ def _swap_class(module: nn.Module) -> None:
         _FSDP_CLASSES[cls] = fsdp_cls
     module.__class__ = fsdp_cls
 
+
+# As torch's ``fully_shard.state(module)``: what torch.distributed.pipelining reaches (_pipeline.py).
+fully_shard.state = _pipeline.state  # type: ignore[attr-defined]
 
 # One FSDP<Class> per original class, so isinstance checks and pickling by class stay stable.
 _FSDP_CLASSES: dict[type, type] = {}

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from . import _checks
+from . import _checks, _pipeline
 from .. import _compat
 from .._api import MixedPrecisionPolicy
 from .._common import STATE_ATTR, ShardState, TrainingState
@@ -39,8 +39,6 @@ from ._tree import cast_floating, iter_tensors, map_tensors
 __all__ = ["TrainingState", "ModuleState", "RootContext", "get_state"]
 
 logger = logging.getLogger(__name__)
-
-
 
 
 
@@ -113,6 +111,7 @@ class ModuleState:
         # lazy init refuses them, as torch's FSDP2 does (set by fully_shard).
         self.shared_with_other_groups: list[tuple[str, str]] = []
         self._handles: list[Any] = []
+        self.pipeline_checked = False  # seen by _pipeline.check_stage (the root's)
         # Every entry point from user code or the autograd engine runs eagerly under
         # torch.compile (see _compat.run_eagerly): a compiled forward graph-breaks here.
         self._pre_backward_hook = _compat.run_eagerly(self._pre_backward)
@@ -250,6 +249,8 @@ class ModuleState:
         self.lazy_init()
         ctx = self.ctx
         if self.is_root and not ctx.in_forward and not recompute:
+            if not self.pipeline_checked:  # a pipeline stage pipelining does not drive (direct import)?
+                _pipeline.check_stage(self)
             ctx.in_forward = True
             ctx.iteration += 1
             if ctx.forward_order:
