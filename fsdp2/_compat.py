@@ -290,6 +290,26 @@ def concat_meshes(meshes):
     return root_mesh(meshes[0])[names]
 
 
+def joinable_meshes(first, second) -> bool:
+    """Whether ``concat_meshes([first, second])`` makes a mesh: both derived from one world mesh
+    (by slicing, ``_unflatten`` or ``_flatten``) and on disjoint ranks' axes (orthogonal).
+
+    ``DeviceMesh._concatenate`` (private, torch 2.11-2.14; what torch's FSDP2 joins its
+    data-parallel and TP/EP meshes with) checks both and raises otherwise; a torch without it
+    joins axes of one root mesh only, by name.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    if not hasattr(DeviceMesh, "_concatenate"):
+        names = tuple((first.mesh_dim_names or ()) + (second.mesh_dim_names or ()))
+        root = root_mesh(first)
+        return root_mesh(second) is root and set(names) <= set(root.mesh_dim_names or ())
+    try:
+        DeviceMesh._concatenate([first, second])
+    except (RuntimeError, ValueError, AssertionError):
+        return False
+    return True
+
+
 def strided_shard(dim: int, split_factor: int):
     """DTensor's placement for "shard dim ``dim`` of each of ``split_factor`` pieces".
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from .._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, QuantizedComm,
                    as_comm_policy, as_mixed_precision_policy, as_offload_policy)
@@ -22,6 +22,7 @@ from ._group import ParamGroup, SubGroup
 from ._mesh import DataParallelMesh, SpmdAxes, tp_mesh_of
 from ._module import FSDPModule
 from ._param import ShardedParam
+from ._placement import check_placement_fn, placement_dims
 from .._errors import FSDPOrderError, FSDPTypeError, FSDPValueError
 from ._state import get_state
 from ._state import ModuleState
@@ -36,7 +37,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
@@ -65,7 +66,8 @@ def fully_shard(
             ``k`` keeps 1/k of them after forward, so backward gathers over
             ``k`` ranks only (``k`` must divide the mesh size).
         shard_placement_fn: maps a parameter to ``Shard(dim)`` (or ``None``
-            for ``Shard(0)``).
+            for ``Shard(0)``), or to torch's ``ShardPlacementResult`` (a placement and a
+            ``mesh_info``) whose mesh is this call's (see ``_placement.py``).
         mp_policy: see :class:`MixedPrecisionPolicy` (torch's is accepted too and converted).
         offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on the CPU
             (torch's ``OffloadPolicy`` / ``CPUOffloadPolicy`` are accepted too).
@@ -229,7 +231,7 @@ class Arguments(NamedTuple):
     mesh: DeviceMesh
     spmd: SpmdAxes | None  # the axes of an SPMD mesh (dp_mesh_dims), None for a data-parallel mesh
     reshard_after_forward: bool | int | None
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None
     mp_policy: MixedPrecisionPolicy
     offload_policy: OffloadPolicy
     ignored_params: set[nn.Parameter]
@@ -255,7 +257,7 @@ def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn
 
 def check_group(found: list[Found], args: Arguments) -> list[int]:
     """Every check on the parameters one ``fully_shard`` call would take; their shard dims."""
-    dims = _placement_dims(found, args.shard_placement_fn)
+    dims = placement_dims(found, args.shard_placement_fn, args.mesh)
     _check_devices(found, args.mesh)
     if args.spmd is None:
         _check_tensor_parallel(found, args.mesh, args.reshard_after_forward)
@@ -432,8 +434,7 @@ def _check_policies(mp_policy: Any, offload_policy: Any, ignored: Any,
     if ignored is not None and (not isinstance(ignored, (set, frozenset))
                                 or not all(isinstance(p, nn.Parameter) for p in ignored)):
         raise TypeError("fully_shard: ignored_params must be a set of nn.Parameter")
-    if placement_fn is not None and not callable(placement_fn):
-        raise TypeError("fully_shard: shard_placement_fn must be callable (param -> Shard(dim) or None)")
+    check_placement_fn(placement_fn)
     return mp_policy, offload_policy
 
 
@@ -525,33 +526,6 @@ def shared_with_other_groups(found: list[Found]) -> list[tuple[str, str]]:
             if _SHARDED_BY_ATTR in param.__dict__]
 
 
-def _placement_dims(found: list[Found], placement_fn: Callable | None) -> list[int]:
-    dims = []
-    for param, _locations, fqn in found:
-        placement = placement_fn(param) if placement_fn is not None else None
-        if placement is None:
-            dims.append(0)
-            continue
-        if not isinstance(placement, Shard):
-            raise FSDPTypeError(
-                f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; return Shard(dim) or None"
-            )
-        dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
-        if param.ndim == 0 or not 0 <= dim < param.ndim:
-            raise FSDPValueError(
-                f"fully_shard: shard_placement_fn chose Shard({placement.dim}) for {fqn!r} of shape "
-                f"{tuple(param.shape)}; pick a dim in [0, {param.ndim})"
-            )
-        dims.append(dim)
-    for (param, _locations, fqn), _dim in zip(found, dims):
-        if param.ndim == 0:
-            raise ValueError(
-                f"fully_shard: parameter {fqn!r} is a scalar (0-dim) and cannot be sharded; "
-                "reshape it to (1,) or pass it in ignored_params"
-            )
-    return dims
-
-
 def _check_devices(found: list[Found], mesh: DeviceMesh) -> None:
     devices = {param.device for param, _l, _f in found}
     if len(devices) > 1:
@@ -584,12 +558,13 @@ def _check_tensor_parallel(found: list[Found], mesh: DeviceMesh, reshard_after_f
         if not isinstance(param, DTensor):
             continue
         tp_mesh = param.device_mesh
-        if tp_mesh_of(tp_mesh, mesh) is None:  # by value (see tp_mesh_of): torch accepts equal meshes too
+        if tp_mesh_of(tp_mesh, mesh) is None:  # by value, or joinable as torch joins them (see tp_mesh_of)
             raise ValueError(
-                f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which is not a separate "
-                f"named axis of the data-parallel mesh's parent ({dp_root}). Build one mesh, e.g. "
-                "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), apply "
-                "parallelize_module(block, mesh['tp'], plan) and then fully_shard(block, mesh=mesh['dp'])"
+                f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which cannot be joined with the "
+                f"data-parallel mesh {mesh} (of {dp_root}): its axes must be other named axes of the same ranks, "
+                "derived from one mesh. Build one mesh, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names="
+                "('dp', 'tp')) or world._unflatten(0, (dp, tp), ('dp', 'tp')), apply parallelize_module(block, "
+                "mesh['tp'], plan) and then fully_shard(block, mesh=mesh['dp'])"
             )
         if not isinstance(reshard_after_forward, (bool, type(None))):
             raise ValueError(

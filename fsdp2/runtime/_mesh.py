@@ -115,17 +115,25 @@ class SubGroup:
 
 
 def tp_mesh_of(param_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh | None:
-    """The axes of ``dp_mesh``'s root mesh that a tensor-parallel parameter's mesh names, if they
-    equal it; None if the parameter's mesh is not a separate named axis of that root.
+    """The mesh a tensor- or expert-parallel parameter's axes join ``dp_mesh``'s on; None if
+    they cannot be joined.
 
-    By value, not identity: DTensor's sharding caches may hand back a DTensor on an equal mesh
-    of another root (an earlier ``init_device_mesh`` with the same ranks and names), which
-    cannot be joined with the data-parallel axes; the root's own axes can.
+    First by value among the axes of ``dp_mesh``'s root mesh: DTensor's sharding caches may
+    hand back a DTensor on an equal mesh of another root (an earlier ``init_device_mesh`` with
+    the same ranks and names), which cannot be joined with the data-parallel axes; the root's
+    own axes can. Else the parameter's mesh itself, where it is a separate named mesh over the
+    same ranks as ``dp_mesh`` and orthogonal to it: meshes that ``DeviceMesh._unflatten``,
+    slicing and ``_flatten`` derive from one world mesh (torchtitan's ``ParallelDims`` builds
+    its ``ep`` and ``efsdp`` meshes so), whose root is that 1-D world mesh and names none of
+    their axes. The join is what torch's FSDP2 builds for them too (``_compat.concat_meshes``).
     """
     names = param_mesh.mesh_dim_names or ()
-    root = _compat.root_mesh(dp_mesh)
-    root_names = root.mesh_dim_names or ()
-    if not names or not set(names) <= set(root_names) or set(names) & set(dp_mesh.mesh_dim_names or ()):
+    dp_names = set(dp_mesh.mesh_dim_names or ())
+    if not names or set(names) & dp_names:
         return None
-    axes = root[names[0]] if len(names) == 1 else root[tuple(names)]
-    return axes if axes == param_mesh else None
+    root = _compat.root_mesh(dp_mesh)
+    if set(names) <= set(root.mesh_dim_names or ()):
+        axes = root[names[0]] if len(names) == 1 else root[tuple(names)]
+        if axes == param_mesh:
+            return axes
+    return param_mesh if _compat.joinable_meshes(dp_mesh, param_mesh) else None
