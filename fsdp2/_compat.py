@@ -281,6 +281,17 @@ def flatten_axes(mesh, axes) -> None:
     mesh[picked]._flatten(flat_name)
 
 
+def flattened(mesh, names):
+    """``mesh``'s axes ``names`` as one axis: ``mesh[name]`` for one, else ``DeviceMesh._flatten``
+    (private, torch 2.11-2.14; what torch's FSDP2 does with several ``dp_mesh_dims`` axes, under
+    the same name, so both find the same flattened mesh and process group). Collective on first
+    use (a new process group); later calls find it."""
+    names = tuple(names)
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))
+
+
 def concat_meshes(meshes):
     """One mesh whose axes are those of ``meshes`` in order (all sliced from one root)."""
     from torch.distributed.device_mesh import DeviceMesh

@@ -346,8 +346,9 @@ def _check_mesh_device(mesh: DeviceMesh) -> None:
 
 
 def _resolve_spmd_mesh(mesh: Any, dims: Any) -> tuple[DeviceMesh, SpmdAxes]:
-    """``dp_mesh_dims``: check it against the full ``mesh``; the data-parallel sub-mesh (1-D, or
-    (replicate, shard) for HSDP) and where its axes sit in the full mesh."""
+    """``dp_mesh_dims``: check it against the full ``mesh``; the data-parallel mesh (1-D, or
+    (replicate, shard) for HSDP; several axes of a kind flattened into one) and where its axes
+    sit in the full mesh."""
     if not hasattr(dims, "shard_names") or not hasattr(dims, "replicate_names"):
         raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
     if not isinstance(mesh, DeviceMesh):
@@ -365,22 +366,30 @@ def _resolve_spmd_mesh(mesh: Any, dims: Any) -> tuple[DeviceMesh, SpmdAxes]:
     if not shard:
         raise ValueError("fully_shard: dp_mesh_dims without a shard axis (replication only) is plain data "
                          "parallelism; use DistributedDataParallel, or name a shard axis")
-    if len(shard) > 1 or len(replicate) > 1:
-        raise ValueError(
-            f"fully_shard: dp_mesh_dims names several axes to flatten ({shard}, {replicate}); fsdp2 takes one "
-            "shard axis and at most one replicate axis: build the mesh with those axes merged into one"
-        )
-    shard_axis = names.index(shard[0])
-    replicate_axis = names.index(replicate[0]) if replicate else None
-    if replicate_axis == shard_axis:
-        raise ValueError(f"fully_shard: dp_mesh_dims uses axis {shard[0]!r} to both shard and replicate")
-    if replicate_axis is not None and replicate_axis > shard_axis:
-        raise ValueError(
-            f"fully_shard: dp_mesh_dims' replicate axis {replicate[0]!r} comes after its shard axis {shard[0]!r} "
-            "in the mesh; fsdp2 needs (replicate, shard) in mesh order: build the mesh with the replicate axis first"
-        )
-    dp_mesh = mesh[shard[0]] if replicate_axis is None else mesh[replicate[0], shard[0]]
-    return dp_mesh, SpmdAxes(mesh, shard_axis, replicate_axis)
+    both = set(shard) & set(replicate)
+    if both or len(set(shard)) < len(shard) or len(set(replicate)) < len(replicate):
+        twice = sorted(both) or sorted({n for n in shard + replicate if (shard + replicate).count(n) > 1})
+        raise ValueError(f"fully_shard: dp_mesh_dims uses axis {twice[0]!r} twice (to both shard and replicate, "
+                         "or twice in one); name each data-parallel axis once")
+    shard_axes = tuple(names.index(n) for n in shard)
+    replicate_axes = tuple(names.index(n) for n in replicate)
+    for kind, axes in (("shard", shard_axes), ("replicate", replicate_axes)):
+        if list(axes) != sorted(axes) or (kind == "shard" and axes[-1] - axes[0] != len(axes) - 1):
+            raise ValueError(
+                f"fully_shard: dp_mesh_dims' {kind} axes {tuple(names[i] for i in axes)} must be named in the "
+                f"mesh's order{' and be adjacent in it' if kind == 'shard' else ''} (the mesh is {names}): "
+                "they are flattened into one axis, as torch's fully_shard does"
+            )
+    # Several axes of a kind are one flattened axis (one process group); HSDP is (replicate, shard).
+    dp_mesh = _compat.flattened(mesh, shard)
+    if replicate:
+        dp_mesh = _compat.concat_meshes([_compat.flattened(mesh, replicate), dp_mesh])
+    sharded_mesh = None
+    if len(shard) > 1:  # the shards' own mesh: the data-parallel axes where the first shard axis was
+        parts = [dp_mesh if axis == shard_axes[0] else mesh[name] for axis, name in enumerate(names)
+                 if axis == shard_axes[0] or axis not in shard_axes + replicate_axes]
+        sharded_mesh = _compat.concat_meshes(parts)
+    return dp_mesh, SpmdAxes(mesh, shard_axes, replicate_axes, sharded_mesh)
 
 
 def _check_spmd_params(found: list[Found], spmd: SpmdAxes, reshard_after_forward: Any) -> None:

@@ -25,20 +25,41 @@ __all__ = ["DataParallelMesh", "SpmdAxes", "SubGroup", "tp_mesh_of"]
 class SpmdAxes:
     """``fully_shard(dp_mesh_dims=...)``: parameters live on this whole mesh; which axes are data-parallel.
 
-    The sharded DTensor then stays on ``mesh``: the shard axis's ``Replicate()`` becomes the
-    FSDP shard, every other axis keeps its placement.
+    The sharded DTensor stays on ``mesh``: the shard axis's ``Replicate()`` becomes the FSDP
+    shard, every other axis keeps its placement. Several shard axes are one flattened shard
+    axis (as several replicate axes are one replicate axis): the sharded DTensor is then on
+    ``sharded_mesh``, ``mesh`` with the data-parallel axes replaced, where the first shard
+    axis was, by the data-parallel mesh's (replicate, shard) axes, as torch's FSDP2 lays it.
     """
 
     mesh: DeviceMesh
-    shard_axis: int
-    replicate_axis: int | None
+    shard_axes: tuple[int, ...]
+    replicate_axes: tuple[int, ...] = ()
+    sharded_mesh: DeviceMesh | None = None  # None: one shard axis, the shards stay on ``mesh``
+
+    @property
+    def shard_axis(self) -> int:
+        """Where FSDP's shard placement goes in ``mesh``'s placements (the first shard axis)."""
+        return self.shard_axes[0]
 
     @property
     def dp_axes(self) -> frozenset[int]:
-        axes = {self.shard_axis}
-        if self.replicate_axis is not None:
-            axes.add(self.replicate_axis)
-        return frozenset(axes)
+        return frozenset(self.shard_axes + self.replicate_axes)
+
+    def sharded_layout(self, mesh: DeviceMesh,
+                       placements: tuple[Placement, ...]) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """The sharded DTensor's mesh and placements, from its placements on ``mesh`` (the
+        parameter's, equal to ``self.mesh``; FSDP's shard on ``shard_axis``, ``Replicate()`` on
+        the other data-parallel axes)."""
+        if self.sharded_mesh is None:
+            return mesh, placements
+        out: list[Placement] = []
+        for axis, placement in enumerate(placements):
+            if axis == self.shard_axis:
+                out.extend((Replicate(), placement) if self.replicate_axes else (placement,))
+            elif axis not in self.dp_axes:
+                out.append(placement)
+        return self.sharded_mesh, tuple(out)
 
 
 @dataclass(frozen=True)
