@@ -7,8 +7,9 @@ call of their own on the ``efsdp`` mesh, on dim 0, or on dim 1 when there are fe
 than ``efsdp x ep`` shards (torchtitan's rule). The meshes come from torchtitan's own
 ``ParallelDims`` (``DeviceMesh._unflatten`` of a 1-D world mesh) or from ``init_device_mesh``
 (the dense mesh ``_flatten``-ed from the sparse one). fsdp2 and torch's ``fully_shard`` train
-the same model side by side: losses, layouts and parameters must be equal (``torch.equal``);
-both must match an unsharded model trained on every rank's batch.
+the same model side by side, with torchtitan's gradient scaling (divide factor 1, the loss
+scaled): losses, gradients, layouts and parameters must be equal (``torch.equal``); fsdp2's
+must match an unsharded model trained on every rank's batch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -33,14 +35,18 @@ torchtitan = pytest.importorskip("torchtitan", reason="torchtitan's ParallelDims
 def _meshes(kind: str, ep: int) -> tuple[DeviceMesh, DeviceMesh | None, DeviceMesh | None]:
     """(dense data-parallel mesh, experts' efsdp mesh, ep mesh); the last two None without EP."""
     world = dist.get_world_size()
-    if kind == "torchtitan":
+    if kind.startswith("torchtitan"):
         # ParallelDims gives its size-1 axes torch's "fake" backend (registered by this import).
         import torch.testing._internal.distributed.fake_pg  # noqa: F401
         import torchtitan.distributed.parallel_dims as parallel_dims
         parallel_dims.device_type = "cpu"  # it builds its world mesh on the accelerator it found
-        dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
-                                          world_size=world, spmd_backend="partial_dtensor")
+        replicas = 2 if kind == "torchtitan-hsdp" else 1
+        dims = parallel_dims.ParallelDims(dp_replicate=replicas, dp_shard=world // replicas, cp=1, tp=1, pp=1,
+                                          ep=ep, world_size=world, spmd_backend="partial_dtensor")
         dims.build_mesh()
+        if replicas > 1:  # HSDP: torchtitan's (dp_replicate, fsdp) and (dp_replicate, efsdp) meshes
+            return (dims.get_mesh(["dp_replicate", "fsdp"]), dims.get_mesh(["dp_replicate", "efsdp"]),
+                    dims.get_mesh("ep"))
         return dims.get_mesh("fsdp"), dims.get_optional_mesh("efsdp"), dims.get_optional_mesh("ep")
     sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     dense = sparse["efsdp", "ep"]._flatten("fsdp")
@@ -54,14 +60,17 @@ def _shard(model: MoEModel, fully_shard, dense: DeviceMesh, efsdp: DeviceMesh | 
     """torchtitan's MoE apply_fsdp, with the experts in their own fully_shard call."""
     for block in model.layers:
         experts = block.moe.experts
-        shards = efsdp.size() * ep.size() if ep is not None else dense.size()
+        shards = efsdp.size(efsdp.ndim - 1) * ep.size() if ep is not None else dense.size(dense.ndim - 1)
         placement = Shard(1) if shards > experts.num_experts else Shard(0)
         fully_shard(experts, mesh=efsdp if ep is not None else dense, shard_placement_fn=lambda _p, s=placement: s)
-        # Gradients summed over efsdp x ep tokens: divide by the whole data-parallel world (as the dense ones).
-        experts.set_gradient_divide_factor(float(dense.size()))
-        experts.set_force_sum_reduction_for_comms(True)  # torch's divide factor wants PREMUL_SUM, which gloo lacks
         fully_shard(block, mesh=dense)
     fully_shard(model, mesh=dense)
+    # torchtitan's disable_fsdp_gradient_division: gradients are summed, the loss scaled instead
+    # (the experts' sum runs over efsdp x ep tokens, the dense one over every rank's).
+    for module in model.modules():
+        if isinstance(module, (fsdp2.FSDPModule, TorchFSDPModule)):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # else torch wants PREMUL_SUM, which gloo lacks
 
 
 def _layout(p: DTensor) -> tuple:
@@ -82,13 +91,17 @@ def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3) -> dic
         models.append(model)
     reference = copy.deepcopy(base)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (*models, reference)]
-    losses, reference_losses = [], []
+    losses, reference_losses, grads_equal, grad_vs_reference = [], [], True, 0.0
     for step in range(steps):
-        step_losses = [loss_of(m, *batch(rank, step)) for m in models]
+        step_losses = [loss_of(m, *batch(rank, step)) / world for m in models]  # summed over ranks: the mean
         for loss in step_losses:
             loss.backward()
-        per_rank = [loss_of(reference, *batch(r, step)) for r in range(world)]
-        (sum(per_rank) / world).backward()
+        per_rank = [loss_of(reference, *batch(r, step)) / world for r in range(world)]
+        sum(per_rank).backward()
+        grads = [[p.grad.full_tensor() for p in m.parameters()] for m in models]
+        grads_equal &= all(torch.equal(a, b) for a, b in zip(*grads))
+        grad_vs_reference = max(grad_vs_reference, *((g - r.grad).abs().max().item()
+                                                     for g, r in zip(grads[0], reference.parameters())))
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -98,9 +111,11 @@ def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3) -> dic
     w1 = models[0].layers[0].moe.experts.w1
     return {
         "losses_equal": all(a == b for a, b in losses),
+        "grads_equal": grads_equal,
         "layouts_equal": all(_layout(p) == _layout(named[1][n]) for n, p in named[0].items()),
         "params_equal": all(torch.equal(p.full_tensor(), named[1][n].full_tensor()) for n, p in named[0].items()),
         "loss_vs_reference": max(abs(a[0] - b) for a, b in zip(losses, reference_losses)),
+        "grad_vs_reference": grad_vs_reference,
         "param_vs_reference": max((p.full_tensor() - r).abs().max().item()
                                   for (_n, p), r in zip(named[0].items(), reference.parameters())),
         "experts": _layout(w1),
@@ -110,8 +125,8 @@ def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3) -> dic
 
 def _check(results: list[dict], experts_layout: tuple) -> None:
     for r in results:
-        assert r["losses_equal"] and r["layouts_equal"] and r["params_equal"], r
-        assert r["loss_vs_reference"] < 1e-5 and r["param_vs_reference"] < 1e-4, r
+        assert r["losses_equal"] and r["grads_equal"] and r["layouts_equal"] and r["params_equal"], r
+        assert r["loss_vs_reference"] < 1e-6 and r["grad_vs_reference"] < 1e-6 and r["param_vs_reference"] < 1e-5, r
         assert r["grouped"]
         assert r["experts"][:2] == experts_layout, r["experts"]
 
@@ -126,6 +141,15 @@ def test_experts_on_efsdp_x_ep_match_torch_on_4_ranks(kind, num_experts):
     # FSDP's efsdp chunks interleave with EP's on dim 0; on dim 1 they are a plain Shard(1).
     efsdp = _StridedShard(0, split_factor=2) if num_experts == 4 else Shard(1)
     _check(run_on_ranks(_train_vs_torch, 4, kind, num_experts, 2), (("efsdp", "ep"), (efsdp, Shard(0))))
+
+
+@pytest.mark.slow
+def test_hsdp_experts_on_dp_replicate_x_efsdp_x_ep_match_torch():
+    # torchtitan's HSDP: dp_replicate 2 x dp_shard 2, ep 2, so efsdp 1; dense on (dp_replicate,
+    # fsdp), experts on (dp_replicate, efsdp): reduced over efsdp, then all-reduced over replicas.
+    from torch.distributed.tensor.placement_types import Replicate, _StridedShard
+    _check(run_on_ranks(_train_vs_torch, 4, "torchtitan-hsdp", 2, 2),
+           (("dp_replicate", "efsdp", "ep"), (Replicate(), _StridedShard(0, split_factor=2), Shard(0))))
 
 
 @pytest.mark.parametrize("kind", ["torchtitan", "init_device_mesh"])
