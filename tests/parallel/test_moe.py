@@ -15,6 +15,8 @@ must match an unsharded model trained on every rank's batch.
 from __future__ import annotations
 
 import copy
+import importlib
+import importlib.util
 
 import pytest
 import torch
@@ -29,7 +31,12 @@ import fsdp2
 from tests._dist import run_on_ranks
 from tests._moe import MoEModel, batch, expert_parallel, loss_of
 
-torchtitan = pytest.importorskip("torchtitan", reason="torchtitan's ParallelDims builds the meshes")
+# torchtitan (the integration extra) builds the meshes where installed; init_device_mesh always.
+HAS_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
+TORCHTITAN = pytest.param("torchtitan", marks=pytest.mark.skipif(not HAS_TORCHTITAN, reason="needs torchtitan"))
+# torch 2.13 added ShardPlacementResult (a mesh per parameter) to its FSDP2.
+HAS_SHARD_PLACEMENT_RESULT = hasattr(importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_common"),
+                                     "ShardPlacementResult")
 
 
 def _meshes(kind: str, ep: int) -> tuple[DeviceMesh, DeviceMesh | None, DeviceMesh | None]:
@@ -132,7 +139,7 @@ def _check(results: list[dict], experts_layout: tuple) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["torchtitan", "init_device_mesh"])
+@pytest.mark.parametrize("kind", [TORCHTITAN, "init_device_mesh"])
 @pytest.mark.parametrize("num_experts", [4, 2])
 def test_experts_on_efsdp_x_ep_match_torch_on_4_ranks(kind, num_experts):
     # dp 4 = efsdp 2 x ep 2. 4 experts: 2 per ep rank, one per efsdp rank (dim 0); 2 experts:
@@ -144,6 +151,7 @@ def test_experts_on_efsdp_x_ep_match_torch_on_4_ranks(kind, num_experts):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCHTITAN, reason="needs torchtitan")
 def test_hsdp_experts_on_dp_replicate_x_efsdp_x_ep_match_torch():
     # torchtitan's HSDP: dp_replicate 2 x dp_shard 2, ep 2, so efsdp 1; dense on (dp_replicate,
     # fsdp), experts on (dp_replicate, efsdp): reduced over efsdp, then all-reduced over replicas.
@@ -152,7 +160,7 @@ def test_hsdp_experts_on_dp_replicate_x_efsdp_x_ep_match_torch():
            (("dp_replicate", "efsdp", "ep"), (Replicate(), _StridedShard(0, split_factor=2), Shard(0))))
 
 
-@pytest.mark.parametrize("kind", ["torchtitan", "init_device_mesh"])
+@pytest.mark.parametrize("kind", [TORCHTITAN, "init_device_mesh"])
 def test_experts_on_efsdp_x_ep_match_torch_on_2_ranks(kind):
     # dp 2 = efsdp 1 x ep 2: one expert per ep rank, the efsdp axis a single rank.
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -168,7 +176,7 @@ def _placement_result_vs_torch(steps: int = 2) -> dict:
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     torch.manual_seed(0)
     base = MoEModel(2)
-    dense, _, _ = _meshes("torchtitan", 1)
+    dense, _, _ = _meshes("init_device_mesh", 1)
     info = _get_mesh_info(dense)
     models = []
     for fully_shard in (fsdp2.fully_shard, torch_fully_shard):
@@ -198,6 +206,7 @@ def _placement_result_vs_torch(steps: int = 2) -> dict:
     }
 
 
+@pytest.mark.skipif(not HAS_SHARD_PLACEMENT_RESULT, reason="torch 2.13's FSDP2 API")
 @pytest.mark.parametrize("world", [2, 4])
 def test_shard_placement_result_on_the_calls_mesh_matches_torch(world):
     for r in run_on_ranks(_placement_result_vs_torch, world):
@@ -208,7 +217,7 @@ def _refusals() -> list[str]:
     """What fsdp2 refuses (before any change) and whether torch refuses it too."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-    dense, efsdp, ep = _meshes("torchtitan", 2)
+    dense, efsdp, ep = _meshes("init_device_mesh", 2)
     seen = []
     # 1. Another mesh per parameter in one call: torch makes two groups, fsdp2 one per call.
     model = MoEModel(4)
@@ -235,12 +244,16 @@ def _refusals() -> list[str]:
         if fully_shard is fsdp2.fully_shard:
             assert module.weight is weight and not isinstance(module, fsdp2.FSDPModule)
     seen.append("unjoinable mesh")
-    # 3. Not a placement at all.
+    # 3. Not a placement at all, or a result without a mesh.
     with pytest.raises(TypeError, match="return Shard\\(dim\\), None or a ShardPlacementResult"):
         fsdp2.fully_shard(nn.Linear(4, 4), mesh=dense, shard_placement_fn=lambda p: "dim 0")
+    with pytest.raises(TypeError, match="whose mesh_info has no DeviceMesh"):
+        fsdp2.fully_shard(nn.Linear(4, 4), mesh=dense, shard_placement_fn=lambda p: ShardPlacementResult(
+            placement=None, mesh_info=dense))
     seen.append("bad result")
     return seen
 
 
+@pytest.mark.skipif(not HAS_SHARD_PLACEMENT_RESULT, reason="torch 2.13's FSDP2 API")
 def test_refusals_name_the_fix_and_leave_the_module_unchanged():
     assert run_on_ranks(_refusals, 4) == [["mesh per parameter", "unjoinable mesh", "bad result"]] * 4
