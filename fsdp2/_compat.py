@@ -305,9 +305,9 @@ def joinable_meshes(first, second) -> bool:
     """Whether ``concat_meshes([first, second])`` makes a mesh: both derived from one world mesh
     (by slicing, ``_unflatten`` or ``_flatten``) and on disjoint ranks' axes (orthogonal).
 
-    ``DeviceMesh._concatenate`` (private, torch 2.11-2.14; what torch's FSDP2 joins its
-    data-parallel and TP/EP meshes with) checks both and raises otherwise; a torch without it
-    joins axes of one root mesh only, by name.
+    ``DeviceMesh._concatenate`` (private, no public equivalent; read in torch 2.13, where torch's
+    FSDP2 joins its data-parallel and TP/EP meshes with it) checks both and raises otherwise; a
+    torch without it joins axes of one root mesh only, by name (``concat_meshes``).
     """
     from torch.distributed.device_mesh import DeviceMesh
     if not hasattr(DeviceMesh, "_concatenate"):

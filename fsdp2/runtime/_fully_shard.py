@@ -561,7 +561,8 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 
 
 def _check_tensor_parallel(found: list[Found], mesh: DeviceMesh, reshard_after_forward: Any) -> None:
-    """DTensor parameters must come from a TP plan on a sibling axis of ``mesh``'s parent mesh."""
+    """DTensor parameters (tensor or expert parallelism) must be on a mesh that joins ``mesh``
+    (``tp_mesh_of``): other axes of the same ranks, derived from one mesh."""
     dp_root = _compat.root_mesh(mesh)
     for param, _locations, fqn in found:
         if not isinstance(param, DTensor):

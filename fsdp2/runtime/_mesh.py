@@ -142,8 +142,8 @@ def tp_mesh_of(param_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh | None
     First by value among the axes of ``dp_mesh``'s root mesh: DTensor's sharding caches may
     hand back a DTensor on an equal mesh of another root (an earlier ``init_device_mesh`` with
     the same ranks and names), which cannot be joined with the data-parallel axes; the root's
-    own axes can. Else the parameter's mesh itself, where it is a separate named mesh over the
-    same ranks as ``dp_mesh`` and orthogonal to it: meshes that ``DeviceMesh._unflatten``,
+    own axes can. Else the parameter's mesh itself, where it is derived from the same world
+    mesh as ``dp_mesh`` and orthogonal to it (its own named axes): meshes that ``DeviceMesh._unflatten``,
     slicing and ``_flatten`` derive from one world mesh (torchtitan's ``ParallelDims`` builds
     its ``ep`` and ``efsdp`` meshes so), whose root is that 1-D world mesh and names none of
     their axes. The join is what torch's FSDP2 builds for them too (``_compat.concat_meshes``).
