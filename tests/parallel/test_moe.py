@@ -147,7 +147,8 @@ def test_experts_on_efsdp_x_ep_match_torch_on_4_ranks(kind, num_experts):
     from torch.distributed.tensor.placement_types import _StridedShard
     # FSDP's efsdp chunks interleave with EP's on dim 0; on dim 1 they are a plain Shard(1).
     efsdp = _StridedShard(0, split_factor=2) if num_experts == 4 else Shard(1)
-    _check(run_on_ranks(_train_vs_torch, 4, kind, num_experts, 2), (("efsdp", "ep"), (efsdp, Shard(0))))
+    _check(run_on_ranks(_train_vs_torch, 4, kind, num_experts, 2, timeout=300.0),
+           (("efsdp", "ep"), (efsdp, Shard(0))))
 
 
 @pytest.mark.slow
@@ -156,7 +157,7 @@ def test_hsdp_experts_on_dp_replicate_x_efsdp_x_ep_match_torch():
     # torchtitan's HSDP: dp_replicate 2 x dp_shard 2, ep 2, so efsdp 1; dense on (dp_replicate,
     # fsdp), experts on (dp_replicate, efsdp): reduced over efsdp, then all-reduced over replicas.
     from torch.distributed.tensor.placement_types import Replicate, _StridedShard
-    _check(run_on_ranks(_train_vs_torch, 4, "torchtitan-hsdp", 2, 2),
+    _check(run_on_ranks(_train_vs_torch, 4, "torchtitan-hsdp", 2, 2, timeout=300.0),
            (("dp_replicate", "efsdp", "ep"), (Replicate(), _StridedShard(0, split_factor=2), Shard(0))))
 
 
@@ -257,3 +258,39 @@ def _refusals() -> list[str]:
 @pytest.mark.skipif(not HAS_SHARD_PLACEMENT_RESULT, reason="torch 2.13's FSDP2 API")
 def test_refusals_name_the_fix_and_leave_the_module_unchanged():
     assert run_on_ranks(_refusals, 4) == [["mesh per parameter", "unjoinable mesh", "bad result"]] * 4
+
+
+# ---- checkpoints of experts on their own meshes ---------------------------------------------
+def _checkpoint_across_implementations(path: str) -> list[str]:
+    """DCP: fsdp2's MoE model saved, loaded into torch's (and into fsdp2's), same values everywhere."""
+    import torch.distributed.checkpoint as dcp
+    torch.manual_seed(0)
+    base = MoEModel(4)
+    dense, efsdp, ep = _meshes("init_device_mesh", 2)
+
+    def sharded(fully_shard, scale: float) -> MoEModel:
+        model = copy.deepcopy(base)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+        expert_parallel(model, ep)
+        _shard(model, fully_shard, dense, efsdp, ep)
+        return model
+
+    saved = sharded(fsdp2.fully_shard, 1.0)
+    expected = {k: v.full_tensor() for k, v in saved.state_dict().items()}
+    dcp.save(saved.state_dict(), checkpoint_id=path)
+    for fully_shard in (torch_fully_shard, fsdp2.fully_shard):
+        restored = sharded(fully_shard, 0.0)
+        state = restored.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        restored.load_state_dict(state)
+        for key, value in restored.state_dict().items():
+            assert torch.equal(value.full_tensor(), expected[key]), key
+    return sorted(k for k in expected if "experts" in k)
+
+
+def test_experts_checkpoint_round_trips_between_fsdp2_and_torch(tmp_path):
+    # Three models, a save and two loads: more than the default minute or two on a loaded CPU.
+    results = run_on_ranks(_checkpoint_across_implementations, 4, str(tmp_path / "ckpt"), timeout=300.0)
+    assert results == [[f"layers.{i}.moe.experts.{w}" for i in range(2) for w in ("w1", "w2")]] * 4
