@@ -232,6 +232,8 @@ FLATTENED = {  # shape, names, shard, replicate -> the sharded weights' mesh axe
                        (("dp_shard_cp", "tp"), ["Shard(dim=0)", "Shard(dim=0)"])),
     "two replicate axes": ((2, 1, 2, 1), ("r1", "r2", "dp", "tp"), ("dp",), ("r1", "r2"),
                            (("r1", "r2", "dp", "tp"), ["Replicate()", "Replicate()", "Shard(dim=0)", "Shard(dim=0)"])),
+    "replicate axis after the shard axis": ((2, 2, 1), ("dp", "rep", "tp"), ("dp",), ("rep",),
+                                            (("dp", "rep", "tp"), ["Shard(dim=0)", "Replicate()", "Shard(dim=0)"])),
     "hsdp, two shard axes": ((2, 1, 2, 1), ("rep", "dp_shard", "cp", "tp"), ("dp_shard", "cp"), ("rep",),
                              (("rep", "dp_shard_cp", "tp"), ["Replicate()", "Shard(dim=0)", "Shard(dim=0)"])),
 }
@@ -241,8 +243,9 @@ FLATTENED = {  # shape, names, shard, replicate -> the sharded weights' mesh axe
 @pytest.mark.parametrize("case", list(FLATTENED))
 def test_dp_mesh_dims_with_several_axes_flattens_them_like_torch(case):
     shape, names, shard, replicate, up_weight = FLATTENED[case]
-    ours = run_on_ranks(_train_flattened, 4, "fsdp2", shape, names, shard, replicate)
-    theirs = run_on_ranks(_train_flattened, 4, "torch", shape, names, shard, replicate) \
+    # (new process groups for the flattened axes: slow to start on a loaded CPU)
+    ours = run_on_ranks(_train_flattened, 4, "fsdp2", shape, names, shard, replicate, timeout=300.0)
+    theirs = run_on_ranks(_train_flattened, 4, "torch", shape, names, shard, replicate, timeout=300.0) \
         if HAS_DATA_PARALLEL_MESH_DIMS else ours
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert a["layout"] == b["layout"] and a["losses"] == b["losses"], rank
