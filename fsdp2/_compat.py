@@ -282,6 +282,17 @@ def flatten_axes(mesh, axes) -> None:
     mesh[picked]._flatten(flat_name)
 
 
+def flattened(mesh, names):
+    """``mesh``'s axes ``names`` as one axis: ``mesh[name]`` for one, else ``DeviceMesh._flatten``
+    (private, torch 2.11-2.14; what torch's FSDP2 does with several ``dp_mesh_dims`` axes, under
+    the same name, so both find the same flattened mesh and process group). Collective on first
+    use (a new process group); later calls find it."""
+    names = tuple(names)
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))
+
+
 def concat_meshes(meshes):
     """One mesh whose axes are those of ``meshes`` in order (all sliced from one root)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -289,6 +300,26 @@ def concat_meshes(meshes):
         return DeviceMesh._concatenate(list(meshes))
     names = tuple(name for mesh in meshes for name in mesh.mesh_dim_names)
     return root_mesh(meshes[0])[names]
+
+
+def joinable_meshes(first, second) -> bool:
+    """Whether ``concat_meshes([first, second])`` makes a mesh: both derived from one world mesh
+    (by slicing, ``_unflatten`` or ``_flatten``) and on disjoint ranks' axes (orthogonal).
+
+    ``DeviceMesh._concatenate`` (private, no public equivalent; read in torch 2.13, where torch's
+    FSDP2 joins its data-parallel and TP/EP meshes with it) checks both and raises otherwise; a
+    torch without it joins axes of one root mesh only, by name (``concat_meshes``).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    if not hasattr(DeviceMesh, "_concatenate"):
+        names = tuple((first.mesh_dim_names or ()) + (second.mesh_dim_names or ()))
+        root = root_mesh(first)
+        return root_mesh(second) is root and set(names) <= set(root.mesh_dim_names or ())
+    try:
+        DeviceMesh._concatenate([first, second])
+    except (RuntimeError, ValueError, AssertionError):
+        return False
+    return True
 
 
 def strided_shard(dim: int, split_factor: int):

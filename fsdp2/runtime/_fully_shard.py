@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from .._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, QuantizedComm,
                    as_comm_policy, as_mixed_precision_policy, as_offload_policy)
@@ -22,6 +22,7 @@ from ._group import ParamGroup, SubGroup
 from ._mesh import DataParallelMesh, SpmdAxes, tp_mesh_of
 from ._module import FSDPModule
 from ._param import ShardedParam
+from ._placement import check_placement_fn, placement_dims
 from .._errors import FSDPOrderError, FSDPTypeError, FSDPValueError
 from ._state import get_state
 from ._state import ModuleState
@@ -36,7 +37,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
@@ -65,7 +66,8 @@ def fully_shard(
             ``k`` keeps 1/k of them after forward, so backward gathers over
             ``k`` ranks only (``k`` must divide the mesh size).
         shard_placement_fn: maps a parameter to ``Shard(dim)`` (or ``None``
-            for ``Shard(0)``).
+            for ``Shard(0)``), or to torch's ``ShardPlacementResult`` (a placement and a
+            ``mesh_info``) whose mesh is this call's (see ``_placement.py``).
         mp_policy: see :class:`MixedPrecisionPolicy` (torch's is accepted too and converted).
         offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on the CPU
             (torch's ``OffloadPolicy`` / ``CPUOffloadPolicy`` are accepted too).
@@ -229,7 +231,7 @@ class Arguments(NamedTuple):
     mesh: DeviceMesh
     spmd: SpmdAxes | None  # the axes of an SPMD mesh (dp_mesh_dims), None for a data-parallel mesh
     reshard_after_forward: bool | int | None
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None
     mp_policy: MixedPrecisionPolicy
     offload_policy: OffloadPolicy
     ignored_params: set[nn.Parameter]
@@ -255,7 +257,7 @@ def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn
 
 def check_group(found: list[Found], args: Arguments) -> list[int]:
     """Every check on the parameters one ``fully_shard`` call would take; their shard dims."""
-    dims = _placement_dims(found, args.shard_placement_fn)
+    dims = placement_dims(found, args.shard_placement_fn, args.mesh)
     _check_devices(found, args.mesh)
     if args.spmd is None:
         _check_tensor_parallel(found, args.mesh, args.reshard_after_forward)
@@ -344,8 +346,9 @@ def _check_mesh_device(mesh: DeviceMesh) -> None:
 
 
 def _resolve_spmd_mesh(mesh: Any, dims: Any) -> tuple[DeviceMesh, SpmdAxes]:
-    """``dp_mesh_dims``: check it against the full ``mesh``; the data-parallel sub-mesh (1-D, or
-    (replicate, shard) for HSDP) and where its axes sit in the full mesh."""
+    """``dp_mesh_dims``: check it against the full ``mesh``; the data-parallel mesh (1-D, or
+    (replicate, shard) for HSDP; several axes of a kind flattened into one) and where its axes
+    sit in the full mesh."""
     if not hasattr(dims, "shard_names") or not hasattr(dims, "replicate_names"):
         raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
     if not isinstance(mesh, DeviceMesh):
@@ -363,22 +366,30 @@ def _resolve_spmd_mesh(mesh: Any, dims: Any) -> tuple[DeviceMesh, SpmdAxes]:
     if not shard:
         raise ValueError("fully_shard: dp_mesh_dims without a shard axis (replication only) is plain data "
                          "parallelism; use DistributedDataParallel, or name a shard axis")
-    if len(shard) > 1 or len(replicate) > 1:
-        raise ValueError(
-            f"fully_shard: dp_mesh_dims names several axes to flatten ({shard}, {replicate}); fsdp2 takes one "
-            "shard axis and at most one replicate axis: build the mesh with those axes merged into one"
-        )
-    shard_axis = names.index(shard[0])
-    replicate_axis = names.index(replicate[0]) if replicate else None
-    if replicate_axis == shard_axis:
-        raise ValueError(f"fully_shard: dp_mesh_dims uses axis {shard[0]!r} to both shard and replicate")
-    if replicate_axis is not None and replicate_axis > shard_axis:
-        raise ValueError(
-            f"fully_shard: dp_mesh_dims' replicate axis {replicate[0]!r} comes after its shard axis {shard[0]!r} "
-            "in the mesh; fsdp2 needs (replicate, shard) in mesh order: build the mesh with the replicate axis first"
-        )
-    dp_mesh = mesh[shard[0]] if replicate_axis is None else mesh[replicate[0], shard[0]]
-    return dp_mesh, SpmdAxes(mesh, shard_axis, replicate_axis)
+    both = set(shard) & set(replicate)
+    if both or len(set(shard)) < len(shard) or len(set(replicate)) < len(replicate):
+        twice = sorted(both) or sorted({n for n in shard + replicate if (shard + replicate).count(n) > 1})
+        raise ValueError(f"fully_shard: dp_mesh_dims uses axis {twice[0]!r} twice (to both shard and replicate, "
+                         "or twice in one); name each data-parallel axis once")
+    shard_axes = tuple(names.index(n) for n in shard)
+    replicate_axes = tuple(names.index(n) for n in replicate)
+    for kind, axes in (("shard", shard_axes), ("replicate", replicate_axes)):
+        if list(axes) != sorted(axes) or (kind == "shard" and axes[-1] - axes[0] != len(axes) - 1):
+            raise ValueError(
+                f"fully_shard: dp_mesh_dims' {kind} axes {tuple(names[i] for i in axes)} must be named in the "
+                f"mesh's order{' and be adjacent in it' if kind == 'shard' else ''} (the mesh is {names}): "
+                "they are flattened into one axis, as torch's fully_shard does"
+            )
+    # Several axes of a kind are one flattened axis (one process group); HSDP is (replicate, shard).
+    dp_mesh = _compat.flattened(mesh, shard)
+    if replicate:
+        dp_mesh = _compat.concat_meshes([_compat.flattened(mesh, replicate), dp_mesh])
+    sharded_mesh = None
+    if len(shard) > 1:  # the shards' own mesh: the data-parallel axes where the first shard axis was
+        parts = [dp_mesh if axis == shard_axes[0] else mesh[name] for axis, name in enumerate(names)
+                 if axis == shard_axes[0] or axis not in shard_axes + replicate_axes]
+        sharded_mesh = _compat.concat_meshes(parts)
+    return dp_mesh, SpmdAxes(mesh, shard_axes, replicate_axes, sharded_mesh)
 
 
 def _check_spmd_params(found: list[Found], spmd: SpmdAxes, reshard_after_forward: Any) -> None:
@@ -432,8 +443,7 @@ def _check_policies(mp_policy: Any, offload_policy: Any, ignored: Any,
     if ignored is not None and (not isinstance(ignored, (set, frozenset))
                                 or not all(isinstance(p, nn.Parameter) for p in ignored)):
         raise TypeError("fully_shard: ignored_params must be a set of nn.Parameter")
-    if placement_fn is not None and not callable(placement_fn):
-        raise TypeError("fully_shard: shard_placement_fn must be callable (param -> Shard(dim) or None)")
+    check_placement_fn(placement_fn)
     return mp_policy, offload_policy
 
 
@@ -525,33 +535,6 @@ def shared_with_other_groups(found: list[Found]) -> list[tuple[str, str]]:
             if _SHARDED_BY_ATTR in param.__dict__]
 
 
-def _placement_dims(found: list[Found], placement_fn: Callable | None) -> list[int]:
-    dims = []
-    for param, _locations, fqn in found:
-        placement = placement_fn(param) if placement_fn is not None else None
-        if placement is None:
-            dims.append(0)
-            continue
-        if not isinstance(placement, Shard):
-            raise FSDPTypeError(
-                f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; return Shard(dim) or None"
-            )
-        dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
-        if param.ndim == 0 or not 0 <= dim < param.ndim:
-            raise FSDPValueError(
-                f"fully_shard: shard_placement_fn chose Shard({placement.dim}) for {fqn!r} of shape "
-                f"{tuple(param.shape)}; pick a dim in [0, {param.ndim})"
-            )
-        dims.append(dim)
-    for (param, _locations, fqn), _dim in zip(found, dims):
-        if param.ndim == 0:
-            raise ValueError(
-                f"fully_shard: parameter {fqn!r} is a scalar (0-dim) and cannot be sharded; "
-                "reshape it to (1,) or pass it in ignored_params"
-            )
-    return dims
-
-
 def _check_devices(found: list[Found], mesh: DeviceMesh) -> None:
     devices = {param.device for param, _l, _f in found}
     if len(devices) > 1:
@@ -578,18 +561,20 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 
 
 def _check_tensor_parallel(found: list[Found], mesh: DeviceMesh, reshard_after_forward: Any) -> None:
-    """DTensor parameters must come from a TP plan on a sibling axis of ``mesh``'s parent mesh."""
+    """DTensor parameters (tensor or expert parallelism) must be on a mesh that joins ``mesh``
+    (``tp_mesh_of``): other axes of the same ranks, derived from one mesh."""
     dp_root = _compat.root_mesh(mesh)
     for param, _locations, fqn in found:
         if not isinstance(param, DTensor):
             continue
         tp_mesh = param.device_mesh
-        if tp_mesh_of(tp_mesh, mesh) is None:  # by value (see tp_mesh_of): torch accepts equal meshes too
+        if tp_mesh_of(tp_mesh, mesh) is None:  # by value, or joinable as torch joins them (see tp_mesh_of)
             raise ValueError(
-                f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which is not a separate "
-                f"named axis of the data-parallel mesh's parent ({dp_root}). Build one mesh, e.g. "
-                "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), apply "
-                "parallelize_module(block, mesh['tp'], plan) and then fully_shard(block, mesh=mesh['dp'])"
+                f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which cannot be joined with the "
+                f"data-parallel mesh {mesh} (of {dp_root}): its axes must be other named axes of the same ranks, "
+                "derived from one mesh. Build one mesh, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names="
+                "('dp', 'tp')) or world._unflatten(0, (dp, tp), ('dp', 'tp')), apply parallelize_module(block, "
+                "mesh['tp'], plan) and then fully_shard(block, mesh=mesh['dp'])"
             )
         if not isinstance(reshard_after_forward, (bool, type(None))):
             raise ValueError(

@@ -25,20 +25,41 @@ __all__ = ["DataParallelMesh", "SpmdAxes", "SubGroup", "tp_mesh_of"]
 class SpmdAxes:
     """``fully_shard(dp_mesh_dims=...)``: parameters live on this whole mesh; which axes are data-parallel.
 
-    The sharded DTensor then stays on ``mesh``: the shard axis's ``Replicate()`` becomes the
-    FSDP shard, every other axis keeps its placement.
+    The sharded DTensor stays on ``mesh``: the shard axis's ``Replicate()`` becomes the FSDP
+    shard, every other axis keeps its placement. Several shard axes are one flattened shard
+    axis (as several replicate axes are one replicate axis): the sharded DTensor is then on
+    ``sharded_mesh``, ``mesh`` with the data-parallel axes replaced, where the first shard
+    axis was, by the data-parallel mesh's (replicate, shard) axes, as torch's FSDP2 lays it.
     """
 
     mesh: DeviceMesh
-    shard_axis: int
-    replicate_axis: int | None
+    shard_axes: tuple[int, ...]
+    replicate_axes: tuple[int, ...] = ()
+    sharded_mesh: DeviceMesh | None = None  # None: one shard axis, the shards stay on ``mesh``
+
+    @property
+    def shard_axis(self) -> int:
+        """Where FSDP's shard placement goes in ``mesh``'s placements (the first shard axis)."""
+        return self.shard_axes[0]
 
     @property
     def dp_axes(self) -> frozenset[int]:
-        axes = {self.shard_axis}
-        if self.replicate_axis is not None:
-            axes.add(self.replicate_axis)
-        return frozenset(axes)
+        return frozenset(self.shard_axes + self.replicate_axes)
+
+    def sharded_layout(self, mesh: DeviceMesh,
+                       placements: tuple[Placement, ...]) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """The sharded DTensor's mesh and placements, from its placements on ``mesh`` (the
+        parameter's, equal to ``self.mesh``; FSDP's shard on ``shard_axis``, ``Replicate()`` on
+        the other data-parallel axes)."""
+        if self.sharded_mesh is None:
+            return mesh, placements
+        out: list[Placement] = []
+        for axis, placement in enumerate(placements):
+            if axis == self.shard_axis:
+                out.extend((Replicate(), placement) if self.replicate_axes else (placement,))
+            elif axis not in self.dp_axes:
+                out.append(placement)
+        return self.sharded_mesh, tuple(out)
 
 
 @dataclass(frozen=True)
@@ -115,17 +136,25 @@ class SubGroup:
 
 
 def tp_mesh_of(param_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh | None:
-    """The axes of ``dp_mesh``'s root mesh that a tensor-parallel parameter's mesh names, if they
-    equal it; None if the parameter's mesh is not a separate named axis of that root.
+    """The mesh a tensor- or expert-parallel parameter's axes join ``dp_mesh``'s on; None if
+    they cannot be joined.
 
-    By value, not identity: DTensor's sharding caches may hand back a DTensor on an equal mesh
-    of another root (an earlier ``init_device_mesh`` with the same ranks and names), which
-    cannot be joined with the data-parallel axes; the root's own axes can.
+    First by value among the axes of ``dp_mesh``'s root mesh: DTensor's sharding caches may
+    hand back a DTensor on an equal mesh of another root (an earlier ``init_device_mesh`` with
+    the same ranks and names), which cannot be joined with the data-parallel axes; the root's
+    own axes can. Else the parameter's mesh itself, where it is derived from the same world
+    mesh as ``dp_mesh`` and orthogonal to it (its own named axes): meshes that ``DeviceMesh._unflatten``,
+    slicing and ``_flatten`` derive from one world mesh (torchtitan's ``ParallelDims`` builds
+    its ``ep`` and ``efsdp`` meshes so), whose root is that 1-D world mesh and names none of
+    their axes. The join is what torch's FSDP2 builds for them too (``_compat.concat_meshes``).
     """
     names = param_mesh.mesh_dim_names or ()
-    root = _compat.root_mesh(dp_mesh)
-    root_names = root.mesh_dim_names or ()
-    if not names or not set(names) <= set(root_names) or set(names) & set(dp_mesh.mesh_dim_names or ()):
+    dp_names = set(dp_mesh.mesh_dim_names or ())
+    if not names or set(names) & dp_names:
         return None
-    axes = root[names[0]] if len(names) == 1 else root[tuple(names)]
-    return axes if axes == param_mesh else None
+    root = _compat.root_mesh(dp_mesh)
+    if set(names) <= set(root.mesh_dim_names or ()):
+        axes = root[names[0]] if len(names) == 1 else root[tuple(names)]
+        if axes == param_mesh:
+            return axes
+    return param_mesh if _compat.joinable_meshes(dp_mesh, param_mesh) else None

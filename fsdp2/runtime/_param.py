@@ -96,7 +96,7 @@ class ShardedParam:
         if self.tp is None:
             return self.dp.mesh, self.dp.placements(Shard(dim))
         if self.dp.spmd is not None:  # dp_mesh_dims: the parameter's own mesh, its shard axis now sharded
-            return self.tp[0], self._placements_on_full_mesh(dim)
+            return self.dp.spmd.sharded_layout(self.tp[0], self._placements_on_full_mesh(dim))
         tp_mesh, tp_placements = self.tp
         # Pieces TP already cut along ``dim``: the data-parallel chunks interleave with them.
         split = 1

@@ -141,8 +141,10 @@ def _bad_spmd_arguments() -> list[object]:
         fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="cp"))
     with pytest.raises(ValueError, match="replication only\\) is plain data parallelism"):
         fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(replicate="dp"))
-    with pytest.raises(ValueError, match="replicate axis 'tp' comes after its shard axis 'dp'"):
-        fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="dp", replicate="tp"))
+    with pytest.raises(ValueError, match="shard axes \\('tp', 'dp'\\) must be named in the mesh's order"):
+        fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard=("tp", "dp")))
+    with pytest.raises(ValueError, match="uses axis 'dp' twice"):
+        fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="dp", replicate="dp"))
     wide = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match="reshard_after_forward=2 \\(int\\) is not supported with dp_mesh_dims"):
         fsdp2.fully_shard(_on_mesh(_MLP(), wide, "tp"), mesh=wide, reshard_after_forward=2, dp_mesh_dims=dims)
@@ -191,3 +193,63 @@ def _checkpoint_round_trip(path: str) -> list[object]:
 
 def test_dp_mesh_dims_checkpoint_round_trip(tmp_path):
     assert run_on_ranks(_checkpoint_round_trip, 4, str(tmp_path / "ckpt")) == [["ok"]] * 4
+
+
+# ---- several axes of a kind, flattened into one (torch's fully_shard does the same) ----------
+def _train_flattened(impl: str, shape: tuple[int, ...], names: tuple[str, ...], shard: tuple[str, ...],
+                     replicate: tuple[str, ...] | None) -> dict[str, object]:
+    """tp is 1 here: every rank its own batch, sharded over every data-parallel axis."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = _on_mesh(_MLP(), mesh, "tp")
+    if impl == "fsdp2":
+        fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard=shard, replicate=replicate))
+    else:
+        torch_fully_shard(model, mesh=model.up.weight.device_mesh, dp_mesh_dims=TorchDims(shard=shard,
+                                                                                          replicate=replicate))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    placements = [Shard(0) if axis in shard + (replicate or ()) else Replicate() for axis in names]
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        out = model(DTensor.from_local(x, mesh, placements))
+        loss = (out.redistribute(mesh, placements).to_local() ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        return {
+            "layout": {n: (p.device_mesh.mesh_dim_names, [repr(pl) for pl in p.placements])
+                       for n, p in model.named_parameters()},
+            "local": {n: p.to_local().clone() for n, p in model.named_parameters()},
+            "full": {n: full(p) for n, p in model.named_parameters()},
+            "losses": losses,
+        }
+
+
+FLATTENED = {  # shape, names, shard, replicate -> the sharded weights' mesh axes and placements
+    "two shard axes": ((2, 2, 1), ("dp_shard", "cp", "tp"), ("dp_shard", "cp"), None,
+                       (("dp_shard_cp", "tp"), ["Shard(dim=0)", "Shard(dim=0)"])),
+    "two replicate axes": ((2, 1, 2, 1), ("r1", "r2", "dp", "tp"), ("dp",), ("r1", "r2"),
+                           (("r1", "r2", "dp", "tp"), ["Replicate()", "Replicate()", "Shard(dim=0)", "Shard(dim=0)"])),
+    "replicate axis after the shard axis": ((2, 2, 1), ("dp", "rep", "tp"), ("dp",), ("rep",),
+                                            (("dp", "rep", "tp"), ["Shard(dim=0)", "Replicate()", "Shard(dim=0)"])),
+    "hsdp, two shard axes": ((2, 1, 2, 1), ("rep", "dp_shard", "cp", "tp"), ("dp_shard", "cp"), ("rep",),
+                             (("rep", "dp_shard_cp", "tp"), ["Replicate()", "Shard(dim=0)", "Shard(dim=0)"])),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(FLATTENED))
+def test_dp_mesh_dims_with_several_axes_flattens_them_like_torch(case):
+    shape, names, shard, replicate, up_weight = FLATTENED[case]
+    # (new process groups for the flattened axes: slow to start on a loaded CPU)
+    ours = run_on_ranks(_train_flattened, 4, "fsdp2", shape, names, shard, replicate, timeout=300.0)
+    theirs = run_on_ranks(_train_flattened, 4, "torch", shape, names, shard, replicate, timeout=300.0) \
+        if HAS_DATA_PARALLEL_MESH_DIMS else ours
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a["layout"] == b["layout"] and a["losses"] == b["losses"], rank
+        for name in a["local"]:
+            assert torch.equal(a["local"][name], b["local"][name]), (rank, name)
+            assert torch.equal(a["full"][name], b["full"][name]), (rank, name)
+    assert ours[0]["layout"]["up.weight"] == up_weight

@@ -108,7 +108,8 @@ def _case(name: str) -> tuple[nn.Module, Callable[[], Any], type[Exception], str
         return mlp, shard, ValueError, r"fully_shard was already applied to this FSDPMLP; apply it once per module"
     if name == "placement_not_shard":
         return mlp, lambda: shard(shard_placement_fn=lambda p: Replicate()), TypeError, \
-            r"shard_placement_fn returned Replicate\(\) for 'in_proj.weight'; return Shard\(dim\) or None"
+            r"shard_placement_fn returned Replicate\(\) for 'in_proj.weight'; " \
+            r"return Shard\(dim\), None or a ShardPlacementResult"
     if name == "placement_dim_too_large":
         return mlp, lambda: shard(shard_placement_fn=lambda p: Shard(p.ndim)), ValueError, \
             r"chose Shard\(2\) for 'in_proj.weight' of shape \(32, 8\); pick a dim in \[0, 2\)"
