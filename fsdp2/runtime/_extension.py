@@ -13,6 +13,14 @@ that FSDP calls around its all-gather:
   called with ``out=`` that same unsharded tensor (the parameter autograd knows) and
   refreshes it in place, the outputs being the same tensors (same storage) as before.
 
+Sharded on a dim ``d`` other than 0 (evenly, as torch requires), each input holds the
+shard's element count and stands for the rank's chunk of ``d``: the ranks' inputs are laid
+side by side along ``d`` (the entry is laid out as the parameter), and the rebuild gets that
+full tensor viewed with the input's trailing dims, as torch hands it. Under tensor
+parallelism the subclass is the TP DTensor's local tensor; the hooks see its FSDP shard and
+the TP-local shape, and the rebuilt tensor becomes the local tensor of the unsharded
+DTensor on the TP mesh, which later calls get as ``out=`` (torch's choices, all three).
+
 How it fits fsdp2's layout: each input is one more entry of the group's all-gather,
 laid out as a dim-0 sharded tensor of its own (``Chunking`` with the input's shape as
 the local shape), so the byte slice, the unsharded buffer and every transport (flat,
@@ -75,36 +83,35 @@ def has_extension(local: torch.Tensor, fqn: str) -> bool:
     return pre
 
 
-def check_params(found: Sequence[tuple[torch.nn.Parameter, Any, str]], dims: Sequence[int],
+def check_params(found: Sequence[tuple[torch.nn.Parameter, Any, str]], dims: Sequence[int], shard_size: int,
                  reshard_after_forward: bool | int | None) -> None:
     """``fully_shard``'s checks of the parameters that define the extension, before any change.
 
-    What is supported: both methods, a pre-all-gather of 1 or 5 arguments, dim-0 sharding of
-    a data-parallel (non-TP) parameter, and a bool ``reshard_after_forward``, as in torch.
-    ``found``: (parameter, its places, FQN) per parameter; ``dims``: each one's shard dim.
+    What is supported: both methods, a pre-all-gather of 1 or 5 arguments, data-parallel and
+    tensor-parallel (DTensor) parameters, sharding on any dim that ``shard_size`` (the shard
+    axis's size) divides evenly when it is not dim 0, and a bool ``reshard_after_forward``, as
+    in torch. ``found``: (parameter, its places, FQN) per parameter; ``dims``: each one's shard dim.
     """
     for (param, _locations, fqn), dim in zip(found, dims):
         local = _compat.dtensor_local(param) if isinstance(param, DTensor) else param
         if has_extension(local, fqn):
-            _check_one(local, fqn, isinstance(param, DTensor), dim, reshard_after_forward)
+            _check_one(local, fqn, local.shape, dim, shard_size, reshard_after_forward)
 
 
-def _check_one(local: torch.Tensor, fqn: str, tensor_parallel: bool, dim: int,
+def _check_one(local: torch.Tensor, fqn: str, shape: torch.Size, dim: int, shard_size: int,
                reshard_after_forward: bool | int | None) -> None:
-    """The checks of one parameter whose local tensor defines the extension (see check_params)."""
+    """The checks of one parameter whose local tensor defines the extension; ``shape``: its
+    unsharded (TP-local for a DTensor) shape."""
     _pre_arity(local, fqn)
     name = type(local).__name__
-    if tensor_parallel:
-        raise NotImplementedError(
-            f"fully_shard: parameter {fqn!r} is a DTensor whose local tensor ({name}) defines "
-            f"{PRE}; the all-gather extension is supported for data-parallel parameters only "
-            "(no tensor parallelism): shard it with fully_shard alone, or use a plain local tensor"
-        )
-    if dim != 0:
-        raise NotImplementedError(
-            f"fully_shard: parameter {fqn!r} ({name}, which defines {PRE}) is sharded on "
-            f"dim {dim}; parameters using the all-gather extension are sharded on dim 0: return Shard(0) "
-            "from shard_placement_fn for it"
+    # The rebuilt tensor is laid over the gathered outputs as a contiguous tensor of the
+    # parameter's shape (as torch does): padding in the middle of a dim other than 0 has no place there.
+    if dim != 0 and shape[dim] % shard_size:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} ({name}, which defines {PRE}) is sharded on dim {dim} of size "
+            f"{shape[dim]}, which {shard_size} shards do not divide; a parameter using the all-gather "
+            f"extension is sharded on a dim other than 0 only evenly (as in torch): return Shard(0) from "
+            "shard_placement_fn for it, or a dim the shard count divides"
         )
     if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
         raise NotImplementedError(
@@ -128,7 +135,7 @@ def refresh_params(params: Sequence[ShardedParam], reshard_after_forward: bool |
             found.append((p, local))
     for p, local in found:
         if p.ext is None:
-            _check_one(local, p.fqn, p.tp is not None, p.layout.dim, reshard_after_forward)
+            _check_one(local, p.fqn, p.layout.shape, p.layout.dim, p.layout.world, reshard_after_forward)
     for p, local in found:
         p.ext = ParamExtension(p, local) if p.ext is None else None
     return bool(found)
@@ -179,6 +186,7 @@ class ParamExtension:
         inputs, self.metadata = self._check_pre(result, device)
         specs = tuple((_entry_shape(t), t.dtype) for t in inputs)
         if self.specs is None:
+            self._check_dim(specs)
             self.specs = specs
         elif specs != self.specs:
             raise ValueError(
@@ -186,8 +194,27 @@ class ParamExtension:
                 f"{_describe(self.specs)} at the first all-gather; return the same shapes and dtypes every "
                 "time (the group's all-gather layout and the persistent outputs are built from the first)"
             )
-        self.inputs = [t.reshape(_entry_shape(t)) for t in inputs]
+        if p.layout.dim == 0:
+            self.inputs = [t.reshape(_entry_shape(t)) for t in inputs]
+        else:  # each input is a piece of the dim-d chunk: sent as one, gathered along dim d
+            self.inputs = [t.reshape(p.layout.local_shape) for t in inputs]
         return self.inputs
+
+    def _check_dim(self, specs: Sequence[tuple[torch.Size, torch.dtype]]) -> None:
+        """Sharded on a dim other than 0: every input has the padded shard's element count.
+
+        Each rank's input stands for its chunk of that dim: the gather lays the ranks' inputs
+        side by side along it (torch's layout), which only an input of the chunk's size can be.
+        """
+        p = self.param
+        local = p.layout.local_shape
+        if p.layout.dim != 0 and any(math.prod(shape) != math.prod(local) for shape, _ in specs):
+            raise ValueError(
+                f"fsdp2: {self.cls}.{PRE} of parameter {p.fqn!r} (sharded on dim {p.layout.dim}) returned inputs "
+                f"{_describe(specs)}; sharded on a dim other than 0, each input must hold as many elements as "
+                f"the shard {tuple(local)} (e.g. the shard in another dtype), as with torch's fully_shard: "
+                "the ranks' inputs are laid side by side along that dim. Shard it on dim 0 for other inputs"
+            )
 
     def _check_pre(self, result: Any, device: torch.device) -> tuple[list[torch.Tensor], Any]:
         where = f"{self.cls}.{PRE} of parameter {self.param.fqn!r}"
@@ -246,11 +273,16 @@ class ParamExtension:
             raise TypeError(f"fsdp2: {where} returned ({type(tensor).__name__}, {type(inner).__name__}); {fix} "
                             "(a tensor and a tuple of tensors)")
         padded = p.layout.padded_shape
-        if tensor.shape not in (padded, p.layout.shape):
+        # Sharded on another dim, the outputs keep their inputs' trailing dims (as torch hands
+        # them): a rebuild of their shape holds the parameter's elements in order, and is taken as it.
+        flat = p.layout.dim != 0 and tensor.numel() == math.prod(padded) and tensor.is_contiguous()
+        if tensor.shape not in (padded, p.layout.shape) and not flat:
             raise ValueError(
                 f"fsdp2: {where} returned a tensor of shape {tuple(tensor.shape)}; the unsharded parameter is "
                 f"{tuple(p.layout.shape)} ({tuple(padded)} with the padding rows of uneven sharding): rebuild "
                 "it from the gathered outputs, each the inputs of every rank concatenated along dim 0"
+                + ("" if p.layout.dim == 0 else f" (here laid side by side along dim {p.layout.dim}, then viewed with "
+                   "the inputs' trailing dims)")
             )
         return tensor, tuple(inner)
 
@@ -338,7 +370,10 @@ class GroupExtension:
                 dtypes.append(p.param_dtype)
                 continue
             for shape, dtype in p.ext.specs:
-                layouts.append(_format.Chunking(torch.Size([world * shape[0], *shape[1:]]), 0, world, shape[0]))
+                if p.layout.dim == 0:  # the ranks' inputs one after the other
+                    layouts.append(_format.Chunking(torch.Size([world * shape[0], *shape[1:]]), 0, world, shape[0]))
+                else:  # side by side along the dim, as the parameter's chunks (_check_dim: same element count)
+                    layouts.append(p.layout.with_world(world))
                 dtypes.append(dtype)
         return layouts, dtypes
 
@@ -384,7 +419,9 @@ class GroupExtension:
             n = len(p.ext.specs)
             own = [torch.empty(lay.padded_shape, dtype=dtype, device=buffer.device)
                    for lay, dtype in zip(layouts[i:i + n], dtypes[i:i + n])]
-            p.ext.bind_outputs([t.data for t in own])
+            # The rebuild gets each output with its input's trailing dims (for dim 0, its own shape).
+            p.ext.bind_outputs([t.data if t.shape[1:] == shape[1:] else t.data.view(-1, *shape[1:])
+                                for t, (shape, _dtype) in zip(own, p.ext.specs)])
             self.gathered += own
             regions += own
         return regions

@@ -263,7 +263,7 @@ def check_group(found: list[Found], args: Arguments) -> list[int]:
         _check_tensor_parallel(found, args.mesh, args.reshard_after_forward)
     else:
         _check_spmd_params(found, args.spmd, args.reshard_after_forward)
-    _extension.check_params(found, dims, args.reshard_after_forward)
+    _extension.check_params(found, dims, args.mesh.size(args.mesh.ndim - 1), args.reshard_after_forward)
     if args.comm_policy is not None and args.comm_policy.weight_block:
         _check_quantizable(found)
     return dims

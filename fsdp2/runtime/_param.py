@@ -162,17 +162,17 @@ class ShardedParam:
         """This rank's padded chunk of an extension parameter, kept in its subclass.
 
         Only the ops such subclasses implement for torch's FSDP2 too: ``torch.chunk``,
-        ``new_zeros``, a dim-0 ``narrow`` and ``copy_``.
+        ``new_zeros``, a ``narrow`` along the shard dim and ``copy_``.
         """
         layout = self.layout
         rows = layout.rows(self.rank)
         with torch.no_grad():
             if full.device != device and full.device.type != "meta":
                 full = full.to(device)
-            pieces = torch.chunk(full, layout.world, dim=0)
+            pieces = torch.chunk(full, layout.world, dim=layout.dim)
             padded = full.new_zeros(layout.local_shape)
             if rows > 0 and full.device.type != "meta":
-                padded.narrow(0, 0, rows).copy_(pieces[self.rank])
+                padded.narrow(layout.dim, 0, rows).copy_(pieces[self.rank])
         return padded
 
     def _set_padded_local(self, padded: torch.Tensor) -> None:
@@ -356,20 +356,19 @@ class ShardedParam:
         if self.unsharded is not None:
             return
         padded_full = region.view(self.layout.padded_shape)
-        view = padded_full.narrow(self.layout.dim, 0, self.layout.shape[self.layout.dim])
+        self.bind_unsharded_tensor(padded_full.narrow(self.layout.dim, 0, self.layout.shape[self.layout.dim]),
+                                   on_grad_ready)
+
+    def bind_unsharded_tensor(self, tensor: torch.Tensor, on_grad_ready: Callable[[ShardedParam], None]) -> None:
+        """Create the unsharded parameter from its (TP-local) unsharded tensor: a view of the
+        group's buffer, or an extension's rebuilt tensor (a subclass, kept as the DTensor's local)."""
         if self.tp is not None:  # TP modules expect DTensor parameters on the TP mesh
             tp_mesh, tp_placements = self.tp
             with torch.no_grad():
-                view = DTensor.from_local(
-                    view, tp_mesh, tp_placements, run_check=False,
+                tensor = DTensor.from_local(
+                    tensor, tp_mesh, tp_placements, run_check=False,
                     shape=self.global_shape, stride=contiguous_stride(self.global_shape),
                 )
-        self.unsharded = _compat.parameter(view, self.requires_grad)
-        self._on_grad_ready, self._grad_hooked = on_grad_ready, False
-        self._hook_grad_ready()
-
-    def bind_unsharded_tensor(self, tensor: torch.Tensor, on_grad_ready: Callable[[ShardedParam], None]) -> None:
-        """Create the unsharded parameter from an extension's rebuilt tensor (once)."""
         self.unsharded = _compat.parameter(tensor, self.requires_grad)
         self._on_grad_ready, self._grad_hooked = on_grad_ready, False
         self._hook_grad_ready()
@@ -459,8 +458,8 @@ class ShardedParam:
         """Zeros shaped and typed as the unsharded gradient (TP-local): a gradient this rank did not produce."""
         with torch.no_grad():
             param = self.unsharded
-            if self.ext is not None:  # a plain gradient, not the subclass zeros_like would make
-                return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+            if self.ext is not None:  # a plain (TP-local) gradient, not the subclass zeros_like would make
+                return torch.zeros(self.layout.shape, dtype=param.dtype, device=param.device)
             return torch.zeros_like(param.to_local() if isinstance(param, DTensor) else param)
 
     def stash_unsynced_grad(self) -> None:

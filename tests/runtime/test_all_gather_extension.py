@@ -331,8 +331,8 @@ def test_hooks_attached_after_to_empty_run_like_torch(transport, hsdp):
 
 def _hooks_come_and_go() -> None:
     """Hooks on tensors that ``to_empty()`` replaced go with them (torch's fully_shard fails
-    there: its outputs keep the hooks' dtype), and a late hook on a parameter sharded on dim 1
-    is refused at lazy init."""
+    there: its outputs keep the hooks' dtype), and a late hook on a parameter sharded unevenly
+    on dim 1 is refused at lazy init."""
     from torch.distributed.tensor import distribute_tensor
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -351,11 +351,11 @@ def _hooks_come_and_go() -> None:
             p.copy_(distribute_tensor(r.detach(), p.device_mesh, p.placements))
     torch.testing.assert_close(model(x), ref(x))
     assert len(seen) == 8, seen
-    model = RoundedNet()
+    model = nn.Linear(9, DIM)  # 9 columns on 2 ranks
     fsdp2.fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
-    _bf16_hooks(model.blocks[0][0].weight._local_tensor, [])
-    with pytest.raises(NotImplementedError, match=r"sharded on dim 1.*return Shard\(0\)"):
-        model(x)
+    _bf16_hooks(model.weight._local_tensor, [])
+    with pytest.raises(ValueError, match=r"sharded on dim 1 of size 9.*return Shard\(0\)"):
+        model(torch.randn(4, 9))
 
 
 def test_hooks_follow_the_local_tensors():
@@ -513,7 +513,9 @@ def _errors() -> dict[str, str]:
     return {
         "pre_only": _error(pre_only, run=False),
         "arity": _error(one(ThreeArgs), run=False),
-        "dim": _error(one(Int8Rows), run=False, shard_placement_fn=lambda p: Shard(p.dim() - 1)),
+        # 9 columns on 2 ranks, sharded on dim 1: uneven (torch refuses it too).
+        "dim": _error(lambda: QuantLinear(9, DIM, frozen=False), run=False,
+                      shard_placement_fn=lambda p: Shard(p.dim() - 1)),
         "returns_tensor": _error(one(ReturnsTensor)),
         "returns_subclass": _error(one(ReturnsSubclass)),
         "post_shape": _error(one(WrongPostShape)),
@@ -531,7 +533,7 @@ def test_bad_hooks_get_clear_errors():
         assert e["pre_only"].startswith("TypeError") and "PreOnly" in e["pre_only"] \
             and "fsdp_post_all_gather" in e["pre_only"], e["pre_only"]
         assert e["arity"].startswith("TypeError") and "ThreeArgs" in e["arity"] and "mp_policy" in e["arity"]
-        assert e["dim"].startswith("NotImplementedError") and "Shard(0)" in e["dim"], e["dim"]
+        assert e["dim"].startswith("ValueError") and "Shard(0)" in e["dim"], e["dim"]
         assert e["returns_tensor"].startswith("TypeError") and "ReturnsTensor" in e["returns_tensor"] \
             and "(inputs, metadata)" in e["returns_tensor"], e["returns_tensor"]
         assert e["returns_subclass"].startswith("TypeError") and "plain" in e["returns_subclass"]
