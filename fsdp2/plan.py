@@ -470,7 +470,8 @@ def check_fit(argv: Sequence[str], *, suggest: bool = True) -> FitCheck:
     that fit when it does not (``suggest``; their flags are this command line's).
 
     ``argv`` must give ``--gpu-memory``. Raises ValueError for a command line the CLI would refuse.
-    Runs the simulation on a fake process group: call it before ``init_process_group``.
+    Runs the simulation on a fake process group: call it before ``init_process_group``, in a
+    process that does not train afterwards (see ``estimate_memory``).
     """
     parser = _parser()
     try:
