@@ -23,6 +23,7 @@ import faulthandler
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ STEPS = 4
 KILL_STEP = 2
 IN, HIDDEN, BATCH = 8, 16, 4
 LR = 1e-2
-RUN_TIMEOUT_S = 240.0  # one run: 4 processes, a kill and 2 restarted on 2 busy cores
+RUN_TIMEOUT_S = 480.0  # one run: 4 processes, a kill and 2 restarted (1-4 min on 2 busy cores)
 PG_TIMEOUT = timedelta(seconds=15)  # torchft's cross-group gloo: a dead peer fails the step
 
 
@@ -60,7 +61,7 @@ def _batch(step: int, replica: int, rank: int) -> tuple[torch.Tensor, torch.Tens
 
 
 # ---- one rank of one replica group (a spawned process) --------------------------------------
-def _shard(model: nn.Module, impl: str) -> None:
+def _shard(model: nn.Module) -> None:
     """Shard as torchtitan does: per layer, then the root, with whatever ``fully_shard`` torch names."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard  # fsdp2's inside patch_torch()
@@ -71,19 +72,22 @@ def _shard(model: nn.Module, impl: str) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def _set_all_reduce_hooks(model: nn.Module, replicate_pg) -> int:
-    """torchtitan's ``maybe_set_all_reduce_hook``: average every FSDP module's gradient across groups."""
+def _set_all_reduce_hooks(model: nn.Module, replicate_pg, torchtitan_ft) -> None:
+    """Average every FSDP module's gradient across groups: torchtitan's own code where installed."""
+    if torchtitan_ft is not None:
+        # TorchFTManager.maybe_set_all_reduce_hook reads three attributes of the manager; its
+        # module bound torch's FSDPModule at import, before the patch (rebound by it).
+        ft = SimpleNamespace(enabled=True, use_async_quorum=True, replicate_pg=replicate_pg)
+        torchtitan_ft.TorchFTManager.maybe_set_all_reduce_hook(ft, [model])
+        return
     from torch.distributed.fsdp import FSDPModule
 
-    def all_reduce_hook(output: torch.Tensor) -> None:
+    def all_reduce_hook(output: torch.Tensor) -> None:  # the same, written out
         dist.all_reduce(output, group=replicate_pg, op=dist.ReduceOp.AVG)
 
-    hooked = 0
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_all_reduce_hook(all_reduce_hook)
-            hooked += 1
-    return hooked
 
 
 def _worker(*, impl: str, transport: str, replica: int, attempt: int, rank: int, store_port: int,
@@ -95,6 +99,10 @@ def _worker(*, impl: str, transport: str, replica: int, attempt: int, rank: int,
 
     import fsdp2
 
+    try:  # imported before the patch, as a torchtitan trainer does
+        import torchtitan.experiments.torchft.manager as torchtitan_ft
+    except ImportError:
+        torchtitan_ft = None
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
@@ -102,7 +110,7 @@ def _worker(*, impl: str, transport: str, replica: int, attempt: int, rank: int,
     # A restarted group starts from other weights: only healing can make it agree.
     torch.manual_seed(0 if attempt == 0 else 1234 + attempt)
     model = _Net()
-    _shard(model, impl)
+    _shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def state_dict() -> dict:
@@ -113,15 +121,26 @@ def _worker(*, impl: str, transport: str, replica: int, attempt: int, rank: int,
         optim.load_state_dict(sd["optim"])
 
     pg = ProcessGroupGloo(timeout=PG_TIMEOUT)
-    ckpt = PGTransport(pg, timeout=timedelta(seconds=60), device=torch.device("cpu")) if transport == "pg" else None
+    ckpt = None  # torchft's default: HTTPTransport (the state dict pickled by torch.save)
+    if transport in ("pg", "pg_inplace"):
+        # "pg_inplace": received bytes land in this rank's own state-dict tensors' storages
+        # (for a sharded parameter, the live shard), laid out as Manager sends them. Only with
+        # a synchronous quorum: an asynchronous one calls state_dict() in its thread while this
+        # one runs forward (torch's FSDP2 then fails with "mixed torch.Tensor and DTensor").
+        def inplace() -> dict:
+            return {"user": {"default": state_dict()}, "torchft": manager.state_dict()}
+
+        ckpt = PGTransport(pg, timeout=timedelta(seconds=60), device=torch.device("cpu"),
+                           state_dict=inplace if transport == "pg_inplace" else None)
     manager = Manager(pg=pg, min_replica_size=2, load_state_dict=load_state_dict, state_dict=state_dict,
                       replica_id=f"replica_{replica}", store_addr="127.0.0.1", store_port=store_port,
                       rank=rank, world_size=2, lighthouse_addr=lighthouse, hostname="127.0.0.1",
-                      init_sync=False, checkpoint_transport=ckpt, timeout=timedelta(seconds=60),
+                      init_sync=False, checkpoint_transport=ckpt, use_async_quorum=transport != "pg_inplace",
+                      timeout=timedelta(seconds=60),
                       quorum_timeout=timedelta(seconds=120), connect_timeout=timedelta(seconds=30))
     replicate_pg = ManagedProcessGroup(manager)
     replicate_pg.register("dp_replicate")
-    assert _set_all_reduce_hooks(model, replicate_pg) == 3
+    _set_all_reduce_hooks(model, replicate_pg, torchtitan_ft)  # without them the groups diverge
     optimizer = Optimizer(manager, optim)
 
     attempts = 0
@@ -129,8 +148,8 @@ def _worker(*, impl: str, transport: str, replica: int, attempt: int, rank: int,
     while manager.current_step() < STEPS:
         attempts += 1
         assert attempts < 4 * STEPS, "too many uncommitted steps"
-        step = manager.current_step()
         optimizer.zero_grad()  # starts the quorum (and the healing of a restarted group)
+        step = manager.current_step()  # a synchronous quorum has healed already
         x, y = _batch(step, replica, rank)
         loss = nn.functional.mse_loss(model(x), y)
         if kill_step is not None and step == kill_step:
@@ -250,12 +269,14 @@ def test_healthy_hsdp_under_torchft_matches_torch(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["http", "pg"])
+@pytest.mark.parametrize("transport", ["http", "pg", "pg_inplace"])
 def test_killed_replica_group_heals_like_torch(tmp_path: Path, transport: str) -> None:
     runs = {impl: _run(impl=impl, transport=transport, fault=True, out=tmp_path / impl)
             for impl in ("torch", "fsdp2")}
-    # Group 0 commits every step once but ran two more: the one its dead peer broke and the one
-    # the restarted group healed in (one participant then: min_replica_size=2 refuses it).
-    # The restarted group commits from the killed step on, from its peer's state.
+    # Group 0 commits every step once, and ran one more: the one its dead peer broke. With an
+    # asynchronous quorum also the one the restarted group healed in (one participant then:
+    # min_replica_size=2 refuses it); a synchronous one heals before forward. The restarted
+    # group commits from the killed step on, from its peer's state.
     _check_same_run(runs, committed={0: range(STEPS), 1: range(KILL_STEP, STEPS)})
-    assert all(run[0]["attempts"] == STEPS + 2 for run in runs.values())
+    retried = 1 if transport == "pg_inplace" else 2
+    assert all(run[0]["attempts"] == STEPS + retried for run in runs.values())
