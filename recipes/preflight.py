@@ -133,8 +133,8 @@ def no_op_warnings(config: JobConfig, given: set[str] = frozenset()) -> list[str
     if m.log_every > steps and "metrics.log_every" in given:
         out.append(f"metrics.log_every={m.log_every} > training.steps={steps}: only the first and last steps are "
                    "printed and recorded")
-    if not m.file and (changed := _given(config, given, "metrics", "plot")):
-        out.append(f"{changed[0]}: no effect without metrics.file (the curve is drawn from it)")
+    if not m.file and m.plot and "metrics.plot" in given:  # (turning it off is no mistake)
+        out.append("metrics.plot=True: no effect without metrics.file (the curve is drawn from it)")
     q = config.parallelism
     if not (q.quantize_weights or q.quantize_gradients) and (
             changed := _given(config, given, "parallelism", "quantize_block_size")):

@@ -140,8 +140,9 @@ def test_settings_that_cannot_take_effect_are_warned_about():
         "checkpoint.every=100 > training.steps=30: the only checkpoint is the last step's"]
     assert _warnings("--steps", "30", "--metrics.log_every=50") == [
         "metrics.log_every=50 > training.steps=30: only the first and last steps are printed and recorded"]
-    assert _warnings("--metrics.plot=false") == ["metrics.plot=False: no effect without metrics.file (the curve is "
-                                                 "drawn from it)"]
+    assert _warnings("--metrics.plot=true") == ["metrics.plot=True: no effect without metrics.file (the curve is "
+                                                "drawn from it)"]
+    assert _warnings("--metrics.plot=false") == []  # turning off what would not run is no mistake
     assert _warnings("--parallelism.quantize_block_size=64") == [
         "parallelism.quantize_block_size=64: no effect without parallelism.quantize_weights or quantize_gradients"]
     assert _warnings("--faults.nan_loss_rank=1") == ["faults.nan_loss_rank=1: no effect without "
