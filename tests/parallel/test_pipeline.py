@@ -36,6 +36,13 @@ import torch.nn.functional as F
 import fsdp2
 from tests._dist import run_on_ranks
 
+# Checked on torch 2.13 (and CI's 2.14). On 2.11 the quick cases fail here: its pipelining runs a
+# one-stage pipeline's first step through send/recv to the stage itself (gloo: "Pair is not
+# connected"), and the patched route's first step gathers twice as often as torch's. Not yet
+# supported there (docs/integrations.md says so).
+pytestmark = pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13),
+                                reason="fsdp2 under torch.distributed.pipelining is checked on torch 2.13 and newer")
+
 DIM, LAYERS_PER_STAGE, STEPS, BATCH = 8, 2, 3, 8
 REF_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
