@@ -398,6 +398,11 @@ def fake_process_group(world_size: int) -> Iterator[None]:
     world: DeviceMesh and DTensor need a process group, not data. torch's "fake" backend (registered by
     ``torch.testing._internal.distributed.fake_pg``, torch 2.6 to 2.13) is that; there is
     no public equivalent. Refused when this process already has a default process group.
+
+    DTensor's sharding-propagation caches are emptied on entry and on exit: they compare meshes
+    by value, so a simulated mesh kept there would be handed to the real run's mesh of the same
+    shape afterwards, and DTensor's random initialisation would then take rank 0's coordinates on
+    every rank (every rank got rank 0's initial weights; ``tests/tools/test_plan_then_train.py``).
     """
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -407,6 +412,7 @@ def fake_process_group(world_size: int) -> Iterator[None]:
             "estimate_memory runs fsdp2 on a fake process group of the planned world size and "
             "needs a process without one: call it before init_process_group (or use python -m fsdp2.plan)"
         )
+    clear_dtensor_caches()
     hook = sys.excepthook  # init_process_group wraps it (a "[rankN]" prefix) each time: put it back
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     sys.excepthook = hook
@@ -414,6 +420,24 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        clear_dtensor_caches()
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation caches (its Python one, for this thread, and its C++
+    fast path's).
+
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` is private ("for debugging");
+    it exists with this name on torch 2.11, 2.13 and 2.14 (checked). Where it is missing, the
+    Python cache is cleared through the dispatcher, and the C++ one, if any, stays.
+    """
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        getattr(propagator.propagate_op_sharding, "cache_clear", lambda: None)()
+        return
+    _clear_sharding_prop_cache()
 
 
 def is_live_process_group(pg) -> bool:

@@ -25,6 +25,8 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+import torch.distributed as dist
+
 from fsdp2.plan import NOTHING_FITS, check_fit
 
 from .config import ConfigError, JobConfig
@@ -232,16 +234,17 @@ class MemoryCheck(NamedTuple):
 def check_memory(config: JobConfig, dims: ParallelDims, device_type: str, *, local_rank: int = 0) -> MemoryCheck | None:
     """The planner's verdict for this run (None where the device's memory cannot be read).
 
-    The planner runs in a child process: it runs fsdp2 over a fake process group, and DTensor's
-    caches keep what it computed there as rank 0 of a mesh equal by value to the run's own, which
-    on another rank gave that rank rank 0's initial weights. A fresh process leaves this one as it
-    was (a few seconds for the child's ``import torch``).
+    The planner runs fsdp2 over a fake process group, which must be this process's only one:
+    before ``init_process_group`` (as ``train.py`` calls it) it runs here; in a process that has a
+    default process group already, it runs in a child process.
     """
     found = device_memory(device_type, local_rank)
     if found is None:
         return None
     memory, source = found
     argv = plan_argv(config, dims, device_type, memory)
+    if not dist.is_initialized():
+        return _verdict(argv, memory, source)
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as child:
         return child.submit(_verdict, argv, memory, source).result()

@@ -171,10 +171,9 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
     so there must be no other: plan before ``init_process_group`` (or with ``python -m
     fsdp2.plan``); a ``ValueError`` says so otherwise.
 
-    Plan in a process that does not train afterwards (``python -m fsdp2.plan``, or a child
-    process as the recipe's pre-flight does): DTensor's caches keep the simulated mesh, which
-    compares equal to the real run's mesh of the same shape, and a model sharded after it in
-    the same process gets rank 0's shards on every rank (seen on torch 2.13).
+    A process may plan and then train: DTensor's sharding-propagation caches, which compare
+    meshes by value, are emptied before and after the simulation, so the simulated mesh is not
+    handed to a real one of the same shape.
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"estimate_memory(layout, model): layout must be a fsdp2.memory.Layout, got "
