@@ -4,7 +4,9 @@ Dense parts (embedding, mixing layers, router, shared expert, head) are sharded 
 data-parallel mesh; the experts (``tests/_moe.py``: one ``(experts, dim, hidden)`` parameter,
 ``Shard(0)`` on the ``ep`` axis, tokens dispatched by ``all_to_all_single``) in a ``fully_shard``
 call of their own on the ``efsdp`` mesh, on dim 0, or on dim 1 when there are fewer experts
-than ``efsdp x ep`` shards (torchtitan's rule). The meshes come from torchtitan's own
+than ``efsdp x ep`` shards (torchtitan's rule); or, as torchtitan 0.3's ``apply_fsdp`` does, in
+the block's one call, by a ``shard_placement_fn`` returning torch's ``ShardPlacementResult``
+(one parameter group per mesh; also through torchtitan's own function under ``patch_torch()``). The meshes come from torchtitan's own
 ``ParallelDims`` (``DeviceMesh._unflatten`` of a 1-D world mesh) or from ``init_device_mesh``
 (the dense mesh ``_flatten``-ed from the sparse one). fsdp2 and torch's ``fully_shard`` train
 the same model side by side, with torchtitan's gradient scaling (divide factor 1, the loss
@@ -227,6 +229,16 @@ def test_torchtitans_apply_fsdp_with_ep_through_patch_torch_matches_torch():
     results = run_on_ranks(_train_vs_torch, 4, "torchtitan", 4, 2, 2, _shard_with_torchtitan, timeout=300.0)
     from torch.distributed.tensor.placement_types import _StridedShard
     _check(results, (("efsdp", "ep"), (_StridedShard(0, split_factor=2), Shard(0))), block_groups=2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCHTITAN or not HAS_SHARD_PLACEMENT_RESULT, reason="needs torchtitan, torch 2.13")
+def test_hsdp_experts_on_their_mesh_in_one_call_match_torch():
+    # HSDP in one call: dense on (dp_replicate, fsdp), experts on (dp_replicate, efsdp) (efsdp 1).
+    from torch.distributed.tensor.placement_types import Replicate, _StridedShard
+    results = run_on_ranks(_train_vs_torch, 4, "torchtitan-hsdp", 2, 2, 2, _shard_one_call, timeout=300.0)
+    _check(results, (("dp_replicate", "efsdp", "ep"), (Replicate(), _StridedShard(0, split_factor=2), Shard(0))),
+           block_groups=2)
 
 
 # ---- shard_placement_fn returning torch's ShardPlacementResult -----------------------------
