@@ -9,9 +9,9 @@ the block's one call, by a ``shard_placement_fn`` returning torch's ``ShardPlace
 (one parameter group per mesh; also through torchtitan's own function under ``patch_torch()``).
 The meshes come from torchtitan's own ``ParallelDims`` (``DeviceMesh._unflatten`` of a 1-D world
 mesh) or from ``init_device_mesh`` (the dense mesh ``_flatten``-ed from the sparse one). fsdp2
-and torch's ``fully_shard`` train the same model side by side, with torchtitan's gradient scaling (divide factor 1, the loss
-scaled): losses, gradients, layouts and parameters must be equal (``torch.equal``); fsdp2's
-must match an unsharded model trained on every rank's batch.
+and torch's ``fully_shard`` train the same model side by side, with torchtitan's gradient
+scaling (divide factor 1, the loss scaled): losses, gradients, layouts and parameters must be
+equal (``torch.equal``); fsdp2's must match an unsharded model trained on every rank's batch.
 """
 
 from __future__ import annotations
