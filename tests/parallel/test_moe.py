@@ -223,7 +223,6 @@ def test_experts_on_efsdp_x_ep_match_torch_on_2_ranks(kind):
            (("efsdp", "ep"), (_StridedShard(0, split_factor=2), Shard(0))))
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TORCHTITAN or not HAS_SHARD_PLACEMENT_RESULT, reason="needs torchtitan, torch 2.13")
 def test_torchtitans_apply_fsdp_with_ep_through_patch_torch_matches_torch():
     results = run_on_ranks(_train_vs_torch, 4, "torchtitan", 4, 2, 2, _shard_with_torchtitan, timeout=300.0)
@@ -243,7 +242,7 @@ def test_hsdp_experts_on_their_mesh_in_one_call_match_torch():
 
 # ---- shard_placement_fn returning torch's ShardPlacementResult -----------------------------
 @pytest.mark.skipif(not HAS_SHARD_PLACEMENT_RESULT, reason="torch 2.13's FSDP2 API")
-@pytest.mark.parametrize("num_experts", [4, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("num_experts", [4, 2])
 def test_experts_on_their_mesh_in_one_call_match_torch_on_4_ranks(num_experts):
     # torchtitan 0.3.0's layout with EP 2: one fully_shard per block, two parameter groups in it
     # (dense on fsdp, experts on efsdp); 4 experts on dim 0, 2 experts (fewer than the 4 shards) on dim 1.
