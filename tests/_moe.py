@@ -11,6 +11,8 @@ feed-forward) sees every token. ``expert_parallel`` makes the two expert paramet
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
@@ -118,3 +120,38 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loss_of(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(ids).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class _TitanNamed(MoEModel):
+    """``MoEModel`` under torchtitan's ``Decoder`` names, for its ``apply_fsdp_to_decoder``."""
+
+    enable_weight_tying = False
+
+    @property
+    def tok_embeddings(self) -> nn.Module:
+        return self.embed
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.head
+
+
+class _TitanLayers(nn.ModuleList):
+    """torchtitan's decoder keeps its layers in a ``ModuleDict``: ``items()`` and ``values()``."""
+
+    def items(self) -> list[tuple[str, nn.Module]]:
+        return [(str(i), m) for i, m in enumerate(self)]
+
+    def values(self) -> list[nn.Module]:
+        return list(self)
+
+
+def torchtitan_names(model: MoEModel) -> None:
+    """Let torchtitan's ``apply_fsdp_to_decoder`` find what it looks for, the parameters and their
+    names unchanged: ``tok_embeddings``, ``layers.items()``, ``norm``, ``lm_head``, and in each
+    block ``moe_enabled`` and ``moe.routed_experts.inner_experts``."""
+    model.__class__ = _TitanNamed
+    model.layers.__class__ = _TitanLayers
+    for block in model.layers:
+        block.moe_enabled = True
+        block.moe.routed_experts = types.SimpleNamespace(inner_experts=block.moe.experts)  # not a submodule

@@ -158,9 +158,9 @@ def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None 
     state = model.state_dict(keep_vars=True)  # (the same objects, and buffers with storage now)
     managed: dict[int, ShardedParam] = {}
     for state_obj in {id(s): s for s in map(get_state, model.modules()) if s is not None}.values():
-        if state_obj.group is not None:
-            state_obj.group.reshard()  # loading makes any gathered copy stale
-            managed.update((id(p.sharded), p) for p in state_obj.group.params)
+        for group in state_obj.groups:
+            group.reshard()  # loading makes any gathered copy stale
+            managed.update((id(p.sharded), p) for p in group.params)
     by_file: dict[str, list[tuple[str, str]]] = {}
     for model_key, (file, file_key) in mapped.items():
         if model_key in state:

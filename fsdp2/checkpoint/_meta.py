@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def materialize(model: nn.Module) -> None:
     """Allocate the parameters and persistent buffers of ``model`` still on the meta device."""
-    groups = {id(s.group): s.group for s in map(get_state, model.modules()) if s is not None and s.group is not None}
+    groups = {id(g): g for s in map(get_state, model.modules()) if s is not None for g in s.groups}
     device = next((g.device for g in groups.values()), torch.device("cpu"))
     for group in groups.values():
         group.materialize()

@@ -343,8 +343,9 @@ def _groups(model: nn.Module) -> list[ParamGroup]:
     out = []
     for module in model.modules():
         state = get_state(module)
-        if state is not None and state.group is not None and state.group not in out:
-            out.append(state.group)
+        for group in state.groups if state is not None else ():
+            if group not in out:
+                out.append(group)
     return out
 
 

@@ -139,8 +139,9 @@ class MemoryTracker:
         groups = []
         for module in self.model.modules():
             state = get_state(module)
-            if state is not None and state.group is not None and state.group not in groups:
-                groups.append(state.group)
+            for group in state.groups if state is not None else ():
+                if group not in groups:
+                    groups.append(group)
         return groups
 
     def _resizable(self) -> list[torch.UntypedStorage]:

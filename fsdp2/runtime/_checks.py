@@ -60,7 +60,7 @@ class Diagnostics:
     """
 
     def __init__(self, states: Sequence[ModuleState], names: dict[Any, str]) -> None:
-        self.groups = [s.group for s in states if s.group is not None]
+        self.groups = [g for s in states for g in s.groups]
         self.index = {id(g): i for i, g in enumerate(self.groups)}
         self.param_names = {
             id(p): _join(names.get(p.locations[0][0], "?"), p.locations[0][1])

@@ -22,7 +22,7 @@ from ._group import ParamGroup, SubGroup
 from ._mesh import DataParallelMesh, SpmdAxes, tp_mesh_of
 from ._module import FSDPModule
 from ._param import ShardedParam
-from ._placement import check_placement_fn, placement_dims
+from ._placement import Placements, check_placement_fn, placement_dims
 from .._errors import FSDPOrderError, FSDPTypeError, FSDPValueError
 from ._state import get_state
 from ._state import ModuleState
@@ -92,44 +92,23 @@ def fully_shard(
                            ignored_params=ignored_params, dp_mesh_dims=dp_mesh_dims, comm_policy=comm_policy)
     found = _collect_params(modules, args.ignored_params)
     _check_order(found)
-    dims = check_group(found, args)
+    placed = check_group(found, args)
 
-    mesh, reshard_after_forward = args.mesh, args.reshard_after_forward
-    mp_policy, offload_policy = args.mp_policy, args.offload_policy
-    dp = DataParallelMesh.of(mesh, args.spmd)
-    subgroup = None
-    if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
-        subgroup = SubGroup(dp, reshard_after_forward)
-    offload = isinstance(offload_policy, CPUOffloadPolicy)
-    device = _compute_device(mesh)
-    params: list[ShardedParam] = []
+    device = _compute_device(args.mesh)
     state: ModuleState | None = None
     marked: list[nn.Module] = []
     registered: list[Callable[[], None]] = []
+    taken: list[int] = []  # the parameters replaced so far (by index in ``found``), to restore
     try:
-        for (param, locations, fqn), dim in zip(found, dims):
-            params.append(ShardedParam(
-                param, locations, fqn, dp, dim, mp_policy.param_dtype, mp_policy.reduce_dtype,
-                offload_to_cpu=offload, pin_memory=offload and offload_policy.pin_memory,
-                device=device,
-            ))
-        group = None
-        if params:
-            group = ParamGroup(params, dp, device, subgroup)
-            group.policy.reshard_after_forward = reshard_after_forward
-            group.policy.mp_policy = mp_policy
-            comm = args.comm_policy
-            if comm is not None and (comm.weight_block or comm.grad_block or comm.replicate_grad_block):
-                group.policy.weight_block = args.comm_policy.weight_block
-                group.policy.grad_block = args.comm_policy.grad_block
-                group.policy.replicate_grad_block = args.comm_policy.replicate_grad_block
-                group.policy.grad_bits = args.comm_policy.grad_bits or 8
-                group.policy.weight_bits = args.comm_policy.weight_bits or 8
-                group.policy.error_feedback = args.comm_policy.error_feedback
-                group.refresh_transports()  # the reduce transport quantizes the gradients
+        groups = []
+        for index, group_mesh in enumerate(placed.meshes):
+            members = [i for i, g in enumerate(placed.groups) if g == index]
+            taken += members
+            groups.append(_make_group([found[i] for i in members], [placed.dims[i] for i in members], args,
+                                      args.mesh if group_mesh is None else group_mesh, device))
         if device.type != "cpu":
             _move_buffers(modules, device)
-        state = ModuleState(tuple(modules), group, mp_policy)
+        state = ModuleState(tuple(modules), groups, args.mp_policy)
         state.shared_with_other_groups = shared_with_other_groups(found)
         marked = _mark_managed(_managed_modules(modules, ignored_params))
         # Seen by torch's composable APIs: replicate() then leaves these modules' parameters alone.
@@ -141,7 +120,8 @@ def fully_shard(
         _unmark_managed(marked)
         for undo in registered:
             undo()
-        for (param, locations, _), _dim in zip(found, dims):
+        for i in taken:
+            param, locations, _fqn = found[i]
             for owner, name in locations:
                 owner._parameters[name] = param
         if state is not None:
@@ -156,6 +136,34 @@ def fully_shard(
     for param, _locations, fqn in found:
         param.__dict__[_SHARDED_BY_ATTR] = f"fully_shard({owner}) as {fqn!r}"
     return module
+
+
+def _make_group(found: list[Found], dims: list[int], args: Arguments, mesh: DeviceMesh,
+                device: torch.device) -> ParamGroup:
+    """One parameter group: ``found``'s parameters sharded on ``dims`` over ``mesh``."""
+    mp_policy, offload_policy = args.mp_policy, args.offload_policy
+    reshard_after_forward = args.reshard_after_forward
+    dp = DataParallelMesh.of(mesh, args.spmd)
+    subgroup = None
+    if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
+        subgroup = SubGroup(dp, reshard_after_forward)
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    params = [ShardedParam(param, locations, fqn, dp, dim, mp_policy.param_dtype, mp_policy.reduce_dtype,
+                           offload_to_cpu=offload, pin_memory=offload and offload_policy.pin_memory, device=device)
+              for (param, locations, fqn), dim in zip(found, dims)]
+    group = ParamGroup(params, dp, device, subgroup)
+    group.policy.reshard_after_forward = reshard_after_forward
+    group.policy.mp_policy = mp_policy
+    comm = args.comm_policy
+    if comm is not None and (comm.weight_block or comm.grad_block or comm.replicate_grad_block):
+        group.policy.weight_block = comm.weight_block
+        group.policy.grad_block = comm.grad_block
+        group.policy.replicate_grad_block = comm.replicate_grad_block
+        group.policy.grad_bits = comm.grad_bits or 8
+        group.policy.weight_bits = comm.weight_bits or 8
+        group.policy.error_feedback = comm.error_feedback
+        group.refresh_transports()  # the reduce transport quantizes the gradients
+    return group
 
 
 # ---- markers for Dynamo and the ecosystem -----------------------------------------------
@@ -255,18 +263,48 @@ def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn
                      ignored_params or set(), comm_policy)
 
 
-def check_group(found: list[Found], args: Arguments) -> list[int]:
-    """Every check on the parameters one ``fully_shard`` call would take; their shard dims."""
-    dims = placement_dims(found, args.shard_placement_fn, args.mesh)
+def check_group(found: list[Found], args: Arguments) -> Placements:
+    """Every check on the parameters one ``fully_shard`` call would take; their shard dims and
+    meshes (one parameter group per mesh, ``_placement.py``)."""
+    placed = placement_dims(found, args.shard_placement_fn, args.mesh)
     _check_devices(found, args.mesh)
-    if args.spmd is None:
-        _check_tensor_parallel(found, args.mesh, args.reshard_after_forward)
-    else:
-        _check_spmd_params(found, args.spmd, args.reshard_after_forward)
-    _extension.check_params(found, dims, args.mesh.size(args.mesh.ndim - 1), args.reshard_after_forward)
+    if len(placed.meshes) > 1:
+        _check_several_meshes(found, placed, args)
+    for index, group_mesh in enumerate(placed.meshes):
+        mesh = args.mesh if group_mesh is None else group_mesh
+        members = [i for i, g in enumerate(placed.groups) if g == index]
+        part, dims = [found[i] for i in members], [placed.dims[i] for i in members]
+        if args.spmd is None:
+            _check_tensor_parallel(part, mesh, args.reshard_after_forward)
+        else:
+            _check_spmd_params(part, args.spmd, args.reshard_after_forward)
+        _extension.check_params(part, dims, mesh.size(mesh.ndim - 1), args.reshard_after_forward)
     if args.comm_policy is not None and args.comm_policy.weight_block:
         _check_quantizable(found)
-    return dims
+    return placed
+
+
+def _check_several_meshes(found: list[Found], placed: Placements, args: Arguments) -> None:
+    """Parameters on several meshes in one call (one group each): what fsdp2 does not combine yet."""
+    other = next(m for m in placed.meshes if m is not None)
+    fqn = found[placed.groups.index(placed.meshes.index(other))][2]
+    for mesh in placed.meshes:
+        if mesh is not None:
+            _resolve_mesh(mesh)
+    refused = None
+    if args.spmd is not None:
+        refused = "dp_mesh_dims"
+    elif not isinstance(args.reshard_after_forward, (bool, type(None))):
+        refused = f"reshard_after_forward={args.reshard_after_forward} (int)"
+    elif args.comm_policy is not None:
+        refused = "comm_policy"
+    if refused is not None:
+        raise FSDPValueError(
+            f"fully_shard: shard_placement_fn puts {fqn!r} on {other}, another mesh than this call's, and fsdp2 "
+            f"does not combine parameter groups on several meshes with {refused} yet; shard the module that holds "
+            "those parameters in a fully_shard call of its own first (e.g. fully_shard(block.moe.experts, "
+            "mesh=edp_mesh, shard_placement_fn=lambda p: Shard(1)), then fully_shard(block, mesh=dp_mesh))"
+        )
 
 
 def check_modules(module: Any) -> list[nn.Module]:
@@ -498,8 +536,8 @@ def _collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> lis
             return  # torch's replicate() (DDP) owns these parameters, as torch's fully_shard leaves them
         state = get_state(module)
         if state is not None and not top:
-            if state.group is not None:
-                for p in state.group.params:
+            for group in state.groups:
+                for p in group.params:
                     claimed[id(p.sharded)] = prefix or type(module).__name__
             return
         for name, param in module._parameters.items():

@@ -35,11 +35,11 @@ class UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        group = self._state.group if self._state is not None else None
         # Only a gather still in flight: once a forward has used (and maybe freed) the
         # parameters, waiting must not gather them again (torch's handle is a no-op then too).
-        if group is not None and group.state is ShardState.GATHERING:
-            group.wait_for_unshard()
+        for group in self._state.groups if self._state is not None else ():
+            if group.state is ShardState.GATHERING:
+                group.wait_for_unshard()
         self._state = None
 
 
@@ -89,9 +89,9 @@ class FSDPModule:
         state = self._fsdp_state()
         # No lazy init here: this module may be a sub-module called before the root's first
         # forward, and must not become a root itself.
-        if state.group is not None:  # async: the caller's code runs before the wait (send_aliases_shards)
-            state.group.prepare()
-            state.group.unshard(async_op=True, explicit=async_op)
+        for group in state.groups:  # async: the caller's code runs before the wait (send_aliases_shards)
+            group.prepare()
+            group.unshard(async_op=True, explicit=async_op)
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -100,9 +100,8 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters; the module holds shards again (not recursive)."""
-        state = self._fsdp_state()
-        if state.group is not None:
-            state.group.reshard()
+        for group in self._fsdp_state().groups:
+            group.reshard()
 
     # ---- policies -----------------------------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -113,8 +112,8 @@ class FSDPModule:
         """
         _check_bool("requires_gradient_sync", requires_gradient_sync)
         for state in self._states_below(recurse):
-            if state.group is not None:
-                state.group.policy.requires_gradient_sync = requires_gradient_sync
+            for group in state.groups:
+                group.policy.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: skip (False) or do (True) the all-reduce across replicas after reduce-scatter.
@@ -125,8 +124,8 @@ class FSDPModule:
         """
         _check_bool("requires_all_reduce", requires_all_reduce)
         for state in self._states_below(recurse):
-            if state.group is not None:
-                state.group.policy.requires_all_reduce = requires_all_reduce
+            for group in state.groups:
+                group.policy.requires_all_reduce = requires_all_reduce
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """If False, the end of backward does not wait for the last reduce-scatters."""
@@ -139,16 +138,16 @@ class FSDPModule:
         """Free parameters after forward (True) or keep them for backward (False)."""
         _check_bool("reshard_after_forward", reshard_after_forward)
         for state in self._states_below(recurse):
-            if state.group is not None:
-                state.group.policy.reshard_after_forward = reshard_after_forward
-                state.auto_reshard_after_forward = False
+            for group in state.groups:
+                group.policy.reshard_after_forward = reshard_after_forward
+            state.auto_reshard_after_forward = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Free parameters after backward (True, default) or keep them (e.g. between microbatches)."""
         _check_bool("reshard_after_backward", reshard_after_backward)
         for state in self._states_below(recurse):
-            if state.group is not None:
-                state.group.policy.reshard_after_backward = reshard_after_backward
+            for group in state.groups:
+                group.policy.reshard_after_backward = reshard_after_backward
 
     def set_early_release(self, enabled: bool) -> None:
         """Free this module's parameters a part at a time before the end of backward (opt-in).
@@ -176,8 +175,7 @@ class FSDPModule:
         effect on a module that holds no other sharded module.
         """
         _check_bool("enabled", enabled)
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._fsdp_state().groups:
             group.set_early_release(enabled)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
@@ -195,8 +193,8 @@ class FSDPModule:
         """
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         for state in self._states_below(recurse):
-            if state.group is not None:
-                state.group.policy.reduce_unused = reduce_scatter_unused_params
+            for group in state.groups:
+                group.policy.reduce_unused = reduce_scatter_unused_params
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward gathers this module's parameters again (True, default).
@@ -207,8 +205,7 @@ class FSDPModule:
         A backward that does need the values then fails (their storage is freed).
         """
         _check_bool("unshard_in_backward", unshard_in_backward)
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._fsdp_state().groups:
             group.policy.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -261,8 +258,8 @@ class FSDPModule:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
         for state in self._states_below(recurse=True):
-            if state.group is not None:
-                state.group.policy.divide_factor = float(factor)
+            for group in state.groups:
+                group.policy.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated (as in torch): use :meth:`set_gradient_divide_factor`."""
@@ -278,8 +275,7 @@ class FSDPModule:
         use ``AVG`` for fp32 and bf16 gradients unless this is on.
         """
         _check_bool("enable", enable)
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._fsdp_state().groups:
             group.policy.force_sum = enable
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
@@ -294,7 +290,7 @@ class FSDPModule:
         """
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
-        group = self._fsdp_state().group
+        group = _one_group(self, "set_all_reduce_hook", "the hook")
         if stream is not None:
             if group is not None and group.dp.replicate_group is not None:
                 raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (a 2-D mesh); "
@@ -343,7 +339,7 @@ class FSDPModule:
 
     def _set_custom_comm(self, kind: str, comm: Any) -> None:
         _comm.check_comm(f"set_custom_{kind}", comm)
-        group = self._fsdp_state().group
+        group = _one_group(self, f"set_custom_{kind}", "the custom comm")
         if group is not None and kind == "reduce_scatter" and group.policy.grad_block:
             raise ValueError(
                 f"fsdp2: set_custom_reduce_scatter: {group.label} reduces its gradients quantized "
@@ -362,12 +358,12 @@ class FSDPModule:
         gloo has none, so on CPU nothing changes. Not with custom comms (``ValueError``).
         """
         _check_bool("enable", enable)
-        group = self._fsdp_state().group
-        if group is None:
-            return
-        _no_custom_comms("set_allocate_memory_from_process_group_for_comm", group)
-        group.policy.allocate_from_process_group = enable
-        group.refresh_transports()
+        groups = self._fsdp_state().groups
+        for group in groups:
+            _no_custom_comms("set_allocate_memory_from_process_group_for_comm", group)
+        for group in groups:
+            group.policy.allocate_from_process_group = enable
+            group.refresh_transports()
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Not supported: fsdp2 does not allocate from symmetric memory.
@@ -376,7 +372,8 @@ class FSDPModule:
         to get it: :meth:`set_custom_all_gather` with a comm whose ``allocate`` uses the
         symmetric-memory pool.
         """
-        group = self._fsdp_state().group
+        groups = self._fsdp_state().groups
+        group = groups[0] if groups else None
         if group is None or group.device.type != "cuda":
             device = group.device.type if group is not None else "no parameters"
             raise ValueError(f"set_symm_mem_for_comm: symmetric memory needs CUDA with NCCL; this module has "
@@ -402,8 +399,8 @@ class FSDPModule:
             raise ValueError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be >= 1, got "
                              f"{max_input_buffers}")
         for state in self._states_below(recurse):
-            if state.group is not None:
-                state.group.policy.max_reduce_buffers = max_input_buffers
+            for group in state.groups:
+                group.policy.max_reduce_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter on a process group of its own (True), or on the all-gather's (False).
@@ -415,9 +412,8 @@ class FSDPModule:
         """
         _check_bool("enable", enable)
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for state in self._states_below(recurse):
-            group = state.group
-            if group is None or group.world == 1:
+        for group in (g for state in self._states_below(recurse) for g in state.groups):
+            if group.world == 1:
                 continue
             if not enable:
                 group.set_reduce_group(None)
@@ -441,8 +437,8 @@ class FSDPModule:
         """
         _check_bool("enabled", enabled)
         for state in self._states_below(recurse):
-            if state.group is not None:
-                state.group.policy.check_finite = enabled
+            for group in state.groups:
+                group.policy.check_finite = enabled
 
     def reset_iter_state(self) -> None:
         """Recover after an exception inside forward or backward.
@@ -459,14 +455,26 @@ class FSDPModule:
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Shards must be registered while torch converts them; afterwards the
         # padded storage is rebuilt from whatever the conversion produced.
-        state = self._fsdp_state()
-        if state.group is not None:
-            state.group.reshard()
+        groups = self._fsdp_state().groups
+        for group in groups:
+            group.reshard()
         out = super()._apply(*args, **kwargs)
-        if state.group is not None:
-            state.group.adopt_registered(False, "after a module conversion: to_empty(), to(), float(), ...")
-            state.group.find_extensions()  # the local tensors are new objects
+        for group in groups:
+            group.adopt_registered(False, "after a module conversion: to_empty(), to(), float(), ...")
+            group.find_extensions()  # the local tensors are new objects
         return out
+
+
+def _one_group(module: FSDPModule, method: str, what: str) -> Any:
+    """The module's parameter group, for the setters that take one (as torch's, which refuse several)."""
+    state = module._fsdp_state()
+    if len(state.groups) > 1:
+        raise FSDPValueError(
+            f"{method}: {state.label()} has {len(state.groups)} parameter groups, one per mesh (shard_placement_fn "
+            f"put its parameters on several meshes), and {what} would be ambiguous across them, as in torch; "
+            "shard the parameters of each mesh in a fully_shard call of their own to set it per mesh"
+        )
+    return state.group
 
 
 def _check_bool(name: str, value: object) -> None:

@@ -32,6 +32,7 @@ from .. import _compat
 from .._errors import FSDPValueError
 
 if TYPE_CHECKING:
+    from ._group import ParamGroup
     from ._state import ModuleState
 
 __all__ = ["state", "check_stage"]
@@ -42,13 +43,13 @@ logger = logging.getLogger(__name__)
 class _GroupView:
     """One group as pipelining sees torch's parameter group: ``post_backward()`` finishes its backward."""
 
-    def __init__(self, module_state: ModuleState) -> None:
-        self._state = module_state
+    def __init__(self, group: ParamGroup) -> None:
+        self._group = group
 
     def post_backward(self) -> None:
         """Reduce-scatter the gradients accumulated over the step's microbatches (when syncing) and
         reshard (when resharding after backward), as the group's own post-backward would."""
-        group = self._state.group
+        group = self._group
         if group.post_backward_done:  # as torch's, safe to call twice in one backward
             return
         group.post_backward()
@@ -59,7 +60,7 @@ class _StateView:
 
     def __init__(self, module_state: ModuleState) -> None:
         self._state = module_state
-        groups = [_GroupView(module_state)] if module_state.group is not None else []
+        groups = [_GroupView(group) for group in module_state.groups]  # one per mesh, in torch's order
         self._fsdp_param_groups = groups  # torch 2.13 on: a list per module
         self._fsdp_param_group = groups[0] if groups else None  # torch 2.11: one or None
 

@@ -69,6 +69,7 @@ class RootContext:
         # backward reduces their gradients as they become final and frees parts of them
         # (EarlyRelease.backward_reached).
         self.early: list[EarlyRelease] = []
+        self.state_of: dict[ParamGroup, ModuleState] = {}  # each group's module state (several groups: one state)
         self.iteration = -1  # root forwards started, from 0 (all-gather headers, error messages)
         self.interrupted = False  # an exception left this iteration half-done (see _recover_if_interrupted)
         self.diag: _checks.Diagnostics | None = None
@@ -88,16 +89,19 @@ class RootContext:
 
 
 class ModuleState:
-    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup | None,
+    def __init__(self, modules: tuple[nn.Module, ...], groups: list[ParamGroup],
                  mp_policy: MixedPrecisionPolicy) -> None:
         self.modules = modules
-        self.group = group
+        # One group per data-parallel mesh (shard_placement_fn's ShardPlacementResult, see
+        # _placement.py), in torch's order; usually one. Forward runs them in this order,
+        # backward and the end of backward in reverse, as torch's FSDP2 does.
+        self.groups = list(groups)
         self.mp_policy = mp_policy
         self.is_root: bool | None = None  # decided at lazy init
         # reshard_after_forward=None: decided at lazy init (root keeps its parameters).
-        self.auto_reshard_after_forward = group is not None and group.policy.reshard_after_forward is None
+        self.auto_reshard_after_forward = bool(groups) and groups[0].policy.reshard_after_forward is None
         self.ctx: RootContext | None = None
-        if group is not None:
+        for group in self.groups:
             group.several_modules = len(modules) > 1
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[ModuleState] = []
@@ -118,7 +122,7 @@ class ModuleState:
         self._standalone_pre_backward_hook = _compat.run_eagerly(
             lambda grad: self._pre_backward(grad, standalone=True))
         self._end_of_backward_callback = _compat.run_eagerly(self._end_of_backward)
-        self._inputs_grad_ready = None if group is None else _compat.run_eagerly(group.inputs_grad_ready)
+        self._inputs_grad_ready = _compat.run_eagerly(self._each_inputs_grad_ready) if groups else None
         pre_hook = _compat.run_eagerly(self._pre_forward_hook)
         for module in modules:
             module.__dict__[STATE_ATTR] = self
@@ -126,6 +130,20 @@ class ModuleState:
             self._handles.append(module.register_forward_hook(
                 _compat.run_eagerly(self._make_post_forward_hook(module)), prepend=False, always_call=True))
         self._handles.extend(register_state_dict_hooks(self))
+
+    @property
+    def group(self) -> ParamGroup | None:
+        """The module's one parameter group (None if it has no parameters); ``groups`` where
+        its parameters are on several meshes."""
+        if len(self.groups) > 1:
+            raise RuntimeError(f"fsdp2: {self.label()} has {len(self.groups)} parameter groups (one per mesh); "
+                               "iterate over state.groups")
+        return self.groups[0] if self.groups else None
+
+    def _each_inputs_grad_ready(self, token: Any) -> None:
+        for group in reversed(self.groups):  # backward's order
+            if len(self.groups) == 1 or token in group.inputs_pending:  # (those whose reduction waited for it)
+                group.inputs_grad_ready(token)
 
     def remove(self) -> None:
         """Undo the hooks and attributes (used when fully_shard fails half-way)."""
@@ -171,9 +189,11 @@ class ModuleState:
         for state in states:
             state.is_root = state is self
             state.ctx = ctx
-            if state.group is not None:
-                group = state.group
-                group.label = ",".join(names.get(m, "?") or "root" for m in state.modules)
+            label = ",".join(names.get(m, "?") or "root" for m in state.modules)
+            for group in state.groups:
+                ctx.state_of[group] = state
+                # Several groups: each named by its mesh too (the ranks' checks and traces tell them apart).
+                group.label = label if len(state.groups) == 1 else f"{label}[{_mesh_name(group)}]"
                 group.reduce_queue = ctx.reduce_queue
                 group.root = ctx
                 if state.auto_reshard_after_forward:
@@ -183,7 +203,7 @@ class ModuleState:
                         group.early = EarlyRelease(group)
                     ctx.early.append(group.early)
         ctx.diag = _checks.Diagnostics(states, names)
-        groups = [state.group for state in states if state.group is not None]
+        groups = [group for state in states for group in state.groups]
         try:
             for group in groups:
                 group.take_assigned()
@@ -198,7 +218,7 @@ class ModuleState:
         logger.debug("fsdp2: lazy init with root %s and %d groups", type(root_module).__name__, len(states))
 
     def label(self) -> str:
-        return self.group.label if self.group is not None else type(self.modules[0]).__name__
+        return self.groups[0].label.split("[")[0] if self.groups else type(self.modules[0]).__name__
 
     # ---- forward ------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -233,12 +253,12 @@ class ModuleState:
         recompute = _compat.in_backward()  # a forward re-run by backward (activation checkpointing)
         with _compat.outside_functorch():  # torch.func.jvp: gather plain tensors, not the transform's
             self._unshard_for_forward(recompute)
-        group = self.group
-        if group is not None and not recompute and torch.is_grad_enabled():
-            if group.waits_for_inputs:
+        if self.groups and not recompute and torch.is_grad_enabled():
+            for group in self.groups:
+                if not group.waits_for_inputs:  # should a parameter be frozen before backward, only the end
+                    group.unhooked_forward = True  # of backward is safe
+            if any(group.waits_for_inputs for group in self.groups):
                 args, kwargs = self._hook_inputs_grad_ready(args, kwargs)
-            else:  # should a parameter be frozen before backward, only the end of backward is safe
-                group.unhooked_forward = True
         policy = self.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
@@ -256,26 +276,29 @@ class ModuleState:
             if ctx.forward_order:
                 ctx.last_forward_order = list(ctx.forward_order)
             ctx.forward_order.clear()
-        group = self.group
-        if group is not None:
-            if recompute:
+        if not self.groups:
+            return
+        if recompute:
+            for group in self.groups:
                 group.wait_for_unshard()
-            else:
-                # The next modules of a group of several prefetch nothing: the first one did.
-                first_in_pass = self.training_state is not TrainingState.FORWARD
-                self.training_state = TrainingState.FORWARD
-                ctx.prefetched.discard(group)  # in use from now on
-                if group.early is not None:
-                    group.early.before_forward()
-                group.unshard(async_op=True)
-                if first_in_pass:  # in flight while this group computes
-                    ctx.prefetch(self._forward_prefetch_targets())
-                if not group.wait_for_unshard():  # (which follows them when it gathers)
-                    group.refresh_requires_grad()  # frozen or unfrozen since the last forward
-                if group.early is not None and torch.is_grad_enabled():
-                    group.early.forward_started()
-                if group not in ctx.forward_order:
-                    ctx.forward_order.append(group)
+            return
+        # The next modules of a group of several prefetch nothing: the first one did.
+        first_in_pass = self.training_state is not TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
+        for group in self.groups:  # every mesh's all-gather in flight before the first wait
+            ctx.prefetched.discard(group)  # in use from now on
+            if group.early is not None:
+                group.early.before_forward()
+            group.unshard(async_op=True)
+        if first_in_pass:  # in flight while this group computes
+            ctx.prefetch(self._forward_prefetch_targets())
+        for group in self.groups:
+            if not group.wait_for_unshard():  # (which follows them when it gathers)
+                group.refresh_requires_grad()  # frozen or unfrozen since the last forward
+            if group.early is not None and torch.is_grad_enabled():
+                group.early.forward_started()
+            if group not in ctx.forward_order:
+                ctx.forward_order.append(group)
 
     def _make_post_forward_hook(self, module: nn.Module):
         def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
@@ -322,9 +345,9 @@ class ModuleState:
         """
         if _compat.in_backward():  # recomputation: the backward fails too, and is reset
             return
-        group = self.group
-        if group is not None and group.state is not ShardState.GATHERING:
-            group.reshard()
+        for group in self.groups:
+            if group.state is not ShardState.GATHERING:
+                group.reshard()
         self.training_state = TrainingState.IDLE
         if self.is_root:
             self.ctx.in_forward = False
@@ -341,15 +364,15 @@ class ModuleState:
         finishes only the groups it reached (``RootContext.local_backward``).
         """
         recompute = _compat.in_backward()
-        group = self.group
-        if group is not None and not recompute:
+        if self.groups and not recompute:
             grad_outputs = [t for t in iter_tensors(output) if t.requires_grad]
             backward_follows = torch.is_grad_enabled() and bool(grad_outputs)
             with _compat.outside_functorch():
-                if not (standalone_part and backward_follows):
-                    self._reshard_after_forward(group, backward_follows)
-                if backward_follows and group.early is not None:
-                    group.early.forward_done()
+                for group in self.groups:
+                    if not (standalone_part and backward_follows):
+                        self._reshard_after_forward(group, backward_follows)
+                    if backward_follows and group.early is not None:
+                        group.early.forward_done()
             if backward_follows:
                 hook = self._standalone_pre_backward_hook if standalone_part else self._pre_backward_hook
                 if len(grad_outputs) == 1:  # the first gradient is its only one: a tensor hook is the same, cheaper
@@ -363,8 +386,9 @@ class ModuleState:
             self.ctx.in_forward = False
             with _compat.outside_functorch():
                 for state in self.ctx.states:  # a prefetch this forward never used: free it
-                    if state.group is not None and state.group.state is ShardState.GATHERING:
-                        state.group.reshard()
+                    for group in state.groups:
+                        if group.state is ShardState.GATHERING:
+                            group.reshard()
             output = self._complete_partial_passes(output)
         return self._cast_output(output)
 
@@ -402,11 +426,14 @@ class ModuleState:
     def _hook_inputs_grad_ready(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Route the inputs that require grad through ``_InputsGradReady`` (see there)."""
         tensors = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
+        waiting = [group for group in self.groups if group.waits_for_inputs]
         if not tensors:  # e.g. token ids: the end of backward reduces this group
-            self.group.unhooked_forward = True
+            for group in waiting:
+                group.unhooked_forward = True
             return args, kwargs
         token = _Pending()
-        self.group.inputs_pending.add(token)
+        for group in waiting:  # (the others ignore it: inputs_grad_ready finds it in none of theirs)
+            group.inputs_pending.add(token)
         aliases = dict(zip(map(id, tensors), _InputsGradReady.apply(self._inputs_grad_ready, token, *tensors)))
         return map_tensors(lambda t: aliases.get(id(t), t), (args, kwargs))
 
@@ -421,48 +448,56 @@ class ModuleState:
         elif not standalone:  # this backward reaches a forward of the root's: finish them all
             ctx.local_backward = False
         self.training_state = TrainingState.BACKWARD
-        group = self.group
-        ctx.prefetched.discard(group)
-        group.pre_backward()  # first: its wait checks that the ranks run the same schedule
+        for group in self.groups:
+            ctx.prefetched.discard(group)
+            group.pre_backward()  # first: its wait checks that the ranks run the same schedule
         if standalone:  # the backward of a standalone call: nothing before it to prefetch or free
             return
         for early in ctx.early:  # backward moved on: what is final there is reduced (and freed)
-            if early.group is not group:
+            if early.group not in self.groups:
                 early.backward_reached()
         ctx.prefetch(self._backward_prefetch_targets())
 
     def _forward_prefetch_targets(self) -> list[ParamGroup]:
-        """Explicit targets, else the group that ran after this one last iteration.
+        """Explicit targets, else the module that ran after this one last iteration (its groups).
 
         Not for a call outside the root's forward (a chunked loss's head): the order of the
         root's forward says nothing of what runs after it.
         """
         if self.forward_prefetch:
-            return [s.group for s in self.forward_prefetch if s.group is not None]
+            return [g for s in self.forward_prefetch for g in s.groups]
         order = self.ctx.last_forward_order
-        if self.implicit_prefetch and self.ctx.in_forward and self.group in order:
-            index = order.index(self.group)
+        if self.implicit_prefetch and self.ctx.in_forward and self.groups and self.groups[-1] in order:
+            index = order.index(self.groups[-1])
             if index + 1 < len(order):
-                return [order[index + 1]]
+                return self._groups_of_state_at(order, index + 1)
         return []
+
+    def _groups_of_state_at(self, order: list[ParamGroup], index: int) -> list[ParamGroup]:
+        """The groups of the module state that ``order[index]`` belongs to, in ``order``'s order."""
+        state = self.ctx.state_of.get(order[index])
+        return [g for g in order if self.ctx.state_of.get(g) is state]
 
     def _backward_prefetch_targets(self) -> list[ParamGroup]:
         return [g for g in self._backward_prefetch_candidates() if g.policy.unshard_in_backward]
 
     def _backward_prefetch_candidates(self) -> list[ParamGroup]:
+        """The module backward reaches next: its groups in backward's order (the last first)."""
         if self.backward_prefetch:  # an empty list means implicit, as in torch
-            return [s.group for s in self.backward_prefetch if s.group is not None]
-        if not self.implicit_prefetch:
+            return [g for s in self.backward_prefetch for g in reversed(s.groups)]
+        if not self.implicit_prefetch or not self.groups:
             return []
         order = self.ctx.forward_order
-        if self.is_root:  # backward leaves the root's own layers for the last group that ran
-            return [order[-1]] if order and order[-1] is not self.group else []
-        if self.group in order:
-            index = order.index(self.group)
+        if self.is_root:  # backward leaves the root's own layers for the last module that ran
+            if not order or order[-1] in self.groups:
+                return []
+            return list(reversed(self._groups_of_state_at(order, len(order) - 1)))
+        if self.groups[0] in order:
+            index = order.index(self.groups[0])
             # A group already reduced this backward (e.g. a root holding only the output head)
             # needs no parameters again: gathering it would be a wasted all-gather.
             if index > 0 and not order[index - 1].post_backward_done:
-                return [order[index - 1]]
+                return [g for g in reversed(self._groups_of_state_at(order, index - 1)) if not g.post_backward_done]
         return []
 
     def _end_of_backward(self) -> None:
@@ -472,10 +507,10 @@ class ModuleState:
         try:
             # Last-run groups first: the order backward reached them, the same on every rank.
             for state in reversed(ctx.states):
-                if local and (state.group is None or not state.group.backward_started):
+                if local and not any(group.backward_started for group in state.groups):
                     continue  # waits for the backward of the root's forward
-                if state.group is not None:
-                    state.group.end_backward(forwards_done=not local)
+                for group in reversed(state.groups):  # backward's order, as torch's
+                    group.end_backward(forwards_done=not local)
                 state.training_state = TrainingState.IDLE
                 state._modules_to_run.clear()  # e.g. a forward recomputed for part of a group
             if ctx.is_last_backward:
@@ -525,10 +560,16 @@ class ModuleState:
             if self.ctx.diag is not None:
                 self.ctx.diag.nonfinite.clear()
         for state in states:
-            if state.group is not None:
-                state.group.reset()
+            for group in state.groups:
+                group.reset()
             state.training_state = TrainingState.IDLE
             state._modules_to_run.clear()
+
+
+def _mesh_name(group: ParamGroup) -> str:
+    """A group's mesh in labels: its axis names, or its size."""
+    names = group.dp.mesh.mesh_dim_names
+    return ",".join(names) if names else f"{group.world} ranks"
 
 
 class _InputsGradReady(torch.autograd.Function):

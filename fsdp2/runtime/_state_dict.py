@@ -71,10 +71,10 @@ def shard_full_tensor(param: ShardedParam, full: torch.Tensor) -> DTensor:
 
 def _param_keys(state: ModuleState, module: nn.Module, prefix: str) -> Iterator[tuple[str, ShardedParam]]:
     """Every state-dict key, under ``module`` at ``prefix``, that names one of the group's parameters."""
-    if state.group is None:
+    if not state.groups:
         return
     names = _relative_prefixes(module, state)
-    for param in state.group.params:
+    for param in (p for group in state.groups for p in group.params):
         for owner, name in param.locations:
             for rel in names.get(id(owner), ()):
                 yield f"{prefix}{rel}{name}", param
@@ -95,8 +95,7 @@ def _relative_prefixes(root: nn.Module, state: ModuleState) -> dict[int, list[st
 
 
 def _sharded_on_save(state: ModuleState, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
-    group = state.group
-    if group is None:
+    if not state.groups:
         return
     # Even when the modules hold the shards and nn.Module saved them, its detach() may have
     # put the value on an equal, older mesh (``_compat.keep_spec``): always write it here.
@@ -111,10 +110,9 @@ def _shard_on_load(state: ModuleState, module: nn.Module, state_dict: dict[str, 
                    local_metadata: dict[str, Any]) -> None:
     if local_metadata.get("assign_to_params_buffers"):
         _check_assigned(module, state_dict, prefix)
-    if state.group is None:
-        return
     # Loading overwrites the shards; full parameters gathered before would be stale.
-    state.group.reshard()
+    for group in state.groups:
+        group.reshard()
     for key, param in _param_keys(state, module, prefix):
         value = state_dict.get(key)
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
@@ -127,7 +125,7 @@ def _check_assigned(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
     under ``module`` is laid out as that parameter (full plain tensors are cut down instead)."""
     for name, sub in module.named_modules(remove_duplicate=False):
         state = sub.__dict__.get(STATE_ATTR)  # (runtime/_state.get_state: that module imports this one)
-        if state is None or state.group is None or sub not in state.modules:
+        if state is None or not state.groups or sub not in state.modules:
             continue
         for key, param in _param_keys(state, sub, f"{prefix}{name}." if name else prefix):
             value = state_dict.get(key)
@@ -137,5 +135,5 @@ def _check_assigned(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
 
 def _adopt_assigned(state: ModuleState) -> None:
     """After loading: parameters ``assign=True`` replaced become the group's sharded ones."""
-    if state.group is not None:
-        state.group.adopt_registered(True, "after load_state_dict(assign=True)")
+    for group in state.groups:
+        group.adopt_registered(True, "after load_state_dict(assign=True)")

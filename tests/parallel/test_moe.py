@@ -4,17 +4,21 @@ Dense parts (embedding, mixing layers, router, shared expert, head) are sharded 
 data-parallel mesh; the experts (``tests/_moe.py``: one ``(experts, dim, hidden)`` parameter,
 ``Shard(0)`` on the ``ep`` axis, tokens dispatched by ``all_to_all_single``) in a ``fully_shard``
 call of their own on the ``efsdp`` mesh, on dim 0, or on dim 1 when there are fewer experts
-than ``efsdp x ep`` shards (torchtitan's rule). The meshes come from torchtitan's own
-``ParallelDims`` (``DeviceMesh._unflatten`` of a 1-D world mesh) or from ``init_device_mesh``
-(the dense mesh ``_flatten``-ed from the sparse one). fsdp2 and torch's ``fully_shard`` train
-the same model side by side, with torchtitan's gradient scaling (divide factor 1, the loss
-scaled): losses, gradients, layouts and parameters must be equal (``torch.equal``); fsdp2's
-must match an unsharded model trained on every rank's batch.
+than ``efsdp x ep`` shards (torchtitan's rule); or, as torchtitan 0.3's ``apply_fsdp`` does, in
+the block's one call, by a ``shard_placement_fn`` returning torch's ``ShardPlacementResult``
+(one parameter group per mesh; also through torchtitan's own function under ``patch_torch()``).
+The meshes come from torchtitan's own ``ParallelDims`` (``DeviceMesh._unflatten`` of a 1-D world
+mesh) or from ``init_device_mesh`` (the dense mesh ``_flatten``-ed from the sparse one). fsdp2
+and torch's ``fully_shard`` train the same model side by side, with torchtitan's gradient
+scaling (divide factor 1, the loss scaled): losses, gradients, layouts and parameters must be
+equal (``torch.equal``); fsdp2's must match an unsharded model trained on every rank's batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import importlib
 import importlib.util
 
@@ -29,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp2
 from tests._dist import run_on_ranks
-from tests._moe import MoEModel, batch, expert_parallel, loss_of
+from tests._moe import MoEModel, batch, expert_parallel, loss_of, torchtitan_names
 
 # torchtitan (the integration extra) builds the meshes where installed; init_device_mesh always.
 HAS_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
@@ -72,6 +76,44 @@ def _shard(model: MoEModel, fully_shard, dense: DeviceMesh, efsdp: DeviceMesh | 
         fully_shard(experts, mesh=efsdp if ep is not None else dense, shard_placement_fn=lambda _p, s=placement: s)
         fully_shard(block, mesh=dense)
     fully_shard(model, mesh=dense)
+    _sum_gradients(model)
+
+
+def _shard_one_call(model: MoEModel, fully_shard, dense: DeviceMesh, efsdp: DeviceMesh, ep: DeviceMesh) -> None:
+    """torchtitan 0.3.0's MoE apply_fsdp with EP: each block in one fully_shard call, its
+    experts on the efsdp mesh and the rest on the dense one by ShardPlacementResult (one
+    parameter group per mesh)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    dense_info, experts_info = _get_mesh_info(dense), _get_mesh_info(efsdp)
+    def placement_fn(p: nn.Parameter, experts: set, placement: Shard) -> ShardPlacementResult:
+        if p in experts:
+            return ShardPlacementResult(placement=placement, mesh_info=experts_info)
+        return ShardPlacementResult(placement=Shard(0), mesh_info=dense_info)
+
+    for block in model.layers:
+        experts = block.moe.experts
+        shards = efsdp.size(efsdp.ndim - 1) * ep.size()
+        placement = Shard(1) if shards > experts.num_experts else Shard(0)
+        fully_shard(block, mesh=dense, shard_placement_fn=functools.partial(
+            placement_fn, experts=set(experts.parameters()), placement=placement))
+    fully_shard(model, mesh=dense)
+    _sum_gradients(model)
+
+
+def _shard_with_torchtitan(model: MoEModel, fully_shard, dense: DeviceMesh, efsdp: DeviceMesh,
+                           ep: DeviceMesh) -> None:
+    """torchtitan's own apply_fsdp_to_decoder (EP: one call per block, a mesh per parameter, and
+    its explicit prefetches); fsdp2 through patch_torch()."""
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    torchtitan_names(model)
+    with fsdp2.patch_torch() if fully_shard is fsdp2.fully_shard else contextlib.nullcontext():
+        apply_fsdp_to_decoder(model, dense, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False,
+                              ep_degree=ep.size(), edp_mesh=efsdp)  # (it sets the divide factor 1 itself)
+    _sum_gradients(model)
+
+
+def _sum_gradients(model: MoEModel) -> None:
     # torchtitan's disable_fsdp_gradient_division: gradients are summed, the loss scaled instead
     # (the experts' sum runs over efsdp x ep tokens, the dense one over every rank's).
     for module in model.modules():
@@ -84,7 +126,8 @@ def _layout(p: DTensor) -> tuple:
     return p.device_mesh.mesh_dim_names, tuple(p.placements), tuple(p.to_local().shape)
 
 
-def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3) -> dict:
+def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3, shard=_shard) -> dict:
+    from torch.distributed.tensor.debug import CommDebugMode
     torch.manual_seed(0)
     base = MoEModel(num_experts)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -94,15 +137,20 @@ def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3) -> dic
         model = copy.deepcopy(base)
         if ep_mesh is not None:
             expert_parallel(model, ep_mesh)
-        _shard(model, fully_shard, dense, efsdp, ep_mesh)
+        shard(model, fully_shard, dense, efsdp, ep_mesh)
         models.append(model)
     reference = copy.deepcopy(base)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (*models, reference)]
     losses, reference_losses, grads_equal, grad_vs_reference = [], [], True, 0.0
+    counts: list[list[dict]] = [[], []]  # per model, per step: the collectives CommDebugMode saw
     for step in range(steps):
-        step_losses = [loss_of(m, *batch(rank, step)) / world for m in models]  # summed over ranks: the mean
-        for loss in step_losses:
-            loss.backward()
+        step_losses = []
+        for m, seen in zip(models, counts):
+            with CommDebugMode() as mode:
+                loss = loss_of(m, *batch(rank, step)) / world  # summed over ranks: the mean
+                loss.backward()
+            step_losses.append(loss)
+            seen.append({str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items() if n})
         per_rank = [loss_of(reference, *batch(r, step)) / world for r in range(world)]
         sum(per_rank).backward()
         grads = [[p.grad.full_tensor() for p in m.parameters()] for m in models]
@@ -126,13 +174,19 @@ def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3) -> dic
         "param_vs_reference": max((p.full_tensor() - r).abs().max().item()
                                   for (_n, p), r in zip(named[0].items(), reference.parameters())),
         "experts": _layout(w1),
-        "grouped": isinstance(models[0].layers[0].moe.experts, fsdp2.FSDPModule),
+        "grouped": isinstance(models[0].layers[0].moe.experts if shard is _shard else models[0].layers[0],
+                              fsdp2.FSDPModule),
+        "block_groups": len(fsdp2.fully_shard.state(models[0].layers[0])._fsdp_param_groups),
+        "counts": counts[0],
+        "counts_equal": counts[0] == counts[1],
     }
 
 
-def _check(results: list[dict], experts_layout: tuple) -> None:
+def _check(results: list[dict], experts_layout: tuple, block_groups: int = 1) -> None:
     for r in results:
+        assert r["block_groups"] == block_groups, r
         assert r["losses_equal"] and r["grads_equal"] and r["layouts_equal"] and r["params_equal"], r
+        assert r["counts_equal"], r["counts"]
         assert r["loss_vs_reference"] < 1e-6 and r["grad_vs_reference"] < 1e-6 and r["param_vs_reference"] < 1e-5, r
         assert r["grouped"]
         assert r["experts"][:2] == experts_layout, r["experts"]
@@ -169,7 +223,36 @@ def test_experts_on_efsdp_x_ep_match_torch_on_2_ranks(kind):
            (("efsdp", "ep"), (_StridedShard(0, split_factor=2), Shard(0))))
 
 
+@pytest.mark.skipif(not HAS_TORCHTITAN or not HAS_SHARD_PLACEMENT_RESULT, reason="needs torchtitan, torch 2.13")
+def test_torchtitans_apply_fsdp_with_ep_through_patch_torch_matches_torch():
+    results = run_on_ranks(_train_vs_torch, 4, "torchtitan", 4, 2, 2, _shard_with_torchtitan, timeout=300.0)
+    from torch.distributed.tensor.placement_types import _StridedShard
+    _check(results, (("efsdp", "ep"), (_StridedShard(0, split_factor=2), Shard(0))), block_groups=2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCHTITAN or not HAS_SHARD_PLACEMENT_RESULT, reason="needs torchtitan, torch 2.13")
+def test_hsdp_experts_on_their_mesh_in_one_call_match_torch():
+    # HSDP in one call: dense on (dp_replicate, fsdp), experts on (dp_replicate, efsdp) (efsdp 1).
+    from torch.distributed.tensor.placement_types import Replicate, _StridedShard
+    results = run_on_ranks(_train_vs_torch, 4, "torchtitan-hsdp", 2, 2, 2, _shard_one_call, timeout=300.0)
+    _check(results, (("dp_replicate", "efsdp", "ep"), (Replicate(), _StridedShard(0, split_factor=2), Shard(0))),
+           block_groups=2)
+
+
 # ---- shard_placement_fn returning torch's ShardPlacementResult -----------------------------
+@pytest.mark.skipif(not HAS_SHARD_PLACEMENT_RESULT, reason="torch 2.13's FSDP2 API")
+@pytest.mark.parametrize("num_experts", [4, 2])
+def test_experts_on_their_mesh_in_one_call_match_torch_on_4_ranks(num_experts):
+    # torchtitan 0.3.0's layout with EP 2: one fully_shard per block, two parameter groups in it
+    # (dense on fsdp, experts on efsdp); 4 experts on dim 0, 2 experts (fewer than the 4 shards) on dim 1.
+    from torch.distributed.tensor.placement_types import _StridedShard
+    efsdp = _StridedShard(0, split_factor=2) if num_experts == 4 else Shard(1)
+    kind = "torchtitan" if HAS_TORCHTITAN else "init_device_mesh"
+    results = run_on_ranks(_train_vs_torch, 4, kind, num_experts, 2, 2, _shard_one_call, timeout=300.0)
+    _check(results, (("efsdp", "ep"), (efsdp, Shard(0))), block_groups=2)
+
+
 def _placement_result_vs_torch(steps: int = 2) -> dict:
     """No EP (ep 1): torchtitan's path for experts fewer than the shards, written with
     ShardPlacementResult on the call's own mesh: experts Shard(1), the rest Shard(0)."""
@@ -214,22 +297,94 @@ def test_shard_placement_result_on_the_calls_mesh_matches_torch(world):
         assert r == {"losses_equal": True, "layouts_equal": True, "params_equal": True, "experts": (Shard(1),)}, r
 
 
+def _accumulate_and_round_trip(steps: int = 2) -> dict:
+    """Experts on their own mesh in one call (two groups per block), fsdp2 next to torch: two
+    microbatches a step, the first without gradient sync and without resharding after backward,
+    explicit prefetches; then the state dict, loaded into a fresh fsdp2 model."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    torch.manual_seed(0)
+    base = MoEModel(4)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dense, efsdp, ep = _meshes("init_device_mesh", 2)
+
+    def sharded(fully_shard, scale: float = 1.0) -> MoEModel:
+        model = copy.deepcopy(base)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+        expert_parallel(model, ep)
+        _shard_one_call(model, fully_shard, dense, efsdp, ep)
+        model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
+        model.layers[1].set_modules_to_backward_prefetch([model.layers[0]])
+        return model
+
+    models = [sharded(fsdp2.fully_shard), sharded(torch_fully_shard)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    counts: list[list[dict]] = [[], []]
+    for step in range(steps):
+        for model, opt, seen in zip(models, opts, counts):
+            for micro in range(2):  # (a mode per backward: its module tracker follows one)
+                last = micro == 1
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
+                with CommDebugMode() as mode:
+                    (loss_of(model, *batch(rank, 10 * step + micro)) / world).backward()
+                seen.append({str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items() if n})
+            opt.step()
+            opt.zero_grad()
+    named = [dict(m.named_parameters()) for m in models]
+    saved = models[0].state_dict()
+    restored = sharded(fsdp2.fully_shard, 0.0)
+    restored.load_state_dict(saved)
+    again = {k: v.full_tensor() for k, v in restored.state_dict().items()}
+    torch_saved = models[1].state_dict()
+    ids, targets = batch(rank, 99)
+    return {
+        "counts_equal": counts[0] == counts[1],
+        "no_sync_fewer": counts[0][0].get("_reduce_scatter_base_", 0) < counts[0][1]["_reduce_scatter_base_"],
+        "params_equal": all(torch.equal(p.full_tensor(), named[1][n].full_tensor()) for n, p in named[0].items()),
+        "keys_equal": list(saved) == list(torch_saved),
+        "layouts_equal": all(_layout(v) == _layout(torch_saved[k]) for k, v in saved.items()),
+        "round_trip": all(torch.equal(again[k], v.full_tensor()) for k, v in saved.items()),
+        "same_loss": loss_of(restored, ids, targets).item() == loss_of(models[0], ids, targets).item(),
+    }
+
+
+@pytest.mark.skipif(not HAS_SHARD_PLACEMENT_RESULT, reason="torch 2.13's FSDP2 API")
+def test_experts_in_one_call_accumulate_prefetch_and_round_trip_like_torch():
+    for r in run_on_ranks(_accumulate_and_round_trip, 4, timeout=300.0):
+        assert r == {"counts_equal": True, "no_sync_fewer": True, "params_equal": True, "keys_equal": True,
+                     "layouts_equal": True, "round_trip": True, "same_loss": True}, r
+
+
 def _refusals() -> list[str]:
     """What fsdp2 refuses (before any change) and whether torch refuses it too."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     dense, efsdp, ep = _meshes("init_device_mesh", 2)
     seen = []
-    # 1. Another mesh per parameter in one call: torch makes two groups, fsdp2 one per call.
+    # 1. A mesh per parameter (one group each) with what fsdp2 does not combine with it yet: an
+    # int reshard_after_forward; a mesh_info whose axes are not (replicate, shard).
     model = MoEModel(4)
     expert_parallel(model, ep)
     block = model.layers[0]
     before = dict(block.named_parameters())
     experts, info = set(block.moe.experts.parameters()), _get_mesh_info(efsdp)
-    with pytest.raises(ValueError, match="another data-parallel mesh than this call"):
-        fsdp2.fully_shard(block, mesh=dense, shard_placement_fn=lambda p: ShardPlacementResult(
+    with pytest.raises(ValueError, match="does not combine parameter groups on several meshes with "
+                                         "reshard_after_forward=2"):
+        fsdp2.fully_shard(block, mesh=dense, reshard_after_forward=2, shard_placement_fn=lambda p: ShardPlacementResult(
             placement=Shard(0), mesh_info=info) if p in experts else None)
+    transposed = type(info)(efsdp, shard_mesh_dim=0)
+    transposed.replicate_mesh_dim = 0  # (a shape fsdp2 does not read: the shard axis is a 2-D mesh's last)
+    with pytest.raises(ValueError, match="fsdp2 shards over a 1-D mesh or a 2-D"):
+        fsdp2.fully_shard(block, mesh=dense, shard_placement_fn=lambda p: ShardPlacementResult(
+            placement=Shard(0), mesh_info=transposed) if p in experts else None)
     assert dict(block.named_parameters()) == before and not isinstance(block, fsdp2.FSDPModule)
+    # A custom comm or all-reduce hook would be ambiguous across the groups: refused, as torch does.
+    fsdp2.fully_shard(block, mesh=dense, shard_placement_fn=lambda p: ShardPlacementResult(
+        placement=Shard(0), mesh_info=info) if p in experts else None)
+    with pytest.raises(ValueError, match="2 parameter groups, one per mesh"):
+        block.set_all_reduce_hook(lambda t: None)
     seen.append("mesh per parameter")
     # 2. An expert mesh that cannot be joined with the data-parallel one (the same ranks' axis):
     # torch's fully_shard refuses it too.
