@@ -194,6 +194,9 @@ def plan_argv(config: JobConfig, dims: ParallelDims, device_type: str, memory: i
             "--reshard-after-forward", str(p.reshard_after_forward != "never").lower(),
             "--activation-checkpointing", "full" if t.activation_checkpoint else "none",
             "--backend", "nccl" if device_type == "cuda" else "gloo", "--gpu-memory", f"{memory}B"]
+    if a.moe_experts:  # a mixture of experts (the planner's routing: balanced)
+        argv += ["--moe-experts", a.moe_experts, "--moe-top-k", a.moe_top_k, "--moe-hidden", a.expert_hidden,
+                 "--moe-shared-experts", a.moe_shared_experts, "--ep", dims.ep]
     if p.quantize_weights:
         argv += ["--quantize-weights", p.quantize_weights]
     if p.quantize_gradients:

@@ -24,16 +24,17 @@ get ``tokens x top_k / experts`` rows and every ep rank to receive as many rows 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-__all__ = ["MoE", "GroupedExperts", "enable_expert_parallel", "update_expert_bias", "moe_layers"]
+__all__ = ["MoE", "GroupedExperts", "ExpertParallelMeshes", "expert_parallel_meshes", "enable_expert_parallel",
+           "shard_experts", "update_expert_bias", "moe_layers"]
 
 
 class GroupedExperts(nn.Module):
@@ -178,6 +179,32 @@ class _AllToAll(torch.autograd.Function):
         return grad_rows, None, None, None
 
 
+class ExpertParallelMeshes(NamedTuple):
+    """The meshes of expert parallelism, all of one world mesh (so fsdp2 can join them)."""
+
+    world: DeviceMesh  # (dp_replicate,) efsdp, ep (, tp): axes of size 1 left out but efsdp and ep
+    dp: DeviceMesh  # the dense parts' data-parallel mesh: (dp_replicate,) dp_shard = efsdp x ep, flattened
+    experts: DeviceMesh  # the experts' FSDP mesh: (dp_replicate,) efsdp
+    ep: DeviceMesh  # the ranks the experts are divided among
+
+
+def expert_parallel_meshes(device_type: str, *, dp_replicate: int, dp_shard: int, ep: int,
+                           tp: int = 1) -> ExpertParallelMeshes:
+    """torchtitan's layout: the shard axis split into efsdp x ep, ep innermost (the ranks that trade
+    tokens are the closest), flattened back into ``dp_shard`` for the dense parts."""
+    from .. import _compat
+
+    sizes = {"dp_replicate": dp_replicate, "efsdp": dp_shard // ep, "ep": ep, "tp": tp}
+    names = [n for n, size in sizes.items() if n in ("efsdp", "ep") or size > 1]
+    world = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names))
+    shard = world["efsdp", "ep"]._flatten("dp_shard")
+    if dp_replicate == 1:
+        return ExpertParallelMeshes(world, shard, world["efsdp"], world["ep"])
+    # Joined, not sliced from the world mesh by the flattened name (torch warns that goes away).
+    dp = _compat.concat_meshes([world["dp_replicate"], shard])
+    return ExpertParallelMeshes(world, dp, world["dp_replicate", "efsdp"], world["ep"])
+
+
 def moe_layers(model: nn.Module) -> list[MoE]:
     """Every MoE layer of ``model``, in order."""
     return [m for m in model.modules() if isinstance(m, MoE)]
@@ -197,6 +224,26 @@ def enable_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         for name, param in list(experts.named_parameters(recurse=False)):
             setattr(experts, name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)],
                                                                   src_data_rank=None)))
+
+
+def shard_experts(model: nn.Module, mesh: DeviceMesh, *, ep: int, dp_size: int, **options: Any) -> None:
+    """``fully_shard`` every MoE layer's experts on ``mesh`` (the efsdp mesh, with HSDP's replicas),
+    in a call of their own, before their block's (the recipe's and the planner's layout).
+
+    Along the expert dim (0) when there are at least as many experts as ``efsdp x ep`` shards,
+    else along the hidden dim (1), as torchtitan (no padded, empty expert shards). Their gradients
+    are divided by ``dp_size``, all the data-parallel ranks: each expert's gradient on a rank
+    already sums what the ep ranks' tokens contributed (the all-to-all's backward), so the sum
+    over the experts' own group covers every rank's tokens once (torchtitan's
+    ``gradient_divide_factor``). ``options``: ``fully_shard``'s other keywords.
+    """
+    from .. import fully_shard  # (fsdp2's API imports nothing of the models: no cycle at import)
+
+    shards = mesh.size(mesh.ndim - 1) * ep
+    for moe in moe_layers(model):
+        placement = Shard(1) if shards > moe.num_experts else Shard(0)
+        fully_shard(moe.experts, mesh=mesh, shard_placement_fn=lambda _p, s=placement: s, **options)
+        moe.experts.set_gradient_divide_factor(float(dp_size))
 
 
 @torch.no_grad()

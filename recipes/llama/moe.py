@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
-from fsdp2 import fully_shard
 from fsdp2.models.moe import enable_expert_parallel, moe_layers, update_expert_bias
+from fsdp2.models.moe import shard_experts as fsdp_experts
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -56,32 +55,24 @@ def check_moe(dims: ParallelDims, config: JobConfig) -> None:
                           "counts are data-dependent (a graph break in every block); set training.compile=false")
 
 
-def expert_meshes(dims: ParallelDims, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
+def expert_meshes(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh | None]:
     """(the experts' FSDP mesh, the ep mesh or None): (dp_replicate,) efsdp with EP, else the dense one."""
     if dims.ep == 1:
         return dims.dp_mesh(), None
-    efsdp = mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else mesh["efsdp"]
-    return efsdp, mesh["ep"]
+    return dims.ep_meshes.experts, dims.ep_meshes.ep
 
 
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> None:
     """Each ep rank keeps its ``experts / ep`` experts (``Shard(0)`` on the ep axis); a no-op at ep 1."""
     if dims.ep > 1:
-        enable_expert_parallel(model, expert_meshes(dims, dims._built())[1])
+        enable_expert_parallel(model, expert_meshes(dims)[1])
 
 
 def shard_experts(model: nn.Module, dims: ParallelDims, options: dict[str, Any]) -> None:
-    """``fully_shard`` each MoE layer's experts on their own mesh, before their block's call.
-
-    Along the expert dim (0) when there are at least as many experts as ``efsdp x ep`` shards,
-    else along the hidden dim (1), as torchtitan (no padded, empty expert shards).
-    """
-    mesh, _ = expert_meshes(dims, dims._built())
-    shards = (dims.dp_shard // dims.ep) * dims.ep
-    for moe in moe_layers(model):
-        placement = Shard(1) if shards > moe.num_experts else Shard(0)
-        fully_shard(moe.experts, mesh=mesh, shard_placement_fn=lambda _p, s=placement: s, **options)
-        moe.experts.set_gradient_divide_factor(float(dims.dp_size))
+    """``fully_shard`` each MoE layer's experts on their own mesh, before their block's call
+    (``fsdp2.models.moe.shard_experts``: the planner shards them alike)."""
+    mesh, _ = expert_meshes(dims)
+    fsdp_experts(model, mesh, ep=dims.ep, dp_size=dims.dp_size, **options)
 
 
 def register_load_balancing(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

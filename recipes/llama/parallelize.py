@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp2 import MixedPrecisionPolicy, QuantizedComm, fully_shard
 # The tensor-parallel plan is the model's own, in the package: the memory planner uses it too.
 from fsdp2.models.llama import check_tp, tp_plan
+from fsdp2.models.moe import ExpertParallelMeshes, expert_parallel_meshes
 
 from .model import Transformer
 from .moe import apply_expert_parallel, check_moe, shard_experts
@@ -53,6 +54,7 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    ep_meshes: ExpertParallelMeshes | None = field(default=None, init=False, repr=False)  # with ep > 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -101,14 +103,15 @@ class ParallelDims:
         ("dp_shard",), HSDP ("dp_replicate", "dp_shard"), FSDP x TP ("dp_shard", "tp"),
         and HSDP x TP all three.
         """
+        if self.ep > 1:  # expert parallelism: dp_shard is efsdp x ep (recipes/llama/moe.py)
+            self.ep_meshes = expert_parallel_meshes(device_type, dp_replicate=self.dp_replicate,
+                                                    dp_shard=self.dp_shard, ep=self.ep, tp=self.tp)
+            self.mesh = self.ep_meshes.world
+            return self.mesh
         names = [n for n in AXES if n == "dp_shard" or getattr(self, n) > 1]
-        sizes = [getattr(self, n) for n in names]
-        if self.ep > 1:  # expert parallelism: dp_shard is efsdp x ep, flattened back for the dense parts
-            i = names.index("dp_shard")
-            names[i:i + 1], sizes[i:i + 1] = ["efsdp", "ep"], [self.dp_shard // self.ep, self.ep]
-        self.mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
-        if self.ep > 1:
-            self.mesh["efsdp", "ep"]._flatten("dp_shard")
+        self.mesh = init_device_mesh(
+            device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=tuple(names)
+        )
         return self.mesh
 
     def dp_mesh(self) -> DeviceMesh:
@@ -118,9 +121,11 @@ class ParallelDims:
         shard again over these ranks (a 2-D DTensor on the whole mesh).
         """
         mesh = self._built()
+        if self.ep_meshes is not None:
+            return self.ep_meshes.dp
         if self.dp_replicate > 1:
             return mesh["dp_replicate", "dp_shard"]
-        return mesh if mesh.mesh_dim_names == ("dp_shard",) else mesh["dp_shard"]  # (flattened with EP)
+        return mesh if mesh.mesh_dim_names == ("dp_shard",) else mesh["dp_shard"]
 
     def _built(self) -> DeviceMesh:
         if self.mesh is None:
