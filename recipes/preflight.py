@@ -139,6 +139,10 @@ def no_op_warnings(config: JobConfig, given: set[str] = frozenset()) -> list[str
     if not (q.quantize_weights or q.quantize_gradients) and (
             changed := _given(config, given, "parallelism", "quantize_block_size")):
         out.append(f"{changed[0]}: no effect without parallelism.quantize_weights or quantize_gradients")
+    if not config.model.moe_experts and (changed := _given(config, given, "model", "moe_top_k", "moe_hidden",
+                                                           "moe_shared_experts", "moe_score_func",
+                                                           "moe_load_balance_coeff")):
+        out.append(f"{', '.join(changed)}: no effect without model.moe_experts > 0 (a mixture of experts)")
     if not f.nan_loss_at_steps and "faults.nan_loss_rank" in given and f.nan_loss_rank != -1:
         out.append(f"faults.nan_loss_rank={f.nan_loss_rank}: no effect without faults.nan_loss_at_steps")
     return out

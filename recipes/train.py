@@ -463,7 +463,8 @@ def log_setup(config: JobConfig, dims: ParallelDims, n_params: int, corpus_bytes
         f"mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}, {t.mixed_precision}, "
         f"activation checkpointing {'on' if t.activation_checkpoint else 'off'}")
     log(f"model: {n_params / 1e6:.2f}M parameters, {args.n_layers} layers, "
-        f"dim {args.dim}, {args.n_heads} heads ({args.kv_heads} kv), vocab {args.vocab_size}")
+        f"dim {args.dim}, {args.n_heads} heads ({args.kv_heads} kv), vocab {args.vocab_size}"
+        + (f", {args.moe_experts} experts (top {args.moe_top_k}) per block" if args.moe_experts else ""))
     n_files = len(corpus_files(config.data.path))
     log(f"data: {n_files} file{'s' * (n_files != 1)}, {corpus_bytes:,} bytes from "
         f"{config.data.path or 'the Python standard library'}")

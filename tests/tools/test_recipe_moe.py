@@ -142,3 +142,63 @@ def test_experts_live_on_efsdp_x_ep():
     assert results[0] == (("efsdp", "ep"), (1, 32, 32), ("dp_shard",))
     results = run_on_ranks(_mesh_of_experts, 4, ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"])
     assert results[0] == (("dp_replicate", "efsdp", "ep"), (2, 32, 32), ("dp_replicate", "dp_shard"))
+
+
+# ---- against torch's fully_shard ------------------------------------------------------------
+def _recipe_vs_torch(flags: list[str], steps: int = 2) -> dict:
+    """The recipe's sharding (ep, experts on efsdp) with fsdp2's and with torch's fully_shard; the experts
+    reduce by sum, then divide (torch's other way, PREMUL_SUM, does not exist on gloo)."""
+    import importlib
+
+    import fsdp2
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from recipes.data import get_batch, load_corpus
+    from fsdp2.models.moe import moe_layers
+    from recipes.train import build_model
+
+    parallelize = importlib.import_module("recipes.llama.parallelize")  # (the package exports a function so named)
+    config = parse_args([*MOE_MODEL, *flags])
+    p = config.parallelism
+    models = []
+    def torch_impl(module, *, comm_policy=None, **kwargs):  # torch's has no comm_policy (the recipe's is all off)
+        return torch_fully_shard(module, **kwargs)
+
+    for impl in (fsdp2.fully_shard, torch_impl):
+        dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, dist.get_world_size(), ep=p.ep)
+        dims.build_mesh("cpu")
+        saved = fsdp2.fully_shard, parallelize.fully_shard
+        fsdp2.fully_shard = parallelize.fully_shard = impl  # (fsdp2.models.moe reads fsdp2.fully_shard)
+        try:
+            models.append(build_model(config, dims, torch.device("cpu")))
+        finally:
+            fsdp2.fully_shard, parallelize.fully_shard = saved
+    for model in models:  # torch's divide by another factor than the group's is a PREMUL_SUM, which gloo lacks
+        for moe in moe_layers(model):
+            moe.experts.set_force_sum_reduction_for_comms(True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    corpus = load_corpus(None)
+    losses, grads_equal = [], True
+    for step in range(steps):
+        inputs, targets = get_batch(corpus, seed=0, step=step, rank=dist.get_rank(), micro=0, batch_size=2, seq_len=32)
+        step_losses = []
+        for model in models:
+            loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+            loss.backward()
+            step_losses.append(loss.item())
+        grads = [[q.grad.full_tensor() for q in m.parameters()] for m in models]
+        grads_equal &= all(torch.equal(a, b) for a, b in zip(*grads))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(step_losses)
+    w1 = [m.layers[0].feed_forward.experts.w1 for m in models]
+    return {"losses_equal": all(a == b for a, b in losses), "grads_equal": grads_equal,
+            "experts_equal": torch.equal(w1[0].full_tensor(), w1[1].full_tensor()),
+            "layouts": [(w.device_mesh.mesh_dim_names, tuple(w.placements)) for w in w1]}
+
+
+@pytest.mark.slow
+def test_recipe_ep_matches_torch_fully_shard_bit_for_bit():
+    for r in run_on_ranks(_recipe_vs_torch, 4, ["--ep", "2"], timeout=300.0):
+        assert r["losses_equal"] and r["grads_equal"] and r["experts_equal"], r
+        assert r["layouts"][0] == r["layouts"][1], r
