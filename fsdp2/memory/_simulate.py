@@ -549,7 +549,8 @@ class _SavedInBlock:
         for plain in plain_tensors(t):
             key = storage_key(plain)
             if key is not None and key not in self.params:
-                self.params = self._param_keys()  # a group inside the block (MoE experts) may be gathered since
+                if len(self.groups) > 1:  # a group inside the block (MoE experts) may have been gathered since
+                    self.params = self._param_keys()
                 if key not in self.params:
                     self.sizes[key] = plain.untyped_storage().nbytes()
         return t
