@@ -140,6 +140,11 @@ def test_experts_live_on_efsdp_x_ep():
     # 4 experts of (32 x 32); ep 2 keeps 2 per ep rank, sharded over efsdp 2 along experts (dim 0).
     results = run_on_ranks(_mesh_of_experts, 4, ["--ep", "2"])
     assert results[0] == (("efsdp", "ep"), (1, 32, 32), ("dp_shard",))
+
+
+@pytest.mark.slow
+def test_hsdp_experts_live_on_dp_replicate_x_efsdp_x_ep():
+    # efsdp 1: each ep rank keeps its 2 experts whole, replicated over dp_replicate.
     results = run_on_ranks(_mesh_of_experts, 4, ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"])
     assert results[0] == (("dp_replicate", "efsdp", "ep"), (2, 32, 32), ("dp_replicate", "dp_shard"))
 
