@@ -104,6 +104,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -149,11 +159,18 @@ def _parser() -> argparse.ArgumentParser:
                        ("--max-seq-len", "rotary table length (preset's, config's max_position_embeddings, or --seq)")):
         model.add_argument(flag, type=_positive, default=None, help=what)
     model.add_argument("--tie-embeddings", type=_bool, default=None, help="output layer shares the embedding")
+    for flag, what in (("--moe-experts", "mixture of experts: routed experts per block (0: dense SwiGLU)"),
+                       ("--moe-top-k", "experts each token is routed to"),
+                       ("--moe-hidden", "an expert's SwiGLU width (default: the dense width / top-k)"),
+                       ("--moe-shared-experts", "shared experts every token goes through (0: none)")):
+        model.add_argument(flag, type=_count, default=None, help=what)
     run = p.add_argument_group("the layout")
     run.add_argument("--world", type=_positive, default=None,
                      help="total ranks (GPUs); required unless a TOML config fixes every mesh axis")
     run.add_argument("--dp-replicate", type=_positive, default=1, help="replicas (HSDP); 1 is FSDP")
     run.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
+    run.add_argument("--ep", type=_positive, default=1,
+                     help="expert-parallel degree (MoE): the shard ranks split into dp_shard/ep (experts' FSDP) x ep")
     run.add_argument("--batch", type=_positive, default=1, help="sequences per data-parallel rank per micro-batch")
     run.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per optimizer step")
     run.add_argument("--seq", type=_positive, default=8192, help="tokens per sequence")
@@ -194,7 +211,7 @@ def _parser() -> argparse.ArgumentParser:
 RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "training": {"batch_size": 8, "seq_len": 128, "grad_accum": 1, "mixed_precision": "fp32",
                  "activation_checkpoint": False},
-    "parallelism": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "reshard_after_forward": "default",
+    "parallelism": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "ep": 1, "reshard_after_forward": "default",
                     "quantize_weights": "", "quantize_gradients": "", "quantize_error_feedback": False,
                     "quantize_gradient_axes": "shard"},
 }
@@ -235,7 +252,7 @@ def _apply_recipe_toml(args: argparse.Namespace, given: set[str]) -> None:
     blocks, root = _RECIPE_RESHARD[p["reshard_after_forward"]]
     values = {"batch": t["batch_size"], "seq": t["seq_len"], "grad_accum": t["grad_accum"],
               "param_dtype": param, "reduce_dtype": reduce, "activation_checkpointing": t["activation_checkpoint"],
-              "dp_replicate": p["dp_replicate"], "tp": p["tp"], "reshard_after_forward": blocks,
+              "dp_replicate": p["dp_replicate"], "tp": p["tp"], "ep": p["ep"], "reshard_after_forward": blocks,
               "quantize_weights": p["quantize_weights"] or None, "quantize_gradients": p["quantize_gradients"] or None,
               "error_feedback": p["quantize_error_feedback"], "quantize_gradient_axes": p["quantize_gradient_axes"]}
     for dest, value in values.items():
@@ -245,7 +262,7 @@ def _apply_recipe_toml(args: argparse.Namespace, given: set[str]) -> None:
         args.root_reshard_after_forward = root
     shard = p["dp_shard"]
     if shard > 0:  # the TOML fixes every axis: that is the world
-        world = args.dp_replicate * shard * args.tp
+        world = args.dp_replicate * shard * args.tp  # (ep splits dp_shard: no ranks of its own)
         if args.world is None:
             args.world = world
         elif args.world != world:
@@ -312,7 +329,8 @@ def _model_args(args: argparse.Namespace) -> tuple[str, ModelArgs, list[str]]:
         dims, notes = _hf_dims(args.hf_config)
         base.update(dims)
     flags = {name: getattr(args, name) for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
-                                                    "ffn_hidden", "max_seq_len", "tie_embeddings")
+                                                    "ffn_hidden", "max_seq_len", "tie_embeddings", "moe_experts",
+                                                    "moe_top_k", "moe_hidden", "moe_shared_experts")
              if getattr(args, name) is not None}
     base.update(flags)
     missing = [f"--{k.replace('_', '-')}" for k in ("dim", "n_layers", "n_heads", "vocab_size") if k not in base]
@@ -337,6 +355,7 @@ def _model_args(args: argparse.Namespace) -> tuple[str, ModelArgs, list[str]]:
 def _layout(args: argparse.Namespace, **fields: object) -> Layout:
     """The flags' layout; ``fields`` override some (``--compare`` and suggestions change the mesh and policies)."""
     flags = dict(world=args.world, batch=args.batch, seq=args.seq, dp_replicate=args.dp_replicate, tp=args.tp,
+                 ep=args.ep,
                  param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype],
                  reshard_after_forward=args.reshard_after_forward, grad_accum=args.grad_accum,
                  activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer,
@@ -364,6 +383,8 @@ def _estimate(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> Mem
 
 
 def _tp_degrees(model: ModelArgs, world: int, above: int = 1) -> list[int]:
+    if model.moe_experts:  # the recipe's TP plan covers dense blocks only
+        return []
     return [t for t in (2, 4, 8) if t > above and world % t == 0 and model.n_heads % t == 0
             and model.kv_heads % t == 0]
 
@@ -373,7 +394,7 @@ def _candidates(args: argparse.Namespace, model: ModelArgs) -> list[tuple[str, i
     world = args.world
     out = [("FSDP", 1, 1)]
     for r in (2, 4, 8):
-        if world % r == 0 and world // r > 1:
+        if world % r == 0 and world // r > 1 and world // r % args.ep == 0:
             out.append((f"HSDP {r}x{world // r}", r, 1))
     out += [(f"FSDP x TP{t}", 1, t) for t in _tp_degrees(model, world)]
     return out

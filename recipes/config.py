@@ -93,6 +93,8 @@ class ParallelismConfig:
     dp_replicate: int = 1  # replicas (HSDP: each replica is a full FSDP group)
     dp_shard: int = -1  # ranks that shard the parameters (FSDP); -1 = world size / (others)
     tp: int = 1  # tensor-parallel degree
+    ep: int = 1  # expert-parallel degree (MoE models): experts split over ep of the dp_shard ranks, tokens sent
+    # to them by all-to-all; the experts are FSDP-sharded over dp_shard / ep (docs/recipes.md, mixture of experts)
     reshard_after_forward: Literal["default", "always", "never"] = "default"  # default: all but the root
     quantize_weights: Literal["", "int8", "int4"] = ""  # int8/int4: all-gather the parameters as 8- or
     # 4-bit values with one fp32 scale per quantize_block_size elements (fsdp2.QuantizedComm(weights=...));
@@ -106,7 +108,7 @@ class ParallelismConfig:
     # are quantized: the shard axis' reduce-scatter, the replicas' all-reduce (usually between nodes), or both
 
     def __post_init__(self) -> None:
-        _positive("parallelism", self, "quantize_block_size")
+        _positive("parallelism", self, "quantize_block_size", "ep")
         if self.quantize_error_feedback and not self.quantize_gradients:
             raise ConfigError("parallelism.quantize_error_feedback needs parallelism.quantize_gradients=int8 or int4 "
                               "(it corrects the gradients' quantization error); set it or leave "
@@ -227,6 +229,7 @@ ALIASES = {
     "--dp-shard": "parallelism.dp_shard",
     "--dp-replicate": "parallelism.dp_replicate",
     "--tp": "parallelism.tp",
+    "--ep": "parallelism.ep",
     "--steps": "training.steps",
     "--data": "data.path",
     "--checkpoint-dir": "checkpoint.dir",

@@ -141,6 +141,10 @@ def no_op_warnings(config: JobConfig, given: set[str] = frozenset()) -> list[str
     if not (q.quantize_weights or q.quantize_gradients) and (
             changed := _given(config, given, "parallelism", "quantize_block_size")):
         out.append(f"{changed[0]}: no effect without parallelism.quantize_weights or quantize_gradients")
+    if not config.model.moe_experts and (changed := _given(config, given, "model", "moe_top_k", "moe_hidden",
+                                                           "moe_shared_experts", "moe_score_func",
+                                                           "moe_load_balance_coeff")):
+        out.append(f"{', '.join(changed)}: no effect without model.moe_experts > 0 (a mixture of experts)")
     if not f.nan_loss_at_steps and "faults.nan_loss_rank" in given and f.nan_loss_rank != -1:
         out.append(f"faults.nan_loss_rank={f.nan_loss_rank}: no effect without faults.nan_loss_at_steps")
     return out
@@ -196,6 +200,9 @@ def plan_argv(config: JobConfig, dims: ParallelDims, device_type: str, memory: i
             "--reshard-after-forward", str(p.reshard_after_forward != "never").lower(),
             "--activation-checkpointing", "full" if t.activation_checkpoint else "none",
             "--backend", "nccl" if device_type == "cuda" else "gloo", "--gpu-memory", f"{memory}B"]
+    if a.moe_experts:  # a mixture of experts (the planner's routing: balanced)
+        argv += ["--moe-experts", a.moe_experts, "--moe-top-k", a.moe_top_k, "--moe-hidden", a.expert_hidden,
+                 "--moe-shared-experts", a.moe_shared_experts, "--ep", dims.ep]
     if p.quantize_weights:
         argv += ["--quantize-weights", p.quantize_weights]
     if p.quantize_gradients:

@@ -65,6 +65,7 @@ from recipes.checkpoint import (
 from recipes.config import ConfigError, JobConfig, TrainingConfig, command_line_keys, describe, parse_args
 from recipes.data import ByteTokenizer, corpus_files, corpus_size, get_batch, load_corpus, split_corpus
 from recipes.llama.model import Transformer
+from recipes.llama.moe import active_params, register_load_balancing
 from recipes.llama.parallelize import ParallelDims, check_layout, parallelize
 from recipes.metrics import (
     MetricsWriter, TensorBoardWriter, check_tensorboard, flops_per_token, format_duration, gather_memory_mb,
@@ -150,7 +151,7 @@ def check_command(argv: list[str], world_size: int) -> tuple[JobConfig, Parallel
     Raises ConfigError or ValueError (tests/tools/test_doc_commands.py runs the docs' commands through it)."""
     config = parse_args(argv)
     p = config.parallelism
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size)
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep)
     check_layout(dims, config)
     check_run(config, world_size)
     return config, dims
@@ -462,7 +463,8 @@ def log_setup(config: JobConfig, dims: ParallelDims, n_params: int, corpus_bytes
         f"mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}, {t.mixed_precision}, "
         f"activation checkpointing {'on' if t.activation_checkpoint else 'off'}")
     log(f"model: {n_params / 1e6:.2f}M parameters, {args.n_layers} layers, "
-        f"dim {args.dim}, {args.n_heads} heads ({args.kv_heads} kv), vocab {args.vocab_size}")
+        f"dim {args.dim}, {args.n_heads} heads ({args.kv_heads} kv), vocab {args.vocab_size}"
+        + (f", {args.moe_experts} experts (top {args.moe_top_k}) per block" if args.moe_experts else ""))
     n_files = len(corpus_files(config.data.path))
     log(f"data: {n_files} file{'s' * (n_files != 1)}, {corpus_bytes:,} bytes from "
         f"{config.data.path or 'the Python standard library'}")
@@ -474,7 +476,7 @@ def log_setup(config: JobConfig, dims: ParallelDims, n_params: int, corpus_bytes
 def model_flops_per_token(model: Transformer, config: JobConfig) -> int:
     """Training FLOPs per token of the unsharded model (``recipes.metrics.flops_per_token``)."""
     args = config.model
-    n_params = sum(p.numel() for p in model.parameters())  # DTensors: the global count
+    n_params = active_params(model, sum(p.numel() for p in model.parameters()))  # DTensors: global; MoE: active
     # A tied table is also the output projection, whose matmul costs what its weights say.
     embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
     return flops_per_token(n_params, embedding, args.n_layers, args.dim, config.training.seq_len)
@@ -518,6 +520,7 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     dims.build_mesh(device.type)
     model = build_model(config, dims, device)
     optimizer = build_optimizer(model, t)
+    register_load_balancing(optimizer, model)  # MoE: the routing biases move before each step
     scheduler = lr_schedule(optimizer, t)
     corpus = load_corpus(config.data.path)
     tokens_per_step = log_setup(config, dims, sum(p.numel() for p in model.parameters()), corpus.numel())

@@ -45,6 +45,9 @@ class Layout:
         seq: tokens per sequence.
         dp_replicate: data-parallel replicas (HSDP); 1 is plain FSDP.
         tp: tensor-parallel degree (simulated with the model's plan, see ``ModelBuilder.tp_plan``).
+        ep: expert-parallel degree, for models with ``fsdp2.models.moe`` layers: the shard axis is
+            split into ``dp_shard / ep`` (efsdp, where the experts are FSDP-sharded) x ``ep`` (the
+            ranks the experts are divided among, tokens sent by all-to-all), as the recipe does.
         param_dtype, reduce_dtype: as ``MixedPrecisionPolicy`` (None: the parameters' dtype;
             ``reduce_dtype`` None: ``param_dtype``).
         reshard_after_forward: for the blocks; ``root_reshard_after_forward`` for the root
@@ -73,6 +76,7 @@ class Layout:
     seq: int
     dp_replicate: int = 1
     tp: int = 1
+    ep: int = 1
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
@@ -86,13 +90,16 @@ class Layout:
     comm_policy: QuantizedComm | None = None
 
     def __post_init__(self) -> None:
-        for name in ("world", "batch", "seq", "dp_replicate", "tp", "grad_accum"):
+        for name in ("world", "batch", "seq", "dp_replicate", "tp", "ep", "grad_accum"):
             positive_int("Layout", name, getattr(self, name))
         if self.world % (self.dp_replicate * self.tp):
             raise ValueError(
                 f"world ({self.world}) must be divisible by dp_replicate ({self.dp_replicate}) x tp ({self.tp}); "
                 f"the shard axis gets world / (dp_replicate x tp) ranks: change world, dp_replicate or tp"
             )
+        if self.dp_shard % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide the shard axis (world / (dp_replicate x tp) = "
+                             f"{self.dp_shard}): expert parallelism splits it into dp_shard / ep x ep ranks")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype):

@@ -82,7 +82,8 @@ class Reserve:
 
     def bytes(self, layout: Layout, peak: int) -> dict[str, int]:
         """The reserve for ``layout`` at a simulated ``peak``, by what it is for (zeros left out)."""
-        groups = max(1, sum(n > 1 for n in (layout.dp_shard, layout.dp_replicate, layout.tp)))
+        groups = max(1, sum(n > 1 for n in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.ep,
+                                            layout.dp_shard // layout.ep if layout.ep > 1 else 1)))
         out = {"CUDA context": self.context, f"NCCL ({groups} communicator{'s' * (groups > 1)})":
                groups * self.nccl_per_group, f"allocator ({100 * self.fragmentation:.0f}% of total)":
                int(self.fragmentation * peak)}
@@ -192,12 +193,27 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
     if sum(step.values()) > peak:
         peak, by_category, point = sum(step.values()), step, "optimizer step"
     comm = _comm_bytes(sim.root, sim.block, sim.n_blocks, layout, model_dim=sim.model_dim,
-                       act_itemsize=sim.param_dtype.itemsize)
+                       act_itemsize=sim.param_dtype.itemsize) + _moe_comm_bytes(sim, layout)
     notes = [f"tensor parallelism simulated with {'the given tp_plan' if builder.tp_plan else 'the recipe Llama plan'}"
              ] if layout.tp > 1 else []
     return MemoryEstimate(peak, {c: by_category.get(c, 0) for c in CATEGORIES}, point, points,
                           _describe(layout, sim.n_blocks, sim.param_dtype), comm, sim.saved_per_block,
                           gpu_memory, notes, reserve.bytes(layout, peak))
+
+
+def _moe_comm_bytes(sim: Simulation, layout: Layout) -> int:
+    """MoE: the experts' all-gathers and reduce-scatters over efsdp (their own groups), and, with
+    expert parallelism, the token all-to-alls: per block, the routed rows (batch x seq x top_k,
+    balanced) out and back in forward, the same in backward, and forward's again when recomputing."""
+    if sim.experts is None:
+        return 0
+    efsdp, replicate, ep = layout.dp_shard // layout.ep, layout.dp_replicate, layout.ep
+    gather, reduce, all_reduce = wire_bytes(sim.experts, layout.comm_policy, efsdp, replicate)
+    passes = 2 if layout.reshard_after_forward else 1
+    fsdp = ((gather * passes + reduce) * (efsdp - 1) / efsdp + all_reduce * (replicate - 1) / replicate)
+    rows = layout.batch * layout.seq * sim.top_k * sim.model_dim * sim.param_dtype.itemsize
+    exchanges = (6 if layout.activation_checkpointing else 4) * rows * (ep - 1) / ep
+    return int(sim.n_blocks * (fsdp + exchanges))
 
 
 def _as_builder(model: ModelBuilder | Callable[[], nn.Module] | None) -> ModelBuilder:
@@ -207,7 +223,9 @@ def _as_builder(model: ModelBuilder | Callable[[], nn.Module] | None) -> ModelBu
 
 
 def _describe(layout: Layout, n_blocks: int, pdtype: torch.dtype) -> str:
-    return (f"world {layout.world} = dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard} x tp {layout.tp}; "
+    ep = f" (efsdp {layout.dp_shard // layout.ep} x ep {layout.ep})" if layout.ep > 1 else ""
+    return (f"world {layout.world} = dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard}{ep} x tp "
+            f"{layout.tp}; "
             f"{n_blocks} blocks; batch {layout.batch} x seq {layout.seq}; param {str(pdtype).removeprefix('torch.')}; "
             f"reshard_after_forward={layout.reshard_after_forward}; "
             f"activation_checkpointing={layout.activation_checkpointing}")

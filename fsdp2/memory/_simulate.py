@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from .. import _compat
 from ..runtime._state import get_state
 from ..comm._transport import CPU_COLLECTIVES_ENV
-from ..models import llama
+from ..models import llama, moe
 from ..runtime._fully_shard import fully_shard
 from .._api import MixedPrecisionPolicy
 from ._layout import Layout, ModelBuilder
@@ -72,6 +72,8 @@ class Simulation:
     n_blocks: int
     param_dtype: torch.dtype
     model_dim: int
+    experts: GroupSizes | None = None  # block 0's experts' group (MoE), over efsdp
+    top_k: int = 0  # experts per token (MoE)
 
 
 class _Points(LiveStorages):
@@ -195,19 +197,19 @@ def simulate(layout: Layout, builder: ModelBuilder) -> Simulation:
     """Rank 0's second training step of ``builder``'s model on ``layout``, on the meta device."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_compat.fake_process_group(layout.world))
-        dims = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp}
-        mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        mesh, dp_mesh, experts_mesh = _meshes(layout)
         attention = stack.enter_context(CpuAttention())  # attention's kernel as the CPU picks it, not meta's
         with _environ(CPU_COLLECTIVES_ENV, "flat"):  # no real exchange is ever built (nor probed)
             model = _build(builder, layout, mesh["tp"] if layout.tp > 1 else None, attention)
+            if layout.ep > 1:
+                moe.enable_expert_parallel(model, mesh["ep"])
             n_built = len(model.layers)
             n_blocks = builder.num_blocks or n_built
             if n_blocks < n_built or (n_blocks > n_built and n_built < 2):
                 raise ValueError(f"num_blocks ({n_blocks}) needs a model built with at least 2 and at most "
                                  f"num_blocks blocks; it has {n_built}")
             pdtype = layout.param_dtype or next(model.parameters()).dtype
-            _shard(model, layout, dp_mesh)
+            _shard(model, layout, dp_mesh, experts_mesh)
             groups = _groups(model)
             for group in groups:
                 group.compute_on_meta()
@@ -220,8 +222,24 @@ def simulate(layout: Layout, builder: ModelBuilder) -> Simulation:
         result = _tracked_step(model, builder, layout, opt, n_blocks - n_built)
         if [g.transport for g in groups] != transports:
             raise RuntimeError("fsdp2's memory planner: a group chose its transport again during the step")
+        experts = moe.moe_layers(model.layers[0])
         return Simulation(**result, n_blocks=n_blocks, param_dtype=pdtype, model_dim=_model_dim(model),
-                          root=_bytes_of(model, layout.dp_shard), block=_bytes_of(model.layers[0], layout.dp_shard))
+                          root=_bytes_of(model, layout.dp_shard), block=_bytes_of(model.layers[0], layout.dp_shard),
+                          experts=_bytes_of(experts[0].experts, layout.dp_shard // layout.ep) if experts else None,
+                          top_k=experts[0].top_k if experts else 0)
+
+
+def _meshes(layout: Layout) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+    """(the world mesh, the data-parallel mesh, the experts' mesh) as the recipe builds them: with
+    expert parallelism the shard axis is efsdp x ep, flattened back into dp_shard for the dense parts."""
+    if layout.ep > 1:
+        meshes = moe.expert_parallel_meshes("cpu", dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
+                                            ep=layout.ep, tp=layout.tp)
+        return meshes.world, meshes.dp, meshes.experts
+    dims = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp}
+    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    return mesh, dp_mesh, dp_mesh
 
 
 class GroupSizes(NamedTuple):
@@ -315,10 +333,12 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Callable[[nn.Modul
     (tp_plan or llama.tp_plan)(model, tp_mesh)
 
 
-def _shard(model: nn.Module, layout: Layout, dp_mesh: DeviceMesh) -> None:
-    """As the recipe: each block one group, then the root."""
+def _shard(model: nn.Module, layout: Layout, dp_mesh: DeviceMesh, experts_mesh: DeviceMesh) -> None:
+    """As the recipe: each MoE layer's experts one group (on their own mesh), each block one, then the root."""
     mp = MixedPrecisionPolicy(param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype)
     comm = layout.comm_policy
+    moe.shard_experts(model, experts_mesh, ep=layout.ep, dp_size=layout.dp_replicate * layout.dp_shard,
+                      mp_policy=mp, reshard_after_forward=layout.reshard_after_forward, comm_policy=comm)
     for block in model.layers:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=layout.reshard_after_forward,
                     comm_policy=comm)
@@ -399,11 +419,12 @@ def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: 
                   extra_blocks: int) -> dict:
     """The second step's forward, loss and backward under a ``_PlanTracker``."""
     block0 = model.layers[0]
-    group0 = get_state(block0).group
-    shard_bytes = sum(p.layout.local_numel * p.orig_dtype.itemsize for p in group0.params)
+    groups0 = _groups(block0)  # the block's group, and its experts' (MoE)
+    shard_bytes = sum(p.layout.local_numel * p.orig_dtype.itemsize for g in groups0 for p in g.params)
+    unsharded0 = sum(g._unsharded_bytes() for g in groups0)
     tracker = _PlanTracker(model, opt)
     hooks = _PointHooks(model, tracker)
-    saved = _SavedInBlock(block0, group0)
+    saved = _SavedInBlock(block0, groups0)
     per_block = [0]
     residuals = _residuals(block0)  # quantized gradients' error feedback (kept from step to step)
 
@@ -418,13 +439,13 @@ def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: 
         if extra_blocks:  # the blocks not built run here, after block 0, as copies of it
             tracker.add_bytes("activations", extra_blocks * per_block[0])
             if layout.reshard_after_forward is False:
-                tracker.add_bytes("unsharded_params", extra_blocks * group0._unsharded_bytes())
+                tracker.add_bytes("unsharded_params", extra_blocks * unsharded0)
 
     def block0_backward() -> None:  # their backward ran: sharded gradients left, the rest freed
         if extra_blocks:
             tracker.add_bytes("activations", -extra_blocks * per_block[0])
             if layout.reshard_after_forward is False:
-                tracker.add_bytes("unsharded_params", -extra_blocks * group0._unsharded_bytes())
+                tracker.add_bytes("unsharded_params", -extra_blocks * unsharded0)
             if layout.grad_accum == 1:  # (accumulating, they were there from the start)
                 tracker.add_bytes("gradients", extra_blocks * shard_bytes)
             if residuals and held is None:  # the tracker sees a residual once its reduction reads it
@@ -437,7 +458,8 @@ def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: 
     hooks.on_backward["layers.0"] = block0_backward
     if extra_blocks:
         states = [t for p in block0.parameters() for t in opt.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
-        tracker.extra["sharded_params"] += extra_blocks * _storage_bytes(group0.held_tensors()["sharded_params"])
+        tracker.extra["sharded_params"] += extra_blocks * _storage_bytes(
+            [t for g in groups0 for t in g.held_tensors()["sharded_params"]])
         tracker.extra["optimizer_state"] += extra_blocks * _storage_bytes(states)
         if layout.grad_accum > 1:
             tracker.extra["gradients"] += extra_blocks * shard_bytes
@@ -504,8 +526,8 @@ class _PointHooks:
 class _SavedInBlock:
     """Bytes autograd saves inside block 0's forward, its parameters excepted."""
 
-    def __init__(self, block: nn.Module, group: ParamGroup) -> None:
-        self.group = group
+    def __init__(self, block: nn.Module, groups: list[ParamGroup]) -> None:
+        self.groups = groups
         self.inside = False
         self.params: set[int] | None = None
         self.sizes: dict[int, int] = {}
@@ -523,14 +545,20 @@ class _SavedInBlock:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if not self.inside:
             return t
-        if self.params is None:  # the group is gathered by now
-            self.params = {storage_key(plain) for ts in self.group.held_tensors().values() for x in ts
-                           for plain in plain_tensors(x)}
+        if self.params is None:  # the block's group is gathered by now
+            self.params = self._param_keys()
         for plain in plain_tensors(t):
             key = storage_key(plain)
             if key is not None and key not in self.params:
-                self.sizes[key] = plain.untyped_storage().nbytes()
+                if len(self.groups) > 1:  # a group inside the block (MoE experts) may have been gathered since
+                    self.params = self._param_keys()
+                if key not in self.params:
+                    self.sizes[key] = plain.untyped_storage().nbytes()
         return t
+
+    def _param_keys(self) -> set[int | None]:
+        return {storage_key(plain) for g in self.groups for ts in g.held_tensors().values() for x in ts
+                for plain in plain_tensors(x)}
 
 
 def _model_dim(model: nn.Module) -> int:

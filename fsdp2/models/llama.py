@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -30,6 +31,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from .moe import MoE, moe_hidden
 
 __all__ = ["ModelArgs", "Transformer", "Block", "Attention", "FeedForward", "precompute_rope", "apply_rope",
            "tp_plan", "check_tp", "LLAMA3"]
@@ -51,6 +54,14 @@ class ModelArgs:
     max_seq_len: int = 256  # length of the rotary table; sequences may be shorter
     tie_embeddings: bool = False  # the output projection reuses tok_embeddings.weight
     init_std: float = 0.02  # standard deviation of the initial weights
+    moe_experts: int = 0  # routed experts per block (mixture of experts, fsdp2/models/moe.py); 0: dense SwiGLU
+    moe_top_k: int = 2  # experts each token is routed to
+    moe_hidden: int = 0  # an expert's SwiGLU width; 0: the dense width / moe_top_k, rounded up to multiple_of
+    moe_shared_experts: int = 0  # shared experts every token also goes through (one SwiGLU of this many
+    # times moe_hidden); 0: none
+    moe_score_func: Literal["sigmoid", "softmax"] = "sigmoid"  # the router's scores (torchtitan's default: sigmoid)
+    moe_load_balance_coeff: float = 1e-3  # each optimizer step moves a per-expert routing bias by this
+    # much toward the less-used experts (auxiliary-loss-free balancing, as torchtitan); 0: no balancing
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
@@ -66,12 +77,32 @@ class ModelArgs:
                 f"model.dim / model.n_heads = {self.head_dim} must be even: rotary embeddings "
                 "rotate pairs of channels"
             )
+        self._check_moe()
         kv = self.kv_heads
         if not isinstance(kv, int) or kv < 1 or self.n_heads % kv:
             raise ValueError(
                 f"model.n_kv_heads ({self.n_kv_heads}) must be a positive divisor of "
                 f"model.n_heads ({self.n_heads})"
             )
+
+    def _check_moe(self) -> None:
+        for name in ("moe_experts", "moe_hidden", "moe_shared_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"model.{name} must be an int >= 0, got {value!r}")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"model.moe_top_k ({self.moe_top_k}) must be between 1 and model.moe_experts "
+                             f"({self.moe_experts})")
+        if self.moe_load_balance_coeff < 0:
+            raise ValueError(f"model.moe_load_balance_coeff must be >= 0 (0: no balancing), "
+                             f"got {self.moe_load_balance_coeff!r}")
+        if self.moe_score_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"model.moe_score_func must be sigmoid or softmax, got {self.moe_score_func!r}")
+
+    @property
+    def expert_hidden(self) -> int:
+        """An expert's SwiGLU width (``moe_hidden``, or the dense width / ``moe_top_k`` rounded up)."""
+        return moe_hidden(self.dim, self.moe_hidden, self.moe_top_k, self.multiple_of)
 
     @property
     def head_dim(self) -> int:
@@ -170,7 +201,11 @@ class Block(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        # A mixture of experts in place of the SwiGLU when the model has experts (same name: same hooks).
+        self.feed_forward = MoE(dim=args.dim, hidden=args.expert_hidden, num_experts=args.moe_experts,
+                                top_k=args.moe_top_k, shared_hidden=args.moe_shared_experts * args.expert_hidden,
+                                score_func=args.moe_score_func, load_balance_coeff=args.moe_load_balance_coeff,
+                                ) if args.moe_experts else FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)  # (batch, seq, dim)
@@ -220,11 +255,15 @@ class Transformer(nn.Module):
         for layer in self.layers:
             block = _unwrap(layer)
             out_std = std / math.sqrt(2 * (block.layer_id + 1))
-            for linear in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1,
-                           block.feed_forward.w3):
+            for linear in (block.attention.wq, block.attention.wk, block.attention.wv):
                 init.normal_(linear.weight, std)
             init.normal_(block.attention.wo.weight, out_std)
-            init.normal_(block.feed_forward.w2.weight, out_std)
+            if isinstance(block.feed_forward, MoE):
+                block.feed_forward.init_weights(init.normal_, std, out_std)
+            else:
+                init.normal_(block.feed_forward.w1.weight, std)
+                init.normal_(block.feed_forward.w3.weight, std)
+                init.normal_(block.feed_forward.w2.weight, out_std)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
@@ -236,6 +275,12 @@ class Transformer(nn.Module):
 # ---- tensor parallelism -------------------------------------------------------------------
 def check_tp(args: ModelArgs, tp: int) -> None:
     """Raise ValueError if a model of shape ``args`` cannot be split ``tp`` ways by :func:`tp_plan`."""
+    if args.moe_experts and tp > 1:
+        raise ValueError(
+            "tensor parallelism is not supported with model.moe_experts > 0 yet (its plan covers dense blocks; "
+            "the router and shared expert would need their gradients summed over tp): use parallelism.tp=1 "
+            "with FSDP, HSDP (parallelism.dp_replicate) and expert parallelism (parallelism.ep)"
+        )
     if args.n_heads % tp or args.kv_heads % tp:
         raise ValueError(
             f"tensor parallelism splits heads: model.n_heads ({args.n_heads}) and model.n_kv_heads "

@@ -17,8 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp2 import MixedPrecisionPolicy, QuantizedComm, fully_shard
 # The tensor-parallel plan is the model's own, in the package: the memory planner uses it too.
 from fsdp2.models.llama import check_tp, tp_plan
+from fsdp2.models.moe import ExpertParallelMeshes, expert_parallel_meshes
 
 from .model import Transformer
+from .moe import apply_expert_parallel, check_moe, shard_experts
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -42,13 +44,17 @@ class ParallelDims:
         dp_shard: ranks that shard parameters, gradients and optimizer state (FSDP).
         tp: tensor-parallel degree; each block's matrices are split across these ranks.
         world_size: number of ranks in the job.
+        ep: expert-parallel degree (MoE models): splits the dp_shard axis into efsdp x ep
+            (``recipes/llama/moe.py``); 1: experts sharded like the rest.
     """
 
     dp_replicate: int
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    ep_meshes: ExpertParallelMeshes | None = field(default=None, init=False, repr=False)  # with ep > 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -97,6 +103,11 @@ class ParallelDims:
         ("dp_shard",), HSDP ("dp_replicate", "dp_shard"), FSDP x TP ("dp_shard", "tp"),
         and HSDP x TP all three.
         """
+        if self.ep > 1:  # expert parallelism: dp_shard is efsdp x ep (recipes/llama/moe.py)
+            self.ep_meshes = expert_parallel_meshes(device_type, dp_replicate=self.dp_replicate,
+                                                    dp_shard=self.dp_shard, ep=self.ep, tp=self.tp)
+            self.mesh = self.ep_meshes.world
+            return self.mesh
         names = [n for n in AXES if n == "dp_shard" or getattr(self, n) > 1]
         self.mesh = init_device_mesh(
             device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=tuple(names)
@@ -110,6 +121,8 @@ class ParallelDims:
         shard again over these ranks (a 2-D DTensor on the whole mesh).
         """
         mesh = self._built()
+        if self.ep_meshes is not None:
+            return self.ep_meshes.dp
         if self.dp_replicate > 1:
             return mesh["dp_replicate", "dp_shard"]
         return mesh if mesh.mesh_dim_names == ("dp_shard",) else mesh["dp_shard"]
@@ -137,6 +150,7 @@ def parallelize(model: Transformer, dims: ParallelDims, config: JobConfig) -> Tr
     #    layout to shard each TP shard again along the data-parallel axes.
     if dims.tp > 1:
         tp_plan(model, mesh["tp"])
+    apply_expert_parallel(model, dims)  # MoE: each ep rank keeps its experts (a DTensor on "ep", as TP's)
     # 2. Activation checkpointing inside FSDP's unit: FSDP's hooks run on the block's call, so
     #    the recompute in backward runs while the block is already gathered (no second all-gather).
     if training.activation_checkpoint:
@@ -146,6 +160,8 @@ def parallelize(model: Transformer, dims: ParallelDims, config: JobConfig) -> Tr
         apply_compile(model)
     # 4. FSDP last, bottom-up: each block is one all-gather/reduce-scatter group, the root
     #    takes what is left (embeddings, final norm, output).
+    if config.model.moe_experts:  # the experts first: a group of their own, on their own mesh
+        shard_experts(model, dims, fsdp_options(config))
     apply_fsdp(model, dims.dp_mesh(), config)
     return model
 
@@ -155,6 +171,7 @@ def check_layout(dims: ParallelDims, config: JobConfig) -> None:
 
     Call it before any collective, so a bad layout is one clear error, not a hang.
     """
+    check_moe(dims, config)
     if dims.tp == 1:
         return
     check_tp(config.model, dims.tp)
@@ -192,18 +209,23 @@ def apply_compile(model: Transformer) -> None:
         block.compile(fullgraph=True)
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, config: JobConfig) -> None:
-    """``fully_shard`` each block, then the root, with the job's precision and resharding."""
+def fsdp_options(config: JobConfig) -> dict:
+    """``fully_shard``'s keywords for the job's precision, resharding and quantization."""
     param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config.training.mixed_precision]
     # Gradients are always reduced in fp32: summing many bf16 gradients loses their low bits.
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard = {"default": None, "always": True, "never": False}[config.parallelism.reshard_after_forward]
-    comm_policy = comm_policy_of(config)
+    return {"mp_policy": mp_policy, "reshard_after_forward": reshard, "comm_policy": comm_policy_of(config)}
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, config: JobConfig) -> None:
+    """``fully_shard`` each block, then the root, with the job's precision and resharding."""
+    options = fsdp_options(config)
     for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard, comm_policy=comm_policy)
+        fully_shard(block, mesh=dp_mesh, **options)
     # For the root, None keeps the parameters gathered after forward: backward needs the
     # output layer first, so gathering it again would be wasted.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard, comm_policy=comm_policy)
+    fully_shard(model, mesh=dp_mesh, **options)
 
 
 def comm_policy_of(config: JobConfig) -> QuantizedComm:
