@@ -90,10 +90,6 @@ def pipeline_layout(config: JobConfig) -> PipelineLayout:
     """
     p, t, n_layers = config.parallelism, config.training, config.model.n_layers
     pp, name = p.pp, p.pp_schedule
-    if _torch_version() < MIN_TORCH:
-        raise ConfigError(f"parallelism.pp={pp} needs torch {'.'.join(map(str, MIN_TORCH))} or newer (this is torch "
-                          f"{torch.__version__}, whose pipelining fails on a pipeline's first step); upgrade torch "
-                          "or run with parallelism.pp=1")
     if config.model.tie_embeddings:
         raise ConfigError(f"parallelism.pp={pp} with model.tie_embeddings=true: the first stage's embedding and the "
                           "last stage's output cannot share one weight; set model.tie_embeddings=false or pp=1")
@@ -128,6 +124,10 @@ def pipeline_layout(config: JobConfig) -> PipelineLayout:
                           "GPipe or 1F1B")
     layout = PipelineLayout(pp, name, per_rank, lps, p.pp_microbatches or pp * per_rank)
     _check_microbatches(layout, t.batch_size, given=p.pp_microbatches > 0)
+    if _torch_version() < MIN_TORCH:  # last: the other mistakes are named on any torch
+        raise ConfigError(f"parallelism.pp={pp} needs torch {'.'.join(map(str, MIN_TORCH))} or newer (this is torch "
+                          f"{torch.__version__}, whose pipelining fails on a pipeline's first step); upgrade torch "
+                          "or run with parallelism.pp=1")
     return layout
 
 

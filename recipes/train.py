@@ -478,10 +478,12 @@ def log_setup(config: JobConfig, dims: ParallelDims, n_params: int, corpus_bytes
     return tokens_per_step
 
 
-def model_flops_per_token(config: JobConfig) -> int:
-    """Training FLOPs per token of the unsharded model (``recipes.metrics.flops_per_token``)."""
+def model_flops_per_token(model: Transformer | None, config: JobConfig) -> int:
+    """Training FLOPs per token of the unsharded model (``recipes.metrics.flops_per_token``);
+    ``model`` None: counted on a meta build (a pipeline rank holds only its stages)."""
     args = config.model
-    n_params, embedding = full_parameter_count(config)  # (a pipeline rank holds only its stages)
+    n_params, embedding = (full_parameter_count(config) if model is None else  # DTensors: the global count
+                           (sum(p.numel() for p in model.parameters()), model.tok_embeddings.weight.numel()))
     # A tied table is also the output projection, whose matmul costs what its weights say.
     embedding = 0 if args.tie_embeddings else embedding
     return flops_per_token(n_params, embedding, args.n_layers, args.dim, config.training.seq_len)
@@ -513,8 +515,8 @@ def dry_run(config: JobConfig, dims: ParallelDims, device: torch.device, memory:
 def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     """Collective: build, (resume,) train, export, sample; returns the step it resumed from (0: a fresh run)."""
     t, ckpt = config.training, config.checkpoint
-    checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable)
-                    if ckpt.dir else None)
+    checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable,
+                                 flat_optimizer=dims.pp > 1) if ckpt.dir else None)
     if restarts := int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         log(f"torchrun restart {restarts}: resuming from the newest sound checkpoint")
     if checkpointer is not None:
@@ -537,7 +539,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     start = resume(checkpointer, model, optimizer, scheduler, guard)
     if start == 0 and ckpt.initial_load_path:
         load_initial(ckpt.initial_load_path, model)
-    progress = Progress(config, tokens_per_step, start, device, model_flops_per_token(config))
+    flops = model_flops_per_token(None if pipeline else model, config)
+    progress = Progress(config, tokens_per_step, start, device, flops)
     profiler = Profiler(config, dist.get_rank(), device)
     dp_rank = dims.dp_rank(dist.get_rank())
     faults = config.faults
