@@ -14,10 +14,12 @@ pipelining runs. Each stage is sharded as torchtitan's ``apply_fsdp`` shards it 
 every block one group, the stage the root of the rest, and by default no resharding after forward
 (each microbatch's forward would gather the stage again).
 
-Pipelining drives the stages through ``fsdp2.patch_torch()``, held around each step: it then
-recognises fsdp2's modules as FSDP modules and, as for torch's FSDP2, accumulates the microbatches'
-gradients unsharded and reduce-scatters once per step (imported directly, fsdp2 would reduce per
-microbatch, and the zero-bubble schedules would be refused: docs/integrations.md).
+Pipelining drives the stages through ``fsdp2.patch_torch()``, held from the schedule's making to
+``Pipeline.close()`` (the end of training; applying it takes a few hundred milliseconds, too much
+to repeat every step): it then recognises fsdp2's modules as FSDP modules and, as for torch's
+FSDP2, accumulates the microbatches' gradients unsharded and reduce-scatters once per step
+(imported directly, fsdp2 would reduce per microbatch, and the zero-bubble schedules would be
+refused: docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -201,14 +203,18 @@ class Pipeline:
         self.first, self.last = 0 in stage_ids, layout.num_stages - 1 in stage_ids
         self.loss_fn = _Loss(grad_accum)
         group = pp_mesh.get_group()
-        with fsdp2.patch_torch():
-            runs = [PipelineStage(stage, i, layout.num_stages, device, group=group)
-                    for i, stage in zip(stage_ids, stages)]
-            cls = get_schedule_class(layout.schedule)
-            # scale_grads (the default): each microbatch's gradients count 1 / microbatches, so the step's
-            # gradient is the batch mean's, as without pipelining.
-            self.schedule = cls(runs[0] if layout.schedule in SINGLE_STAGE else runs,
-                                n_microbatches=layout.microbatches, loss_fn=self.loss_fn)
+        # Pipelining drives fsdp2 as torch's FSDP2 while patched (one reduction per step); close() ends it.
+        self._patch = fsdp2.patch_torch()
+        runs = [PipelineStage(stage, i, layout.num_stages, device, group=group) for i, stage in zip(stage_ids, stages)]
+        cls = get_schedule_class(layout.schedule)
+        # scale_grads (the default): each microbatch's gradients count 1 / microbatches, so the step's
+        # gradient is the batch mean's, as without pipelining.
+        self.schedule = cls(runs[0] if layout.schedule in SINGLE_STAGE else runs,
+                            n_microbatches=layout.microbatches, loss_fn=self.loss_fn)
+
+    def close(self) -> None:
+        """End the ``patch_torch()`` the pipeline runs under (torch's FSDP2 names are torch's again)."""
+        self._patch.undo()
 
     def forward_backward(self, corpus: torch.Tensor, step: int, dp_rank: int, t: TrainingConfig,
                          device: torch.device, *, poison: bool = False) -> torch.Tensor:
@@ -225,8 +231,7 @@ class Pipeline:
             losses: list[torch.Tensor] = []
             args = (inputs.to(device),) if self.first else ()
             kwargs = dict(target=targets.to(device), losses=losses) if self.last else {}
-            with fsdp2.patch_torch():  # pipelining drives fsdp2 as torch's FSDP2 (one reduction per step)
-                self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, **kwargs)
             if losses:  # each microbatch's mean (already / grad_accum): their mean is the batch's
                 loss_sum += torch.stack([loss.detach() for loss in losses]).mean()
         dist.all_reduce(loss_sum, group=self.pp_mesh.get_group())

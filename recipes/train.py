@@ -573,6 +573,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     finally:
         if progress.tensorboard is not None:
             progress.tensorboard.close()
+        if pipeline is not None:
+            pipeline.close()
     log(progress.summary())
 
     if ckpt.export:
