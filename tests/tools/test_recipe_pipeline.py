@@ -7,6 +7,8 @@
   same recipe without pipelining on 2 ranks (same seed, same global batch): the losses and the
   gradient norms (clipping sees every stage) agree within 1e-5 relative, in fp32.
 - Resume: the pp 2 x dp_shard 2 run resumed from its step-2 checkpoint continues bit-exact.
+- The memory planner's prediction for the recipe's pipelined run (``recipes.preflight.plan_argv``)
+  against the peak fsdp2.MemoryTracker measures on its heaviest rank.
 """
 
 from __future__ import annotations
@@ -140,3 +142,30 @@ def test_pipeline_resume_is_exact(tmp_path):
     for step in (3, 4):
         for key in ("loss", "lr", "grad_norm"):
             assert resumed[step][key] == full[step][key], (step, key)
+
+
+# ---- the memory planner against a measured run ----------------------------------------------------
+def _measured_peak(root: Path) -> int:
+    """The heaviest rank's peak at step 2 (fsdp2.MemoryTracker, the recipe's CPU memory snapshot)."""
+    files = sorted((root / "memory_snapshot" / "step-2").glob("rank*_memory.json"))
+    assert len(files) == 4
+    return max(json.loads(f.read_text())["peak_bytes"] for f in files)
+
+
+@needs_pipelining
+@pytest.mark.slow  # the recipe on 4 ranks with a memory snapshot, per schedule
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_planner_predicts_the_heaviest_stage(tmp_path, schedule):
+    from fsdp2.plan import check_fit
+    from recipes.preflight import plan_argv
+
+    # The tiny config's shapes (batch 8 x seq 128): activations dominate, as on a real run.
+    flags = ["--pp", "2", "--dp-shard", "2", f"--parallelism.pp_schedule={schedule}", "--training.steps=2",
+             "--metrics.sample_tokens=0", "--profiling.memory_snapshot_steps=2", f"--job.dump_folder={tmp_path}"]
+    run_on_ranks(_train_on_ranks, 4, flags, timeout=240.0)
+    measured = _measured_peak(tmp_path)
+    config, dims = check_command(flags, 4)
+    predicted = check_fit(plan_argv(config, dims, "cpu", 2**40), suggest=False).estimate.peak_bytes
+    # The schedule's microbatches in flight are modelled, not simulated: on torch 2.13 the prediction
+    # is 8% under the measured peak for 1F1B and 22% under for Interleaved1F1B (docs/memory.md).
+    assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
