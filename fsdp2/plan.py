@@ -260,9 +260,9 @@ def _apply_recipe_toml(args: argparse.Namespace, given: set[str]) -> None:
         if args.world is None:
             args.world = world
         elif args.world != world:
-            raise ValueError(f"--world {args.world}, but {path} fixes pp {args.pp} x dp_replicate "
-                             f"{args.dp_replicate} x dp_shard {shard} x tp {args.tp} = {world} ranks; give --world "
-                             f"{world} or change the file")
+            pp = f"pp {args.pp} x " if args.pp > 1 else ""
+            raise ValueError(f"--world {args.world}, but {path} fixes {pp}dp_replicate {args.dp_replicate} x dp_shard "
+                             f"{shard} x tp {args.tp} = {world} ranks; give --world {world} or change the file")
 
 
 def _given(argv: Sequence[str]) -> set[str]:

@@ -101,9 +101,11 @@ class Layout:
         for name in ("world", "batch", "seq", "dp_replicate", "tp", "grad_accum", "pp"):
             positive_int("Layout", name, getattr(self, name))
         if self.world % (self.pp * self.dp_replicate * self.tp):
+            pp = f"pp ({self.pp}) x " if self.pp > 1 else ""
             raise ValueError(
-                f"world ({self.world}) must be divisible by pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x "
-                f"tp ({self.tp}); the shard axis gets the rest of the ranks: change world, pp, dp_replicate or tp"
+                f"world ({self.world}) must be divisible by {pp}dp_replicate ({self.dp_replicate}) x tp ({self.tp}); "
+                f"the shard axis gets world / ({'pp x ' if pp else ''}dp_replicate x tp) ranks: change world, "
+                f"{'pp, ' if pp else ''}dp_replicate or tp"
             )
         if self.pp > 1:
             from ._pipeline import check_pipeline_layout

@@ -56,6 +56,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        shown = [name for name in AXES if name != "pp" or self.pp != 1]  # (messages name pp when it is used)
         degrees = {name: getattr(self, name) for name in AXES}
         for name, value in degrees.items():
             if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
@@ -63,7 +64,7 @@ class ParallelDims:
         inferred = [name for name, value in degrees.items() if value == -1]
         if len(inferred) > 1:
             raise ValueError(
-                f"only one of {', '.join(AXES)} can be -1 (inferred from the world size), "
+                f"only one of {', '.join(shown)} can be -1 (inferred from the world size), "
                 f"got -1 for {' and '.join(inferred)}"
             )
         known = 1
@@ -77,7 +78,7 @@ class ParallelDims:
                 )
             setattr(self, inferred[0], self.world_size // known)
         elif known != self.world_size:
-            product = " * ".join(f"{name} ({getattr(self, name)})" for name in AXES)
+            product = " * ".join(f"{name} ({getattr(self, name)})" for name in shown)
             raise ValueError(
                 f"{product} = {known}, but the world size is {self.world_size}; "
                 "change a degree or set one of them to -1 to infer it"

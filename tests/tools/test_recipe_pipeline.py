@@ -3,9 +3,10 @@
 - Config errors, in-process: each bad pipeline is one ConfigError naming the key and the fix,
   before any process group starts (torch < 2.13 included, with the version named).
 - On 4 gloo ranks, ``train()`` with pp 2 composed with FSDP (dp_shard 2, 1F1B), HSDP
-  (dp_replicate 2, Interleaved1F1B) and TP (tp 2, ZBVZeroBubble), 3 steps each, against the
-  same recipe without pipelining on 2 ranks (same seed, same global batch): the losses and the
-  gradient norms (clipping sees every stage) agree within 1e-5 relative, in fp32.
+  (dp_replicate 2, Interleaved1F1B, 2 accumulated batches per step) and TP (tp 2,
+  ZBVZeroBubble), 3 steps each, against the same recipe without pipelining on 2 ranks (same
+  seed, same global batch): the losses and the gradient norms (clipping sees every stage) agree
+  within 1e-5 relative, in fp32.
 - Resume: the pp 2 x dp_shard 2 run resumed from its step-2 checkpoint continues bit-exact.
 - The memory planner's prediction for the recipe's pipelined run (``recipes.preflight.plan_argv``)
   against the peak fsdp2.MemoryTracker measures on its heaviest rank.
@@ -36,8 +37,10 @@ SMALL = ["--model.dim=32", "--model.n_layers=4", "--model.n_heads=4", "--model.n
 # pp 2 x an axis on 4 ranks, and the same axis alone on 2 (the same data-parallel ranks and batches).
 LAYOUTS = {
     "fsdp-1F1B": (["--pp", "2", "--dp-shard", "2", "--parallelism.pp_schedule=1F1B"], ["--dp-shard", "2"]),
-    "hsdp-Interleaved1F1B": (["--pp", "2", "--dp-replicate", "2", "--dp-shard", "1",
-                              "--parallelism.pp_schedule=Interleaved1F1B"], ["--dp-replicate", "2", "--dp-shard", "1"]),
+    # (with gradient accumulation: each of the step's 2 batches runs through the pipeline)
+    "hsdp-Interleaved1F1B": (["--pp", "2", "--dp-replicate", "2", "--dp-shard", "1", "--training.grad_accum=2",
+                              "--parallelism.pp_schedule=Interleaved1F1B"],
+                             ["--dp-replicate", "2", "--dp-shard", "1", "--training.grad_accum=2"]),
     "tp-ZBVZeroBubble": (["--pp", "2", "--tp", "2", "--dp-shard", "1", "--parallelism.pp_schedule=ZBVZeroBubble"],
                          ["--tp", "2", "--dp-shard", "1"]),
 }
