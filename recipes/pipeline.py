@@ -180,10 +180,11 @@ class Stage(nn.Module):
 
 
 class _Loss:
-    """The last stage's loss per microbatch: cross-entropy in fp32, a share of the step's mean."""
+    """The last stage's loss per microbatch: cross-entropy in fp32, its share of the step's mean
+    (divided by the microbatches and the accumulated batches: the gradients' sum is the mean's)."""
 
-    def __init__(self, grad_accum: int) -> None:
-        self.scale, self.poison = 1.0 / grad_accum, False
+    def __init__(self, microbatches: int, grad_accum: int) -> None:
+        self.scale, self.poison = 1.0 / (microbatches * grad_accum), False
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) * self.scale
@@ -201,16 +202,16 @@ class Pipeline:
 
         self.model, self.stages, self.layout, self.pp_mesh = model, stages, layout, pp_mesh
         self.first, self.last = 0 in stage_ids, layout.num_stages - 1 in stage_ids
-        self.loss_fn = _Loss(grad_accum)
+        self.loss_fn = _Loss(layout.microbatches, grad_accum)
         group = pp_mesh.get_group()
         # Pipelining drives fsdp2 as torch's FSDP2 while patched (one reduction per step); close() ends it.
         self._patch = fsdp2.patch_torch()
         runs = [PipelineStage(stage, i, layout.num_stages, device, group=group) for i, stage in zip(stage_ids, stages)]
         cls = get_schedule_class(layout.schedule)
-        # scale_grads (the default): each microbatch's gradients count 1 / microbatches, so the step's
-        # gradient is the batch mean's, as without pipelining.
+        # No scale_grads: it divides every .grad at the end of each schedule step, which would divide an
+        # earlier accumulated batch's gradients again; the loss carries the scale instead (as torchtitan's).
         self.schedule = cls(runs[0] if layout.schedule in SINGLE_STAGE else runs,
-                            n_microbatches=layout.microbatches, loss_fn=self.loss_fn)
+                            n_microbatches=layout.microbatches, loss_fn=self.loss_fn, scale_grads=False)
 
     def close(self) -> None:
         """End the ``patch_torch()`` the pipeline runs under (torch's FSDP2 names are torch's again)."""
@@ -232,8 +233,8 @@ class Pipeline:
             args = (inputs.to(device),) if self.first else ()
             kwargs = dict(target=targets.to(device), losses=losses) if self.last else {}
             self.schedule.step(*args, **kwargs)
-            if losses:  # each microbatch's mean (already / grad_accum): their mean is the batch's
-                loss_sum += torch.stack([loss.detach() for loss in losses]).mean()
+            if losses:  # each microbatch's mean, already scaled: their sum is the batch's share
+                loss_sum += torch.stack([loss.detach() for loss in losses]).sum()
         dist.all_reduce(loss_sum, group=self.pp_mesh.get_group())
         return loss_sum
 
