@@ -172,3 +172,27 @@ def test_planner_predicts_the_heaviest_stage(tmp_path, schedule):
     # The schedule's microbatches in flight are modelled, not simulated: on torch 2.13 the prediction
     # is 8% under the measured peak for 1F1B and 22% under for Interleaved1F1B (docs/memory.md).
     assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
+
+
+def test_planner_pipeline_layouts():
+    from fsdp2.memory import Layout, ModelBuilder, estimate_memory
+    from fsdp2.models.llama import ModelArgs
+
+    with pytest.raises(ValueError, match=r"Layout.pp_schedule='Zigzag' is not a schedule torch ships"):
+        Layout(world=4, batch=8, seq=16, pp=2, pp_schedule="Zigzag")
+    with pytest.raises(ValueError, match=r"ZBVZeroBubble runs exactly 2 stages per pipeline rank"):
+        Layout(world=4, batch=8, seq=16, pp=2, pp_schedule="ZBVZeroBubble", pp_stages_per_rank=3)
+    with pytest.raises(ValueError, match=r"batch \(6\) must be divisible by the 4 pipeline microbatches"):
+        Layout(world=4, batch=6, seq=16, pp=2, pp_microbatches=4)
+    with pytest.raises(ValueError, match=r"world \(6\) must be divisible by pp \(4\) x dp_replicate \(1\) x tp \(1\)"):
+        Layout(world=6, batch=8, seq=16, pp=4)
+    model = ModelBuilder.llama(ModelArgs(dim=64, n_layers=8, n_heads=4, vocab_size=256, max_seq_len=32))
+    base = dict(world=4, batch=8, seq=32, backend="gloo", reshard_after_forward=False)
+    flat = estimate_memory(Layout(**base), model)
+    peaks = {s: estimate_memory(Layout(**base, pp=2, pp_schedule=s, pp_microbatches=8), model)
+             for s in ("GPipe", "1F1B")}
+    # GPipe keeps all 8 microbatches' activations, 1F1B at most pp = 2: GPipe needs more.
+    assert peaks["GPipe"].peak_bytes > peaks["1F1B"].peak_bytes
+    # Half the blocks per rank, an eighth of the batch at a time: less than without pipelining.
+    assert peaks["1F1B"].peak_bytes < flat.peak_bytes
+    assert "pp 2 (1F1B, 1 stage of 4 blocks per rank, 8 microbatches of 1)" in peaks["1F1B"].layout
