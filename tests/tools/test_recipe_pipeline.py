@@ -7,6 +7,8 @@
   ZBVZeroBubble), 3 steps each, against the same recipe without pipelining on 2 ranks (same
   seed, same global batch): the losses and the gradient norms (clipping sees every stage) agree
   within 1e-5 relative, in fp32.
+- The pp 2 x dp_shard 2 run equals, bit for bit, the same run with torch's ``fully_shard`` on the
+  stages (pipelining then drives torch's FSDP2 itself).
 - Resume: the pp 2 x dp_shard 2 run resumed from its step-2 checkpoint continues bit-exact.
 - The memory planner's prediction for the recipe's pipelined run (``recipes.preflight.plan_argv``)
   against the peak fsdp2.MemoryTracker measures on its heaviest rank.
@@ -196,3 +198,45 @@ def test_planner_pipeline_layouts():
     # Half the blocks per rank, an eighth of the batch at a time: less than without pipelining.
     assert peaks["1F1B"].peak_bytes < flat.peak_bytes
     assert "pp 2 (1F1B, 1 stage of 4 blocks per rank, 8 microbatches of 1)" in peaks["1F1B"].layout
+
+
+class _NoPatch:
+    def undo(self) -> None:
+        pass
+
+
+def _train_with_torch_fsdp(argv: list[str]) -> int:
+    """The recipe's pipelined run with torch's ``fully_shard`` on the stages, unpatched (pipelining
+    recognises torch's modules itself)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fsdp2
+
+    sharded = []
+
+    def shard(module, *, mesh, mp_policy, reshard_after_forward, comm_policy):
+        policy = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype)
+        sharded.append(module)
+        return torch_fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+    saved = pipeline.fully_shard, fsdp2.patch_torch
+    pipeline.fully_shard, fsdp2.patch_torch = shard, _NoPatch
+    try:
+        start = _train_on_ranks(argv)
+    finally:
+        pipeline.fully_shard, fsdp2.patch_torch = saved
+    assert len(sharded) == 3 and not isinstance(sharded[-1], fsdp2.FSDPModule)  # 2 blocks and the stage: torch's
+    return start
+
+
+@needs_pipelining
+@pytest.mark.slow  # the recipe on 4 ranks, twice
+def test_pipeline_is_torch_fsdp2_bit_for_bit(tmp_path):
+    flags = [*SMALL, *LAYOUTS["fsdp-1F1B"][0]]
+    run_on_ranks(_train_on_ranks, 4, [*flags, "--metrics-file", str(tmp_path / "ours.jsonl")], timeout=240.0)
+    run_on_ranks(_train_with_torch_fsdp, 4, [*flags, "--metrics-file", str(tmp_path / "torch.jsonl")], timeout=240.0)
+    ours, theirs = _records(tmp_path / "ours.jsonl"), _records(tmp_path / "torch.jsonl")
+    assert sorted(ours) == sorted(theirs) == [1, 2, 3]
+    for step in ours:
+        assert (ours[step]["loss"], ours[step]["grad_norm"]) == (theirs[step]["loss"], theirs[step]["grad_norm"]), step
