@@ -14,7 +14,7 @@ pipelining runs. Each stage is sharded as torchtitan's ``apply_fsdp`` shards it 
 every block one group, the stage the root of the rest, and by default no resharding after forward
 (each microbatch's forward would gather the stage again).
 
-Pipelining drives the stages through ``fsdp2.patch_torch()``, held from the schedule's making to
+Pipelining drives the stages through ``fsdp2.patch_torch()``, held from the first step to
 ``Pipeline.close()`` (the end of training; applying it takes a few hundred milliseconds, too much
 to repeat every step): it then recognises fsdp2's modules as FSDP modules and, as for torch's
 FSDP2, accumulates the microbatches' gradients unsharded and reduce-scatters once per step
@@ -42,6 +42,8 @@ from .llama.parallelize import apply_activation_checkpointing, apply_compile, fs
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp2.patch import PatchHandle
 
     from .config import JobConfig, TrainingConfig
     from .llama.parallelize import ParallelDims
@@ -204,8 +206,7 @@ class Pipeline:
         self.first, self.last = 0 in stage_ids, layout.num_stages - 1 in stage_ids
         self.loss_fn = _Loss(layout.microbatches, grad_accum)
         group = pp_mesh.get_group()
-        # Pipelining drives fsdp2 as torch's FSDP2 while patched (one reduction per step); close() ends it.
-        self._patch = fsdp2.patch_torch()
+        self._patch: PatchHandle | None = None  # from the first step (inside train()'s try) to close()
         runs = [PipelineStage(stage, i, layout.num_stages, device, group=group) for i, stage in zip(stage_ids, stages)]
         cls = get_schedule_class(layout.schedule)
         # No scale_grads: it divides every .grad at the end of each schedule step, which would divide an
@@ -215,7 +216,9 @@ class Pipeline:
 
     def close(self) -> None:
         """End the ``patch_torch()`` the pipeline runs under (torch's FSDP2 names are torch's again)."""
-        self._patch.undo()
+        if self._patch is not None:
+            self._patch.undo()
+            self._patch = None
 
     def forward_backward(self, corpus: torch.Tensor, step: int, dp_rank: int, t: TrainingConfig,
                          device: torch.device, *, poison: bool = False) -> torch.Tensor:
@@ -226,6 +229,8 @@ class Pipeline:
         """
         loss_sum = torch.zeros((), device=device)
         self.loss_fn.poison = poison
+        if self._patch is None:  # pipelining drives fsdp2 as torch's FSDP2 while patched (one reduction per step)
+            self._patch = fsdp2.patch_torch()
         for micro in range(t.grad_accum):
             inputs, targets = get_batch(corpus, seed=t.seed, step=step, rank=dp_rank, micro=micro,
                                         batch_size=t.batch_size, seq_len=t.seq_len)
