@@ -3,14 +3,20 @@
 With FSDP x TP, parameters TP left alone are DTensors on the data-parallel
 mesh while TP weights live on the (dp, tp) mesh. ``torch.nn.utils.clip_grad_norm_``
 stacks per-tensor norms and fails on mixed meshes; here each mesh's norm is
-computed separately, made a plain tensor, and combined.
+computed separately, made a plain tensor, and combined. Under pipeline
+parallelism each rank holds only its stages' parameters: ``pp_mesh`` adds
+the other stages' norms, so every rank clips by the whole model's norm.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
+import math
+
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _compat
@@ -24,6 +30,8 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Clip gradients by their total norm, like ``torch.nn.utils.clip_grad_norm_``.
 
@@ -35,6 +43,12 @@ def clip_grad_norm_(
     together, not one per axis: the first call gives those axes a flattened
     process group (``_compat.flatten_axes``), as DTensor's warning asks.
 
+    Args:
+        pp_mesh: the pipeline-parallel axis (a 1-D mesh) when each rank holds only some
+            pipeline stages' parameters: the stages' norms are combined over it (one
+            all-reduce), as torchtitan's ``clip_grad_norm_(..., pp_mesh=...)`` does. Every
+            rank of it must call this, also one without gradients.
+
     Returns:
         The total norm as a plain tensor, the same on every rank.
     """
@@ -45,7 +59,7 @@ def clip_grad_norm_(
         if grad is not None:
             key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else grad.device
             groups.setdefault(key, []).append(p)
-    if not groups:
+    if not groups and pp_mesh is None:
         return torch.tensor(0.0)
     norms = []
     for key, members in groups.items():
@@ -57,8 +71,23 @@ def clip_grad_norm_(
                 _compat.flatten_axes(mesh, sharded)
         norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type, error_if_nonfinite, foreach)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = norms[0].device
-    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type, error_if_nonfinite, foreach)
+    device = norms[0].device if norms else torch.device(pp_mesh.device_type)
+    total = (torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type, error_if_nonfinite, foreach)
+             if norms else torch.zeros((), device=device))
+    if pp_mesh is not None:
+        total = _across_stages(total, float(norm_type), pp_mesh)
     for members in groups.values():  # one mesh at a time: foreach ops cannot mix meshes
         torch.nn.utils.clip_grads_with_norm_(members, max_norm, total, foreach)
     return total
+
+
+def _across_stages(norm: torch.Tensor, norm_type: float, pp_mesh: DeviceMesh) -> torch.Tensor:
+    """The norm of the stages' norms: the max for the inf-norm, else (sum of norm^p)^(1/p)."""
+    group = pp_mesh.get_group()
+    if math.isinf(norm_type):
+        norm = norm.clone()
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.double() ** norm_type  # (in fp64: the p-th powers of small norms underflow less)
+    dist.all_reduce(powered, group=group)
+    return (powered ** (1.0 / norm_type)).to(norm.dtype)

@@ -36,6 +36,7 @@ import torch
 
 from ._api import QuantizedComm
 from .memory import Layout, MemoryEstimate, ModelBuilder, Reserve, estimate_memory
+from .memory._pipeline import SCHEDULES
 from .memory._tracker import format_bytes, format_table
 from .models.llama import LLAMA3, ModelArgs
 
@@ -171,6 +172,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
     run.add_argument("--ep", type=_positive, default=1,
                      help="expert-parallel degree (MoE): the shard ranks split into dp_shard/ep (experts' FSDP) x ep")
+    run.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel degree (torch.distributed.pipelining)")
+    run.add_argument("--pp-schedule", choices=SCHEDULES, default="1F1B",
+                     help="the pipeline schedule: how many microbatches' activations a stage holds at once")
+    run.add_argument("--pp-microbatches", type=int, default=0, help="microbatches per batch; 0: one per stage")
+    run.add_argument("--pp-layers-per-stage", type=int, default=0,
+                     help="blocks per pipeline stage; 0: n_layers / pp (GPipe, 1F1B), else n_layers / (2 pp)")
     run.add_argument("--batch", type=_positive, default=1, help="sequences per data-parallel rank per micro-batch")
     run.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per optimizer step")
     run.add_argument("--seq", type=_positive, default=8192, help="tokens per sequence")
@@ -179,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
                      help="nccl: GPUs; gloo: CPU ranks (fsdp2's CPU transport, and nothing reserved)")
     run.add_argument("--reshard-after-forward", type=_bool, default=True,
-                     help="free each block's gathered parameters after its forward")
+                     help="free each block's gathered parameters after its forward (with --pp: default false)")
     run.add_argument("--activation-checkpointing", type=_ac, default="none", metavar="{none,full}",
                      help="full: every block recomputes its forward in backward (true/false also accepted)")
     run.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd_momentum"],
@@ -211,7 +218,8 @@ def _parser() -> argparse.ArgumentParser:
 RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "training": {"batch_size": 8, "seq_len": 128, "grad_accum": 1, "mixed_precision": "fp32",
                  "activation_checkpoint": False},
-    "parallelism": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "ep": 1, "reshard_after_forward": "default",
+    "parallelism": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "ep": 1, "pp": 1, "pp_schedule": "1F1B",
+                    "pp_microbatches": 0, "pp_layers_per_stage": 0, "reshard_after_forward": "default",
                     "quantize_weights": "", "quantize_gradients": "", "quantize_error_feedback": False,
                     "quantize_gradient_axes": "shard"},
 }
@@ -250,9 +258,12 @@ def _apply_recipe_toml(args: argparse.Namespace, given: set[str]) -> None:
                          "parallelism.reshard_after_forward default, always or never")
     param, reduce = _RECIPE_PRECISION[t["mixed_precision"]]
     blocks, root = _RECIPE_RESHARD[p["reshard_after_forward"]]
+    args.recipe_reshard = p["reshard_after_forward"]  # "default" under --pp: no resharding (_parse)
     values = {"batch": t["batch_size"], "seq": t["seq_len"], "grad_accum": t["grad_accum"],
               "param_dtype": param, "reduce_dtype": reduce, "activation_checkpointing": t["activation_checkpoint"],
               "dp_replicate": p["dp_replicate"], "tp": p["tp"], "ep": p["ep"], "reshard_after_forward": blocks,
+              "pp": p["pp"], "pp_schedule": p["pp_schedule"], "pp_microbatches": p["pp_microbatches"],
+              "pp_layers_per_stage": p["pp_layers_per_stage"],
               "quantize_weights": p["quantize_weights"] or None, "quantize_gradients": p["quantize_gradients"] or None,
               "error_feedback": p["quantize_error_feedback"], "quantize_gradient_axes": p["quantize_gradient_axes"]}
     for dest, value in values.items():
@@ -262,11 +273,12 @@ def _apply_recipe_toml(args: argparse.Namespace, given: set[str]) -> None:
         args.root_reshard_after_forward = root
     shard = p["dp_shard"]
     if shard > 0:  # the TOML fixes every axis: that is the world
-        world = args.dp_replicate * shard * args.tp  # (ep splits dp_shard: no ranks of its own)
+        world = args.pp * args.dp_replicate * shard * args.tp  # (ep splits dp_shard: no ranks of its own)
         if args.world is None:
             args.world = world
         elif args.world != world:
-            raise ValueError(f"--world {args.world}, but {path} fixes dp_replicate {args.dp_replicate} x dp_shard "
+            pp = f"pp {args.pp} x " if args.pp > 1 else ""
+            raise ValueError(f"--world {args.world}, but {path} fixes {pp}dp_replicate {args.dp_replicate} x dp_shard "
                              f"{shard} x tp {args.tp} = {world} ranks; give --world {world} or change the file")
 
 
@@ -282,9 +294,12 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     """The command line, completed by a recipe TOML's layout; ``--world`` checked last."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    args.recipe_model, args.root_reshard_after_forward = None, False
+    args.recipe_model, args.root_reshard_after_forward, args.recipe_reshard = None, False, "default"
+    given = _given(argv)
     if args.config is not None and args.config not in LLAMA3:
-        _apply_recipe_toml(args, _given(argv))
+        _apply_recipe_toml(args, given)
+    if args.pp > 1 and "reshard_after_forward" not in given and args.recipe_reshard == "default":
+        args.reshard_after_forward = False  # pipeline stages stay gathered, as the recipe (and torchtitan) runs them
     if args.world is None:
         parser.error("--world is required (the total ranks), unless a recipe TOML's parallelism.dp_shard "
                      "fixes the mesh")
@@ -348,6 +363,7 @@ def _model_args(args: argparse.Namespace) -> tuple[str, ModelArgs, list[str]]:
     model = ModelArgs(**{k: v for k, v in base.items() if k in known})
     if ffn_hidden is not None and model.ffn_hidden != ffn_hidden:
         raise ValueError(f"cannot express a SwiGLU hidden size of {ffn_hidden} for dim {model.dim}")
+    args.model_layers = model.n_layers  # (the pipeline's stages per rank: _layout)
     return name, model, notes
 
 
@@ -360,6 +376,7 @@ def _layout(args: argparse.Namespace, **fields: object) -> Layout:
                  reshard_after_forward=args.reshard_after_forward, grad_accum=args.grad_accum,
                  activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer,
                  root_reshard_after_forward=args.root_reshard_after_forward, backend=args.backend)
+    flags.update(_pipeline_fields(args, fields.get("pp", args.pp)))
     for flag, given in (("--error-feedback", args.error_feedback),
                         ("--quantize-gradient-axes", args.quantize_gradient_axes != "shard")):
         if given and not args.quantize_gradients:
@@ -369,6 +386,22 @@ def _layout(args: argparse.Namespace, **fields: object) -> Layout:
                                              error_feedback=args.error_feedback,
                                              gradient_axes=args.quantize_gradient_axes)
     return Layout(**{**flags, **fields})
+
+
+def _pipeline_fields(args: argparse.Namespace, pp: int) -> dict[str, Any]:
+    """Layout's pipeline fields: ``--pp-layers-per-stage`` as stages per rank (0: the schedule's default)."""
+    if pp == 1:
+        return {}
+    per_rank, lps = 0, args.pp_layers_per_stage
+    if lps:
+        if lps < 0 or args.model_layers % lps or (args.model_layers // lps) % pp:
+            raise ValueError(f"--pp-layers-per-stage {lps} must divide the {args.model_layers} blocks into a "
+                             f"multiple of --pp {pp} stages")
+        per_rank = args.model_layers // lps // pp
+    if args.pp_microbatches < 0:
+        raise ValueError(f"--pp-microbatches must be >= 0 (0: one per stage), got {args.pp_microbatches}")
+    return dict(pp=pp, pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
+                pp_stages_per_rank=per_rank)
 
 
 def _reserve(args: argparse.Namespace) -> Reserve:
@@ -437,6 +470,12 @@ def _changes(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> list
     tps = [(f"--tp {t}", {"tp": t}) for t in _tp_degrees(model, layout.world // layout.dp_replicate, layout.tp)]
     if tps:
         out.append(tps)
+    if layout.pp == 1:  # pipeline stages: each rank holds 1 / pp of the blocks (1F1B, one stage per rank)
+        pps = [(f"--pp {p}", {"pp": p, "reshard_after_forward": False, **_pipeline_fields(args, p)})
+               for p in (2, 4, 8) if layout.world % (p * layout.dp_replicate * layout.tp) == 0
+               and model.n_layers % p == 0 and layout.batch % p == 0]
+        if pps:
+            out.append(pps)
     out.append([(f"--world {layout.world * k}", {"world": layout.world * k}) for k in (2, 4, 8)])
     return out
 

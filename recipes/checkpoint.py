@@ -109,10 +109,14 @@ class Checkpointer:
         keep: how many newest sound checkpoints to keep; 0 keeps all.
         start_fresh_if_unusable: when ``root`` holds checkpoints but none is sound, start
             from step 0 (moving them aside) instead of raising :class:`UnusableCheckpointError`.
+        flat_optimizer: save the optimizer state by parameter name (pipeline stages: each rank's
+            parameter groups name different parameters; ``fsdp2.checkpoint.save``). Loading reads either.
     """
 
-    def __init__(self, root: str | Path, *, keep: int = 2, start_fresh_if_unusable: bool = False) -> None:
+    def __init__(self, root: str | Path, *, keep: int = 2, start_fresh_if_unusable: bool = False,
+                 flat_optimizer: bool = False) -> None:
         self.root = Path(root)
+        self.flat_optimizer = flat_optimizer
         self.keep = keep
         self.start_fresh_if_unusable = start_fresh_if_unusable
         self.last_step: int | None = None  # the newest checkpoint this run resumed from or saved
@@ -276,7 +280,8 @@ class Checkpointer:
         if _rank() == 0:  # before save's first collective, so before any rank writes
             final.parent.mkdir(parents=True, exist_ok=True)
         # Atomic: the directory appears, complete, only after every rank has written its shards.
-        ckpt.save(final, model, optimizer, extra={**(extra or {}), "step": step, "scheduler": scheduler.state_dict()})
+        ckpt.save(final, model, optimizer, extra={**(extra or {}), "step": step, "scheduler": scheduler.state_dict()},
+                  flat_optimizer=self.flat_optimizer)
         self.last_step = step
         if _rank() == 0:
             seconds = time.perf_counter() - start

@@ -95,7 +95,15 @@ class ParallelismConfig:
     tp: int = 1  # tensor-parallel degree
     ep: int = 1  # expert-parallel degree (MoE models): experts split over ep of the dp_shard ranks, tokens sent
     # to them by all-to-all; the experts are FSDP-sharded over dp_shard / ep (docs/recipes.md, mixture of experts)
+    pp: int = 1  # pipeline-parallel degree: the blocks are split into stages over these ranks (torch >= 2.13)
+    pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                         "DualPipeV"] = "1F1B"  # torch.distributed.pipelining's schedule; the last four
+    # run several stages per pipeline rank (the ZBV and DualPipeV schedules exactly 2, in a V)
+    pp_microbatches: int = 0  # microbatches each training.batch_size is split into; 0: one per stage
+    pp_layers_per_stage: int = 0  # blocks per stage (torchtitan's pipeline_parallel_layers_per_stage);
+    # 0: n_layers / pp stages for GPipe and 1F1B, n_layers / (2 pp) for the multi-stage schedules
     reshard_after_forward: Literal["default", "always", "never"] = "default"  # default: all but the root
+    # (with pp > 1: none, as torchtitan: every microbatch's forward would gather again)
     quantize_weights: Literal["", "int8", "int4"] = ""  # int8/int4: all-gather the parameters as 8- or
     # 4-bit values with one fp32 scale per quantize_block_size elements (fsdp2.QuantizedComm(weights=...));
     # "": in param_dtype
@@ -108,7 +116,8 @@ class ParallelismConfig:
     # are quantized: the shard axis' reduce-scatter, the replicas' all-reduce (usually between nodes), or both
 
     def __post_init__(self) -> None:
-        _positive("parallelism", self, "quantize_block_size", "ep")
+        _positive("parallelism", self, "quantize_block_size", "ep", "pp")
+        _positive("parallelism", self, "pp_microbatches", "pp_layers_per_stage", allow_zero=True)
         if self.quantize_error_feedback and not self.quantize_gradients:
             raise ConfigError("parallelism.quantize_error_feedback needs parallelism.quantize_gradients=int8 or int4 "
                               "(it corrects the gradients' quantization error); set it or leave "
@@ -220,6 +229,10 @@ class JobConfig:
                 f"training.seq_len ({self.training.seq_len}) exceeds model.max_seq_len "
                 f"({self.model.max_seq_len}); raise model.max_seq_len or shorten the sequences"
             )
+        if self.parallelism.pp > 1:
+            from .pipeline import check_pipeline  # (imports torch's pipelining only for pipelined runs)
+
+            check_pipeline(self)
 
 
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(JobConfig)[f.name] for f in dataclasses.fields(JobConfig)}
@@ -230,6 +243,7 @@ ALIASES = {
     "--dp-replicate": "parallelism.dp_replicate",
     "--tp": "parallelism.tp",
     "--ep": "parallelism.ep",
+    "--pp": "parallelism.pp",
     "--steps": "training.steps",
     "--data": "data.path",
     "--checkpoint-dir": "checkpoint.dir",

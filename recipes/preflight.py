@@ -145,6 +145,12 @@ def no_op_warnings(config: JobConfig, given: set[str] = frozenset()) -> list[str
                                                            "moe_shared_experts", "moe_score_func",
                                                            "moe_load_balance_coeff")):
         out.append(f"{', '.join(changed)}: no effect without model.moe_experts > 0 (a mixture of experts)")
+    if q.pp > 1 and m.sample_tokens:
+        out.append(f"metrics.sample_tokens={m.sample_tokens}: no sample with parallelism.pp={q.pp} (each rank holds "
+                   "only its pipeline stages)")
+    if q.pp == 1 and (changed := _given(config, given, "parallelism", "pp_schedule", "pp_microbatches",
+                                        "pp_layers_per_stage")):
+        out.append(f"{', '.join(changed)}: no effect without parallelism.pp > 1 (--pp N)")
     if not f.nan_loss_at_steps and "faults.nan_loss_rank" in given and f.nan_loss_rank != -1:
         out.append(f"faults.nan_loss_rank={f.nan_loss_rank}: no effect without faults.nan_loss_at_steps")
     return out
@@ -197,12 +203,16 @@ def plan_argv(config: JobConfig, dims: ParallelDims, device_type: str, memory: i
             "--world", dims.world_size, "--dp-replicate", dims.dp_replicate, "--tp", dims.tp,
             "--batch", t.batch_size, "--seq", t.seq_len, "--grad-accum", t.grad_accum,
             "--param-dtype", t.mixed_precision, "--reduce-dtype", "fp32",
-            "--reshard-after-forward", str(p.reshard_after_forward != "never").lower(),
+            "--reshard-after-forward", str(p.reshard_after_forward == "always" or
+                                           (p.reshard_after_forward == "default" and p.pp == 1)).lower(),
             "--activation-checkpointing", "full" if t.activation_checkpoint else "none",
             "--backend", "nccl" if device_type == "cuda" else "gloo", "--gpu-memory", f"{memory}B"]
     if a.moe_experts:  # a mixture of experts (the planner's routing: balanced)
         argv += ["--moe-experts", a.moe_experts, "--moe-top-k", a.moe_top_k, "--moe-hidden", a.expert_hidden,
                  "--moe-shared-experts", a.moe_shared_experts, "--ep", dims.ep]
+    if p.pp > 1:
+        argv += ["--pp", p.pp, "--pp-schedule", p.pp_schedule, "--pp-microbatches", p.pp_microbatches,
+                 "--pp-layers-per-stage", p.pp_layers_per_stage]
     if p.quantize_weights:
         argv += ["--quantize-weights", p.quantize_weights]
     if p.quantize_gradients:

@@ -67,6 +67,8 @@ from recipes.data import ByteTokenizer, corpus_files, corpus_size, get_batch, lo
 from recipes.llama.model import Transformer
 from recipes.llama.moe import active_params, register_load_balancing
 from recipes.llama.parallelize import ParallelDims, check_layout, parallelize
+from recipes.pipeline import Pipeline, build_pipeline, full_parameter_count, pipeline_layout
+from recipes.pipeline import describe as describe_pipeline
 from recipes.metrics import (
     MetricsWriter, TensorBoardWriter, check_tensorboard, flops_per_token, format_duration, gather_memory_mb,
     plot_loss,
@@ -151,7 +153,7 @@ def check_command(argv: list[str], world_size: int) -> tuple[JobConfig, Parallel
     Raises ConfigError or ValueError (tests/tools/test_doc_commands.py runs the docs' commands through it)."""
     config = parse_args(argv)
     p = config.parallelism
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep)
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, pp=p.pp)
     check_layout(dims, config)
     check_run(config, world_size)
     return config, dims
@@ -311,16 +313,18 @@ class StepResult(NamedTuple):
 
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                corpus: torch.Tensor, step: int, dp_rank: int, t: TrainingConfig,
-               device: torch.device, *, poison: bool = False) -> StepResult:
+               device: torch.device, *, poison: bool = False, pipeline: Pipeline | None = None) -> StepResult:
     """One optimizer step over ``t.grad_accum`` micro-batches, or none if the gradients are not finite.
 
     ``poison`` multiplies the loss by NaN (``faults.nan_loss_at_steps``: a bad batch on demand,
-    to test the skip).
+    to test the skip). ``pipeline``: the batches run through this rank's pipeline stages instead.
     """
     loss_sum = torch.zeros((), device=device)
+    if pipeline is not None:
+        loss_sum = pipeline.forward_backward(corpus, step, dp_rank, t, device, poison=poison)
     # Every micro-batch's backward reduce-scatters its gradients, which accumulate on the
     # sharded .grad; dividing each loss by grad_accum makes the sum the mean.
-    for micro in range(t.grad_accum):
+    for micro in range(t.grad_accum if pipeline is None else 0):
         inputs, targets = get_batch(corpus, seed=t.seed, step=step, rank=dp_rank, micro=micro,
                                     batch_size=t.batch_size, seq_len=t.seq_len)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -332,8 +336,9 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, scheduler: 
         loss_sum += loss.detach()
     # The norm of the full gradient, identical on every rank. fsdp2's clip_grad_norm_, not
     # torch's: under FSDP x TP some gradients live on the dp mesh and some on the (dp, tp)
-    # mesh, and torch's cannot combine norms across meshes.
-    grad_norm = fsdp2.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf")).item()
+    # mesh, and torch's cannot combine norms across meshes. Pipelined, over every stage's gradients.
+    grad_norm = fsdp2.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"),
+                                      pp_mesh=pipeline.pp_mesh if pipeline is not None else None).item()
     lr = scheduler.get_last_lr()[0]  # the rate this step uses
     # A bad batch: a non-finite loss on any rank makes its gradients, and so the global norm,
     # non-finite. The norm is the same on every rank, so all of them skip together with no
@@ -470,24 +475,29 @@ def log_setup(config: JobConfig, dims: ParallelDims, n_params: int, corpus_bytes
         f"{config.data.path or 'the Python standard library'}")
     log(f"tokens/step = {t.batch_size} batch x {t.seq_len} seq x {t.grad_accum} accum x {dims.dp_size} dp ranks "
         f"= {tokens_per_step:,}; chance loss ln({args.vocab_size}) = {math.log(args.vocab_size):.3f}")
+    if dims.pp > 1:
+        log(describe_pipeline(pipeline_layout(config)))
     return tokens_per_step
 
 
-def model_flops_per_token(model: Transformer, config: JobConfig) -> int:
-    """Training FLOPs per token of the unsharded model (``recipes.metrics.flops_per_token``)."""
+def model_flops_per_token(model: Transformer | None, config: JobConfig) -> int:
+    """Training FLOPs per token of the unsharded model (``recipes.metrics.flops_per_token``);
+    ``model`` None: counted on a meta build (a pipeline rank holds only its stages)."""
     args = config.model
-    n_params = active_params(model, sum(p.numel() for p in model.parameters()))  # DTensors: global; MoE: active
+    if model is None:  # a pipeline rank holds only its stages (MoE models are not pipelined)
+        n_params, embedding = full_parameter_count(config)
+    else:  # DTensors: the global count; MoE: the parameters a token uses
+        n_params, embedding = (active_params(model, sum(p.numel() for p in model.parameters())),
+                               model.tok_embeddings.weight.numel())
     # A tied table is also the output projection, whose matmul costs what its weights say.
-    embedding = 0 if args.tie_embeddings else model.tok_embeddings.weight.numel()
+    embedding = 0 if args.tie_embeddings else embedding
     return flops_per_token(n_params, embedding, args.n_layers, args.dim, config.training.seq_len)
 
 
 def dry_run(config: JobConfig, dims: ParallelDims, device: torch.device, memory: MemoryCheck | None) -> None:
     """Collective: everything a run does before its first step except allocating the model; prints the plan."""
     dims.build_mesh(device.type)
-    with torch.device("meta"):  # the parameter count, nothing allocated
-        n_params = sum(p.numel() for p in Transformer(config.model).parameters())
-    log_setup(config, dims, n_params, corpus_size(config.data.path))
+    log_setup(config, dims, full_parameter_count(config)[0], corpus_size(config.data.path))
     if config.validation.enable:
         log(f"validation: {config.validation.split:.0%} of the data held out, {config.validation.steps} batches "
             f"every {config.validation.freq} steps")
@@ -510,20 +520,21 @@ def dry_run(config: JobConfig, dims: ParallelDims, device: torch.device, memory:
 def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     """Collective: build, (resume,) train, export, sample; returns the step it resumed from (0: a fresh run)."""
     t, ckpt = config.training, config.checkpoint
-    checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable)
-                    if ckpt.dir else None)
+    checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable,
+                                 flat_optimizer=dims.pp > 1) if ckpt.dir else None)
     if restarts := int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         log(f"torchrun restart {restarts}: resuming from the newest sound checkpoint")
     if checkpointer is not None:
         checkpointer.choose()  # before anything is allocated: stops here when no sound checkpoint is left
     torch.manual_seed(t.seed)
     dims.build_mesh(device.type)
-    model = build_model(config, dims, device)
+    pipeline = build_pipeline(config, dims, device) if dims.pp > 1 else None
+    model = build_model(config, dims, device) if pipeline is None else pipeline.model  # (pipelined: its stages')
     optimizer = build_optimizer(model, t)
     register_load_balancing(optimizer, model)  # MoE: the routing biases move before each step
     scheduler = lr_schedule(optimizer, t)
     corpus = load_corpus(config.data.path)
-    tokens_per_step = log_setup(config, dims, sum(p.numel() for p in model.parameters()), corpus.numel())
+    tokens_per_step = log_setup(config, dims, full_parameter_count(config)[0], corpus.numel())
     held_out = None
     if config.validation.enable:  # training never sees the held-out bytes
         corpus, held_out = split_corpus(corpus, config.validation.split)
@@ -534,7 +545,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     start = resume(checkpointer, model, optimizer, scheduler, guard)
     if start == 0 and ckpt.initial_load_path:
         load_initial(ckpt.initial_load_path, model)
-    progress = Progress(config, tokens_per_step, start, device, model_flops_per_token(model, config))
+    flops = model_flops_per_token(None if pipeline else model, config)
+    progress = Progress(config, tokens_per_step, start, device, flops)
     profiler = Profiler(config, dist.get_rank(), device)
     dp_rank = dims.dp_rank(dist.get_rank())
     faults = config.faults
@@ -543,7 +555,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
         for step in range(start + 1, t.steps + 1):
             poison = step in faults.nan_loss_at_steps and faults.nan_loss_rank in (-1, dist.get_rank())
             with profiler.step(step, model, optimizer):
-                result = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device, poison=poison)
+                result = train_step(model, optimizer, scheduler, corpus, step, dp_rank, t, device, poison=poison,
+                                    pipeline=pipeline)
             guard.update(step, result.skipped)
             progress.step_done()
             val_loss = None
@@ -566,12 +579,14 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     finally:
         if progress.tensorboard is not None:
             progress.tensorboard.close()
+        if pipeline is not None:
+            pipeline.close()
     log(progress.summary())
 
     if ckpt.export:
         export_model(model, ckpt.export)
         log(f"exported the full model to {ckpt.export}")
-    if config.metrics.sample_tokens:
+    if config.metrics.sample_tokens and pipeline is None:  # (pipelined: no_op_warnings says so)
         sample = generate(model, "def ", config.metrics.sample_tokens, device, seed=t.seed, multiple_of=dims.tp)
         log('sample (temperature 0.8, after the prompt "def "):\n' + sample)
     if progress.writer is not None and config.metrics.plot:

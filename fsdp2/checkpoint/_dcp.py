@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
 from .. import _compat, _wire
@@ -67,7 +67,7 @@ class CorruptCheckpointError(RuntimeError):
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: dict[str, Any] | None = None) -> None:
+         extra: dict[str, Any] | None = None, *, flat_optimizer: bool = False) -> None:
     """Save ``model`` (and ``optimizer``, and ``extra``) as a sharded DCP checkpoint at ``path``.
 
     Every rank writes only its own shards (no gather); ``extra`` (step counters,
@@ -81,6 +81,11 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         model: the (sharded or plain) model.
         optimizer: its optimizer, or ``None`` to save the model only.
         extra: small picklable state returned by :func:`load`.
+        flat_optimizer: store the optimizer's state and hyperparameters under each parameter's
+            name (``StateDictOptions(flatten_optimizer_state_dict=True)``), not as one list of
+            parameter groups. Needed where ranks hold different parameters (pipeline stages):
+            each rank's groups name other parameters, and DCP would keep one rank's list. The
+            marker records it; :func:`load` reads either.
     """
     path = Path(path)
     if path.exists() and not (path / MARKER).is_file():
@@ -93,7 +98,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     tmp = path.with_name(f"{path.name}.tmp-{token}")
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_optim_options(flat_optimizer))
     if extra is not None:
         buffer = io.BytesIO()
         torch.save(extra, buffer)
@@ -110,6 +115,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         # A file whose bytes went past the running sum (a seek, an older torch): summed by reading it.
         crc = {name: sums[name] if sums.get(name) is not None else crc32_of_file(tmp / name) for name in files}
         marker = {"format": "fsdp2.checkpoint", "version": _MARKER_VERSION, "optimizer": optimizer is not None,
+                  **({"flat_optimizer": True} if flat_optimizer else {}),
                   "extra": extra is not None, "world_size": dist.get_world_size() if distributed else 1,
                   "torch": torch.__version__, "files": files, "bytes": sum(files.values()), "crc32": crc}
         _write_synced(tmp / MARKER, json.dumps(marker, indent=1).encode())
@@ -163,19 +169,24 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         raise ValueError(f"checkpoint {path} was saved without an optimizer; call load(path, model)")
     materialize(model)  # a model built on the meta device: storage for what DCP reads into
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    options = _optim_options(marker.get("flat_optimizer", False))  # as it was saved
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
     if marker["extra"]:
         state["extra"] = io.BytesIO()
     with single_process_ok():
         dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
     if not marker["extra"]:
         return None
     state["extra"].seek(0)
     return torch.load(state["extra"], weights_only=True)
+
+
+def _optim_options(flat: bool) -> StateDictOptions | None:
+    return StateDictOptions(flatten_optimizer_state_dict=True) if flat else None
 
 
 def find_complete(path: str | os.PathLike) -> Path:

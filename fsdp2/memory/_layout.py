@@ -36,8 +36,8 @@ def positive_int(owner: str, name: str, value: object) -> None:
 class Layout:
     """How a training job runs, for ``estimate_memory``: mesh, precision, resharding, optimizer, batch.
 
-    ``world`` ranks = ``dp_replicate`` replicas x shard ranks x ``tp``; the shard axis
-    (``dp_shard``) gets the rest. Change one field of a layout with ``dataclasses.replace``.
+    ``world`` ranks = ``pp`` pipeline ranks x ``dp_replicate`` replicas x shard ranks x ``tp``;
+    the shard axis (``dp_shard``) gets the rest. Change one field of a layout with ``dataclasses.replace``.
 
     Args:
         world: total ranks.
@@ -69,6 +69,14 @@ class Layout:
         comm_policy: the ``QuantizedComm`` every group is sharded with (None: unquantized): its
             quantized slices and outputs, the quantized reduction's buffers and the error-feedback
             residuals are counted (communication).
+        pp: pipeline-parallel degree (``torch.distributed.pipelining``): each pipeline rank holds
+            ``pp_stages_per_rank`` stages of the blocks and runs ``batch`` in ``pp_microbatches``;
+            see ``fsdp2/memory/_pipeline.py`` for what is simulated and what is added.
+        pp_schedule: the schedule's name as torch's ``get_schedule_class`` takes it ("1F1B",
+            "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+            "DualPipeV"): how many microbatches' activations a rank holds at once.
+        pp_microbatches: microbatches per batch; 0: one per stage.
+        pp_stages_per_rank: stages per pipeline rank; 0: 1 for GPipe and 1F1B, else 2.
     """
 
     world: int
@@ -88,18 +96,31 @@ class Layout:
     backend: str = "nccl"
     cpu_reads: bool = True
     comm_policy: QuantizedComm | None = None
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 0
+    pp_stages_per_rank: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("world", "batch", "seq", "dp_replicate", "tp", "ep", "grad_accum"):
+        for name in ("world", "batch", "seq", "dp_replicate", "tp", "ep", "grad_accum", "pp"):
             positive_int("Layout", name, getattr(self, name))
-        if self.world % (self.dp_replicate * self.tp):
+        if self.world % (self.pp * self.dp_replicate * self.tp):
+            pp = f"pp ({self.pp}) x " if self.pp > 1 else ""
             raise ValueError(
-                f"world ({self.world}) must be divisible by dp_replicate ({self.dp_replicate}) x tp ({self.tp}); "
-                f"the shard axis gets world / (dp_replicate x tp) ranks: change world, dp_replicate or tp"
+                f"world ({self.world}) must be divisible by {pp}dp_replicate ({self.dp_replicate}) x tp ({self.tp}); "
+                f"the shard axis gets world / ({'pp x ' if pp else ''}dp_replicate x tp) ranks: change world, "
+                f"{'pp, ' if pp else ''}dp_replicate or tp"
             )
         if self.dp_shard % self.ep:
             raise ValueError(f"ep ({self.ep}) must divide the shard axis (world / (dp_replicate x tp) = "
                              f"{self.dp_shard}): expert parallelism splits it into dp_shard / ep x ep ranks")
+        if self.pp > 1 and self.ep > 1:
+            raise ValueError(f"pp ({self.pp}) with ep ({self.ep}) is not planned yet (nor run by the recipe): "
+                             "plan pipeline parallelism for a dense model, or expert parallelism with pp=1")
+        if self.pp > 1:
+            from ._pipeline import check_pipeline_layout
+
+            check_pipeline_layout(self)
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype):
@@ -123,8 +144,8 @@ class Layout:
 
     @property
     def dp_shard(self) -> int:
-        """Ranks that shard each parameter: world / (dp_replicate x tp)."""
-        return self.world // (self.dp_replicate * self.tp)
+        """Ranks that shard each parameter: world / (pp x dp_replicate x tp)."""
+        return self.world // (self.pp * self.dp_replicate * self.tp)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ._layout import Layout, ModelBuilder, positive_int
+from ._pipeline import PipelinePlan
 from ._quantized import wire_bytes
 from ._simulate import GroupSizes, Simulation, simulate
 from ._tracker import CATEGORIES, format_bytes, format_table
@@ -83,7 +84,7 @@ class Reserve:
     def bytes(self, layout: Layout, peak: int) -> dict[str, int]:
         """The reserve for ``layout`` at a simulated ``peak``, by what it is for (zeros left out)."""
         groups = max(1, sum(n > 1 for n in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.ep,
-                                            layout.dp_shard // layout.ep if layout.ep > 1 else 1)))
+                                            layout.dp_shard // layout.ep if layout.ep > 1 else 1, layout.pp)))
         out = {"CUDA context": self.context, f"NCCL ({groups} communicator{'s' * (groups > 1)})":
                groups * self.nccl_per_group, f"allocator ({100 * self.fragmentation:.0f}% of total)":
                int(self.fragmentation * peak)}
@@ -186,18 +187,28 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
         reserve = Reserve() if layout.backend == "nccl" else Reserve.none()
     elif not isinstance(reserve, Reserve):
         raise TypeError(f"estimate_memory(reserve=...) takes a fsdp2.memory.Reserve, got {type(reserve).__name__}")
-    sim = simulate(layout, builder)
+    # Pipelined: one pipeline rank's stages for one microbatch, then the rest added (_pipeline.py).
+    pipe = PipelinePlan.of(layout, builder) if layout.pp > 1 else None
+    sim = simulate(pipe.stage_layout, pipe.stage_builder) if pipe else simulate(layout, builder)
     peak, by_category, point, points = sim.peak, sim.peak_by_category, sim.peak_point, dict(sim.points)
+    if pipe is not None:
+        peak, by_category, point = pipe.add(sim, peak, by_category)
+        points[point] = peak
     step = _optimizer_step(sim, layout.optimizer)
     points["optimizer step"] = sum(step.values())
     if sum(step.values()) > peak:
         peak, by_category, point = sum(step.values()), step, "optimizer step"
-    comm = _comm_bytes(sim.root, sim.block, sim.n_blocks, layout, model_dim=sim.model_dim,
-                       act_itemsize=sim.param_dtype.itemsize) + _moe_comm_bytes(sim, layout)
+    comm = _comm_bytes(sim.root, sim.block, sim.n_blocks, pipe.stage_layout if pipe else layout,
+                       model_dim=sim.model_dim, act_itemsize=sim.param_dtype.itemsize) + _moe_comm_bytes(sim, layout)
     notes = [f"tensor parallelism simulated with {'the given tp_plan' if builder.tp_plan else 'the recipe Llama plan'}"
              ] if layout.tp > 1 else []
+    if pipe is not None:
+        notes.append("pipelined: the heaviest stage counted with both the embedding and the output layer; the "
+                     "microbatches in flight follow the schedule's order (approximate for interleaved and "
+                     "zero-bubble schedules); stage-to-stage sends not counted in the traffic")
+    description = _describe(layout, sim.n_blocks, sim.param_dtype) + (f"; {pipe.describe()}" if pipe else "")
     return MemoryEstimate(peak, {c: by_category.get(c, 0) for c in CATEGORIES}, point, points,
-                          _describe(layout, sim.n_blocks, sim.param_dtype), comm, sim.saved_per_block,
+                          description, comm, sim.saved_per_block,
                           gpu_memory, notes, reserve.bytes(layout, peak))
 
 
@@ -223,9 +234,10 @@ def _as_builder(model: ModelBuilder | Callable[[], nn.Module] | None) -> ModelBu
 
 
 def _describe(layout: Layout, n_blocks: int, pdtype: torch.dtype) -> str:
+    pp = f"pp {layout.pp} x " if layout.pp > 1 else ""
     ep = f" (efsdp {layout.dp_shard // layout.ep} x ep {layout.ep})" if layout.ep > 1 else ""
-    return (f"world {layout.world} = dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard}{ep} x tp "
-            f"{layout.tp}; "
+    return (f"world {layout.world} = {pp}dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard}{ep} "
+            f"x tp {layout.tp}; "
             f"{n_blocks} blocks; batch {layout.batch} x seq {layout.seq}; param {str(pdtype).removeprefix('torch.')}; "
             f"reshard_after_forward={layout.reshard_after_forward}; "
             f"activation_checkpointing={layout.activation_checkpointing}")

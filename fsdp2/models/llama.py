@@ -251,8 +251,11 @@ class Transformer(nn.Module):
         """
         init = _SeededInit(self, seed)
         std = self.args.init_std
-        init.normal_(self.tok_embeddings.weight, std)
-        for layer in self.layers:
+        # A pipeline stage's model has some of the parts (None) and its blocks in a ModuleDict
+        # named by their index in the whole model (recipes/pipeline.py).
+        if self.tok_embeddings is not None:
+            init.normal_(self.tok_embeddings.weight, std)
+        for layer in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers:
             block = _unwrap(layer)
             out_std = std / math.sqrt(2 * (block.layer_id + 1))
             for linear in (block.attention.wq, block.attention.wk, block.attention.wv):
@@ -266,8 +269,9 @@ class Transformer(nn.Module):
                 init.normal_(block.feed_forward.w2.weight, out_std)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not self.args.tie_embeddings:
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if not self.args.tie_embeddings and self.output is not None:
             init.normal_(self.output.weight, std / math.sqrt(self.args.dim))  # logits start near 0
         self.rope.copy_(precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
 

@@ -50,6 +50,10 @@ def check_moe(dims: ParallelDims, config: JobConfig) -> None:
     if dims.dp_shard % ep:
         raise ConfigError(f"parallelism.ep ({ep}) must divide parallelism.dp_shard ({dims.dp_shard}): expert "
                           "parallelism splits the shard axis into dp_shard / ep x ep ranks; change ep or dp_shard")
+    if dims.pp > 1:
+        raise ConfigError(f"parallelism.pp={dims.pp} with model.moe_experts > 0 is not supported by the recipe yet "
+                          "(its pipeline stages are split from the dense Llama): use parallelism.pp=1 with FSDP, "
+                          "HSDP and expert parallelism, or pipeline a dense model")
     if config.training.compile:
         raise ConfigError("training.compile is not supported with model.moe_experts > 0: the routing's token "
                           "counts are data-dependent (a graph break in every block); set training.compile=false")

@@ -1,6 +1,6 @@
 """Parallelize the Llama model: degrees -> a device mesh -> TP, activation checkpointing, compile, FSDP.
 
-``ParallelDims`` turns the degrees a user asks for (``--dp-shard``, ``--dp-replicate``,
+``ParallelDims`` turns the degrees a user asks for (``--pp``, ``--dp-shard``, ``--dp-replicate``,
 ``--tp``, with -1 meaning "the rest of the world") into a validated layout and a
 ``DeviceMesh`` whose axes are named once here and looked up by name everywhere else.
 ``parallelize`` then applies the techniques in the one order that composes.
@@ -26,11 +26,12 @@ if TYPE_CHECKING:
     from ..config import JobConfig
 
 __all__ = ["ParallelDims", "parallelize", "check_layout", "tp_plan", "apply_activation_checkpointing", "apply_compile",
-           "apply_fsdp", "comm_policy_of"]
+           "apply_fsdp", "fsdp_kwargs", "comm_policy_of"]
 
-# Mesh axis names, outermost first: replicas, then the ranks that shard, then tensor parallel
-# innermost so a TP group is the most tightly connected ranks (one node's GPUs).
-AXES = ("dp_replicate", "dp_shard", "tp")
+# Mesh axis names, outermost first (torchtitan's order): pipeline stages (point-to-point only, the
+# least traffic), replicas, then the ranks that shard, then tensor parallel innermost so a TP
+# group is the most tightly connected ranks (one node's GPUs).
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ParallelDims:
         world_size: number of ranks in the job.
         ep: expert-parallel degree (MoE models): splits the dp_shard axis into efsdp x ep
             (``recipes/llama/moe.py``); 1: experts sharded like the rest.
+        pp: pipeline-parallel degree; each pipeline rank holds its stages' share of the blocks.
     """
 
     dp_replicate: int
@@ -53,12 +55,14 @@ class ParallelDims:
     tp: int
     world_size: int
     ep: int = 1
+    pp: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     ep_meshes: ExpertParallelMeshes | None = field(default=None, init=False, repr=False)  # with ep > 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        shown = [name for name in AXES if name != "pp" or self.pp != 1]  # (messages name pp when it is used)
         degrees = {name: getattr(self, name) for name in AXES}
         for name, value in degrees.items():
             if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
@@ -66,7 +70,7 @@ class ParallelDims:
         inferred = [name for name, value in degrees.items() if value == -1]
         if len(inferred) > 1:
             raise ValueError(
-                f"only one of {', '.join(AXES)} can be -1 (inferred from the world size), "
+                f"only one of {', '.join(shown)} can be -1 (inferred from the world size), "
                 f"got -1 for {' and '.join(inferred)}"
             )
         known = 1
@@ -80,7 +84,7 @@ class ParallelDims:
                 )
             setattr(self, inferred[0], self.world_size // known)
         elif known != self.world_size:
-            product = " * ".join(f"{name} ({getattr(self, name)})" for name in AXES)
+            product = " * ".join(f"{name} ({getattr(self, name)})" for name in shown)
             raise ValueError(
                 f"{product} = {known}, but the world size is {self.world_size}; "
                 "change a degree or set one of them to -1 to infer it"
@@ -92,14 +96,19 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def dp_rank(self, rank: int) -> int:
-        """Data-parallel index of global ``rank``; the ranks of one TP group share it (and their data)."""
-        return rank // self.tp  # the mesh is row-major with tp innermost
+        """Data-parallel index of global ``rank``; the ranks of one TP group (and of one pipeline) share it
+        (and their data)."""
+        return rank % (self.dp_size * self.tp) // self.tp  # the mesh is row-major: pp outermost, tp innermost
+
+    def pp_rank(self, rank: int) -> int:
+        """Pipeline index of global ``rank`` (which stages it runs)."""
+        return rank // (self.dp_size * self.tp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """A DeviceMesh over all ranks, saved as ``self.mesh``.
 
         "dp_shard" is always an axis (it is where FSDP shards, even with one rank);
-        "dp_replicate" and "tp" are added only when their degree is above 1: pure FSDP is
+        "pp", "dp_replicate" and "tp" are added only when their degree is above 1: pure FSDP is
         ("dp_shard",), HSDP ("dp_replicate", "dp_shard"), FSDP x TP ("dp_shard", "tp"),
         and HSDP x TP all three.
         """
@@ -161,7 +170,7 @@ def parallelize(model: Transformer, dims: ParallelDims, config: JobConfig) -> Tr
     # 4. FSDP last, bottom-up: each block is one all-gather/reduce-scatter group, the root
     #    takes what is left (embeddings, final norm, output).
     if config.model.moe_experts:  # the experts first: a group of their own, on their own mesh
-        shard_experts(model, dims, fsdp_options(config))
+        shard_experts(model, dims, fsdp_kwargs(config))
     apply_fsdp(model, dims.dp_mesh(), config)
     return model
 
@@ -209,23 +218,29 @@ def apply_compile(model: Transformer) -> None:
         block.compile(fullgraph=True)
 
 
-def fsdp_options(config: JobConfig) -> dict:
-    """``fully_shard``'s keywords for the job's precision, resharding and quantization."""
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, config: JobConfig) -> None:
+    """``fully_shard`` each block, then the root, with the job's precision and resharding."""
+    kwargs = fsdp_kwargs(config)
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh, **kwargs)
+    # For the root, None keeps the parameters gathered after forward: backward needs the
+    # output layer first, so gathering it again would be wasted.
+    fully_shard(model, mesh=dp_mesh, **kwargs)
+
+
+def fsdp_kwargs(config: JobConfig, *, pipelined: bool = False) -> dict:
+    """``fully_shard``'s keywords for the job: precision, resharding and communication policy.
+
+    ``pipelined``: "default" resharding keeps every group's parameters after forward, as
+    torchtitan does under pipeline parallelism: each stage runs several microbatches' forwards
+    before their backwards, and resharding would gather the stage again for each of them.
+    """
     param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config.training.mixed_precision]
     # Gradients are always reduced in fp32: summing many bf16 gradients loses their low bits.
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    reshard = {"default": None, "always": True, "never": False}[config.parallelism.reshard_after_forward]
-    return {"mp_policy": mp_policy, "reshard_after_forward": reshard, "comm_policy": comm_policy_of(config)}
-
-
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, config: JobConfig) -> None:
-    """``fully_shard`` each block, then the root, with the job's precision and resharding."""
-    options = fsdp_options(config)
-    for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, **options)
-    # For the root, None keeps the parameters gathered after forward: backward needs the
-    # output layer first, so gathering it again would be wasted.
-    fully_shard(model, mesh=dp_mesh, **options)
+    reshard = {"default": False if pipelined else None, "always": True,
+               "never": False}[config.parallelism.reshard_after_forward]
+    return dict(mp_policy=mp_policy, reshard_after_forward=reshard, comm_policy=comm_policy_of(config))
 
 
 def comm_policy_of(config: JobConfig) -> QuantizedComm:

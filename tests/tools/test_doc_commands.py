@@ -203,7 +203,7 @@ def check_recipe(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         config, dims = train.check_command(args, world)
     except (ConfigError, ValueError) as e:
         pytest.fail(f"{cmd.where}: `{cmd}` fails the recipe's checks on {world} ranks: {e}")
-    assert dims.dp_replicate * dims.dp_shard * dims.tp == world
+    assert dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp == world
 
 
 def check_export(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

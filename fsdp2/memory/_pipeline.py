@@ -1,0 +1,130 @@
+"""Pipeline parallelism in the planner: one pipeline rank's stages, simulated, and what pipelining adds.
+
+A pipeline rank holds ``pp_stages_per_rank`` stages of ``n_blocks / (pp x stages_per_rank)``
+blocks each and runs every batch as ``pp_microbatches`` microbatches. The simulation runs fsdp2
+on that rank's blocks (its data-parallel ranks: ``world / pp``) for one microbatch, with the
+embedding and the output layer both counted (the first stage has one, the last the other: the
+heaviest stage is bounded from above). Added on top, as pipelining under ``fsdp2.patch_torch()``
+(or torch's FSDP2) runs it:
+
+* the activations of the other microbatches in flight: each stage-microbatch whose forward has
+  run and whose backward has not keeps its blocks' saved tensors. The first pipeline rank holds
+  the most: all ``M`` microbatches under GPipe (``M x stages`` under LoopedBFS), ``min(M, pp)``
+  under 1F1B, the interleaved warm-up ``(stages - 1) x microbatches per round + 2 (pp - 1) + 1``
+  under Interleaved1F1B, ``2 pp`` under the V schedules, and ``pp - 1`` more under the
+  zero-bubble ones (a weight pass runs after its input pass). Approximate for the interleaved
+  and zero-bubble orders, which are torch's and change between releases.
+* the stage's unsharded gradients: pipelining accumulates every microbatch's gradients unsharded
+  and reduces them once, after the last backward, so the rank's full gradients (in the reduce
+  dtype) are live at the step's end, besides the parameters kept gathered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._layout import Layout, ModelBuilder
+    from ._simulate import Simulation
+
+__all__ = ["SCHEDULES", "check_pipeline_layout", "PipelinePlan"]
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+_SINGLE = ("GPipe", "1F1B")
+_V = ("ZBVZeroBubble", "DualPipeV")
+_ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def _stages_per_rank(layout: Layout) -> int:
+    return layout.pp_stages_per_rank or (1 if layout.pp_schedule in _SINGLE else 2)
+
+
+def _microbatches(layout: Layout) -> int:
+    return layout.pp_microbatches or layout.pp * _stages_per_rank(layout)
+
+
+def check_pipeline_layout(layout: Layout) -> None:
+    """Raise ValueError for a pipeline ``Layout`` its schedule cannot run (called when ``pp > 1``)."""
+    name = layout.pp_schedule
+    if name not in SCHEDULES:
+        raise ValueError(f"Layout.pp_schedule={name!r} is not a schedule torch ships; choose one of "
+                         f"{', '.join(SCHEDULES)}")
+    for field in ("pp_microbatches", "pp_stages_per_rank"):
+        value = getattr(layout, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"Layout.{field} must be an int >= 0 (0: the default), got {value!r}")
+    per_rank = _stages_per_rank(layout)
+    if name in _SINGLE and per_rank != 1:
+        raise ValueError(f"{name} runs one stage per pipeline rank, got pp_stages_per_rank={per_rank}; use 1 (or 0)")
+    if name in _V and per_rank != 2:
+        raise ValueError(f"{name} runs exactly 2 stages per pipeline rank, got pp_stages_per_rank={per_rank}")
+    if name not in _SINGLE and per_rank < 2:
+        raise ValueError(f"{name} runs several stages per pipeline rank, got pp_stages_per_rank={per_rank}; use 2+")
+    if layout.batch % _microbatches(layout):
+        raise ValueError(f"batch ({layout.batch}) must be divisible by the {_microbatches(layout)} pipeline "
+                         "microbatches (pp_microbatches; 0: one per stage): change batch or pp_microbatches")
+
+
+def in_flight(layout: Layout) -> int:
+    """Stage-microbatches whose activations the first pipeline rank holds at once, at most."""
+    pp, per_rank, m, name = layout.pp, _stages_per_rank(layout), _microbatches(layout), layout.pp_schedule
+    if name == "GPipe":
+        n = m
+    elif name == "LoopedBFS":
+        n = m * per_rank
+    elif name == "1F1B":
+        n = min(m, pp)
+    elif name in _V:
+        n = 2 * pp
+    else:  # interleaved: rank 0's warm-up forwards, then one more before the first backward
+        per_round = m // max(1, m // pp)
+        n = (per_rank - 1) * per_round + 2 * (pp - 1) + 1
+    if name in _ZERO_BUBBLE:
+        n += pp - 1
+    return min(n, m * per_rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """One pipeline rank of a pipelined ``Layout``: what to simulate, and what to add to it."""
+
+    layout: Layout
+    stages_per_rank: int
+    blocks_per_stage: int
+    microbatches: int
+    stage_layout: Layout  # the rank's data-parallel ranks, one microbatch
+    stage_builder: ModelBuilder  # the rank's blocks (at least the 2 the simulation builds)
+
+    @classmethod
+    def of(cls, layout: Layout, builder: ModelBuilder) -> PipelinePlan:
+        per_rank, m = _stages_per_rank(layout), _microbatches(layout)
+        if builder.num_blocks is None:
+            raise ValueError("pipeline parallelism (Layout.pp > 1) needs ModelBuilder.num_blocks: the blocks "
+                             "are split into stages")
+        stages = layout.pp * per_rank
+        if builder.num_blocks % stages:
+            raise ValueError(f"{builder.num_blocks} blocks cannot be split into {stages} equal stages (pp {layout.pp} "
+                             f"x {per_rank} per rank); change pp or pp_stages_per_rank")
+        per_stage = builder.num_blocks // stages
+        stage_layout = dataclasses.replace(layout, world=layout.world // layout.pp, batch=layout.batch // m, pp=1,
+                                           pp_microbatches=0, pp_stages_per_rank=0)
+        stage_builder = dataclasses.replace(builder, num_blocks=max(2, per_stage * per_rank))
+        return cls(layout, per_rank, per_stage, m, stage_layout, stage_builder)
+
+    def add(self, sim: Simulation, peak: int, by_category: dict[str, int]) -> tuple[int, dict[str, int], str]:
+        """The simulated microbatch's peak plus the other microbatches in flight and the accumulated gradients."""
+        extra_acts = max(0, in_flight(self.layout) - self.stages_per_rank) * self.blocks_per_stage * \
+            sim.saved_per_block
+        grads = sim.n_blocks * sim.block.reduce + sim.root.reduce
+        out = dict(by_category)
+        out["activations"] = out.get("activations", 0) + extra_acts
+        out["gradients"] = out.get("gradients", 0) + grads
+        point = (f"{sim.peak_point}, with {in_flight(self.layout)} stage-microbatches in flight and the "
+                 "stage's unsharded gradients accumulated (pipelined)")
+        return peak + extra_acts + grads, out, point
+
+    def describe(self) -> str:
+        return (f"pp {self.layout.pp} ({self.layout.pp_schedule}, {self.stages_per_rank} stage"
+                f"{'s' * (self.stages_per_rank > 1)} of {self.blocks_per_stage} blocks per rank, "
+                f"{self.microbatches} microbatches of {self.stage_layout.batch})")
