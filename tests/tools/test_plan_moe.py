@@ -95,3 +95,10 @@ def test_experts_sharded_over_fewer_ranks_cost_more_memory():
     assert abs(per_ep[1].peak_by_category["sharded_params"] - per_ep[4].peak_by_category["sharded_params"]) < 1024
     # ep 4 gathers no expert (efsdp is 1 rank): less unsharded memory at the peak.
     assert per_ep[4].peak_by_category["unsharded_params"] < per_ep[1].peak_by_category["unsharded_params"]
+
+
+def test_pipelined_expert_parallel_layout_is_refused():
+    from fsdp2.memory import Layout
+
+    with pytest.raises(ValueError, match=r"pp \(2\) with ep \(2\) is not planned yet"):
+        Layout(world=8, batch=1, seq=16, pp=2, ep=2)

@@ -46,6 +46,7 @@ STEPS = 4
     ([*MOE_MODEL, "--ep", "0"], 4, r"parallelism.ep must be > 0, got 0"),
     ([*MOE_MODEL, "--training.compile"], 2, r"training.compile is not supported with model.moe_experts > 0"),
     ([*MOE_MODEL, "--tp", "2"], 4, r"tensor parallelism is not supported with model.moe_experts > 0"),
+    ([*MOE_MODEL, "--pp", "2", "--dp-shard", "2"], 4, r"parallelism.pp=2 with model.moe_experts > 0 is not supported"),
     ([*MOE_MODEL, "--model.moe_load_balance_coeff=-1"], 2, r"model.moe_load_balance_coeff must be >= 0"),
 ])
 def test_moe_config_errors_name_the_key_and_fix(args, world, match):
