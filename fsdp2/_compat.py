@@ -605,3 +605,22 @@ def schedule_splits_backward(schedule: object) -> bool:
         if isinstance(order, dict) and any(split(a) for actions in order.values() for a in actions or ()):
             return True
     return False
+
+
+def pipeline_last_backward(schedule: object, stage: object) -> bool | None:
+    """Whether the backward pass a pipelining schedule runs now for ``stage`` is the stage's
+    last of the step that computes weight gradients; None where the schedule does not say.
+
+    ``_PipelineScheduleRuntime`` (the zero-bubble schedules' and DualPipeV's base) counts each
+    stage's full and weight-gradient passes in ``backward_counter`` (a ``Counter`` by stage
+    index, cleared at each step, bumped before the pass runs) and compares it with
+    ``_n_microbatches``, as it decides ``last_backward`` itself (private; the same in torch 2.11,
+    2.13 and 2.14). Read from the schedule object, not from frames: on CUDA the autograd
+    engine runs the hooks that ask on its own device threads.
+    """
+    counter = getattr(schedule, "backward_counter", None)
+    n_microbatches = getattr(schedule, "_n_microbatches", None)
+    index = getattr(stage, "stage_index", None)
+    if not isinstance(counter, collections.Counter) or not isinstance(n_microbatches, int) or index is None:
+        return None
+    return counter[index] == n_microbatches
