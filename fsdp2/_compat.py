@@ -585,6 +585,25 @@ def pipeline_stage_and_schedule(module: object) -> tuple[object | None, object |
     return stage, schedule
 
 
+def in_pipeline_shape_inference(module: object) -> bool:
+    """Whether the caller runs under the shape inference of the pipelining stage whose module is
+    ``module``: torch 2.11's ``_PipelineStageBase._shape_inference`` runs the stage's forward once
+    under ``no_grad`` on zeros, before its first step (private; 2.13 and 2.14 infer the metadata
+    with gradients on and have no such function). Only pipelining's own frames are looked into.
+    """
+    stage_module = sys.modules.get("torch.distributed.pipelining.stage")
+    if stage_module is None:
+        return False
+    folder = os.path.dirname(stage_module.__file__) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_shape_inference" and code.co_filename.startswith(folder):
+            return getattr(frame.f_locals.get("self"), "submod", None) is module
+        frame = frame.f_back
+    return False
+
+
 def schedule_splits_backward(schedule: object) -> bool:
     """Whether a pipelining schedule runs separate input and weight passes (zero bubble, DualPipeV).
 

@@ -120,6 +120,10 @@ def check_stage(module_state: ModuleState) -> None:
     if stage_module is None:
         return
     root = module_state.modules[0]
+    if not torch.is_grad_enabled() and _compat.in_pipeline_shape_inference(root):
+        # torch 2.11 runs the stage once under no_grad to learn its shapes; torch's FSDP2 then
+        # keeps the groups its policy keeps, and the first step's forward gathers nothing again.
+        module_state.ctx.shape_inference = True
     if isinstance(root, getattr(stage_module, "FSDPModule", ())):
         module_state.pipeline_checked = True
         return  # pipelining drives fsdp2 itself (patch_torch)

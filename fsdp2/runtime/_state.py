@@ -71,6 +71,7 @@ class RootContext:
         self.early: list[EarlyRelease] = []
         self.iteration = -1  # root forwards started, from 0 (all-gather headers, error messages)
         self.interrupted = False  # an exception left this iteration half-done (see _recover_if_interrupted)
+        self.shape_inference = False  # this forward is torch 2.11 pipelining's no_grad one (_pipeline.check_stage)
         self.diag: _checks.Diagnostics | None = None
 
     def prefetch(self, targets: list[ParamGroup]) -> None:
@@ -361,6 +362,7 @@ class ModuleState:
             self.training_state = TrainingState.IDLE
         if self.is_root and not recompute:
             self.ctx.in_forward = False
+            self.ctx.shape_inference = False
             with _compat.outside_functorch():
                 for state in self.ctx.states:  # a prefetch this forward never used: free it
                     if state.group is not None and state.group.state is ShardState.GATHERING:
@@ -388,7 +390,7 @@ class ModuleState:
         return _PreBackward.apply(self, t) if t.is_floating_point() or t.is_complex() else t
 
     def _reshard_after_forward(self, group: ParamGroup, backward_follows: bool) -> None:
-        if not backward_follows:
+        if not backward_follows and not self.ctx.shape_inference:
             group.reshard()  # no backward can follow: never leave full parameters behind
         elif all(m.training for m in self.modules):
             group.reshard_after_forward_step()

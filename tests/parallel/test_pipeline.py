@@ -37,13 +37,6 @@ import torch.nn.functional as F
 import fsdp2
 from tests._dist import run_on_ranks
 
-# Checked on torch 2.13 (and CI's 2.14). On 2.11 the quick cases fail here: its pipelining runs a
-# one-stage pipeline's first step through send/recv to the stage itself (gloo: "Pair is not
-# connected"), and the patched route's first step gathers twice as often as torch's. Not yet
-# supported there (docs/integrations.md says so).
-pytestmark = pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13),
-                                reason="fsdp2 under torch.distributed.pipelining is checked on torch 2.13 and newer")
-
 DIM, LAYERS_PER_STAGE, STEPS, BATCH = 8, 2, 3, 8
 REF_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
@@ -281,7 +274,7 @@ def _check(results: list[dict], exact: bool = True, split: bool = False) -> None
             direct = out["direct"]["comms"]
             assert direct[1:] == torch_run["comms"][1:], (rank, direct, torch_run["comms"])
             first = torch_run["comms"][0]
-            assert all(direct[0][op] <= n for op, n in first.items()), (rank, direct, torch_run["comms"])
+            assert all(direct[0].get(op, 0) <= n for op, n in first.items()), (rank, direct, torch_run["comms"])
             assert out["direct"]["warned"] == [], (rank, out["direct"]["warned"])
         elif "direct" in out:  # pipelining drives it not: one all-gather and reduce-scatter pair a microbatch
             warned = out["direct"]["warned"]
