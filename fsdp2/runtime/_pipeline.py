@@ -111,7 +111,8 @@ def state(module: Any) -> _StateView:
 # ---- the direct route ---------------------------------------------------------------------
 def check_stage(module_state: ModuleState) -> None:
     """At a root forward: if pipelining runs this module as a stage without recognising it as
-    an FSDP module, warn once (every microbatch reduces) or refuse a split-backward schedule.
+    an FSDP module, warn once (every microbatch reduces), or drive it under a split-backward
+    schedule (:class:`_SplitBackward`). Marks torch 2.11's shape-inference forward.
 
     Looks at the caller's frames only while ``torch.distributed.pipelining`` is imported, and
     only until the root has been seen under it once (``ModuleState.pipeline_checked``).
