@@ -476,8 +476,14 @@ class ModuleState:
             for state in reversed(ctx.states):
                 if local and (state.group is None or not state.group.backward_started):
                     continue  # waits for the backward of the root's forward
-                if state.group is not None:
-                    state.group.end_backward(forwards_done=not local)
+                group = state.group
+                if group is not None:
+                    if not group.backward_started and not group.policy.requires_gradient_sync:
+                        # As torch's end of backward: gradients set outside backward (pipelining's
+                        # weight pass) are kept in reduce dtype before the next one adds to them.
+                        for p in group.params:
+                            p.stash_unsynced_grad()
+                    group.end_backward(forwards_done=not local)
                 state.training_state = TrainingState.IDLE
                 state._modules_to_run.clear()  # e.g. a forward recomputed for part of a group
             if ctx.is_last_backward:
