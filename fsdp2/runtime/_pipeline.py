@@ -195,6 +195,12 @@ class _SplitBackward:
         self._before_forward(stage, schedule)
 
     def _before_forward(self, stage: Any, schedule: Any) -> None:
+        if self._taken:  # the last weight pass left a parameter the forward reached without a gradient
+            self._taken = set()
+            raise RuntimeError(
+                f"fsdp2: the last weight pass of pipeline stage {type(self._root.modules[0]).__name__} gave no "
+                "gradient to a parameter its forward uses, so fsdp2 never reduced the step's gradients; call "
+                "fsdp2.patch_torch() before sharding the stages (pipelining then reduces them itself)")
         if self._stale:
             self._stale = False
             for p in self._params():
