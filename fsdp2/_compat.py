@@ -609,6 +609,25 @@ def pipeline_stage_and_schedule(module: object) -> tuple[object | None, object |
     return stage, schedule
 
 
+def in_pipeline_shape_inference(module: object) -> bool:
+    """Whether the caller runs under the shape inference of the pipelining stage whose module is
+    ``module``: torch 2.11's ``_PipelineStageBase._shape_inference`` runs the stage's forward once
+    under ``no_grad`` on zeros, before its first step (private; 2.13 and 2.14 infer the metadata
+    with gradients on and have no such function). Only pipelining's own frames are looked into.
+    """
+    stage_module = sys.modules.get("torch.distributed.pipelining.stage")
+    if stage_module is None:
+        return False
+    folder = os.path.dirname(stage_module.__file__) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_shape_inference" and code.co_filename.startswith(folder):
+            return getattr(frame.f_locals.get("self"), "submod", None) is module
+        frame = frame.f_back
+    return False
+
+
 def schedule_splits_backward(schedule: object) -> bool:
     """Whether a pipelining schedule runs separate input and weight passes (zero bubble, DualPipeV).
 
@@ -629,3 +648,22 @@ def schedule_splits_backward(schedule: object) -> bool:
         if isinstance(order, dict) and any(split(a) for actions in order.values() for a in actions or ()):
             return True
     return False
+
+
+def pipeline_last_backward(schedule: object, stage: object) -> bool | None:
+    """Whether the backward pass a pipelining schedule runs now for ``stage`` is the stage's
+    last of the step that computes weight gradients; None where the schedule does not say.
+
+    ``_PipelineScheduleRuntime`` (the zero-bubble schedules' and DualPipeV's base) counts each
+    stage's full and weight-gradient passes in ``backward_counter`` (a ``Counter`` by stage
+    index, cleared at each step, bumped before the pass runs) and compares it with
+    ``_n_microbatches``, as it decides ``last_backward`` itself (private; the same in torch 2.11,
+    2.13 and 2.14). Read from the schedule object, not from frames: on CUDA the autograd
+    engine runs the hooks that ask on its own device threads.
+    """
+    counter = getattr(schedule, "backward_counter", None)
+    n_microbatches = getattr(schedule, "_n_microbatches", None)
+    index = getattr(stage, "stage_index", None)
+    if not isinstance(counter, collections.Counter) or not isinstance(n_microbatches, int) or index is None:
+        return None
+    return counter[index] == n_microbatches

@@ -16,23 +16,30 @@ Imported directly (``from fsdp2 import fully_shard``), fsdp2's modules are not t
 ``FSDPModule``, so pipelining treats the stage as a plain module: each microbatch's backward
 reduce-scatters and reshards, and the next forward gathers again. That is correct but costs a
 collective pair per microbatch where torch issues one per step, so :func:`check_stage` warns
-once, naming ``patch_torch()``. The zero-bubble schedules (and DualPipeV) split backward into an input
-pass and a weight pass and set the weights' gradients themselves; without pipelining's
-coordination the stage is resharded between the two and its gradients would never be
-reduced, so they are refused with an error naming the fix.
+once, naming ``patch_torch()``. The zero-bubble schedules (and DualPipeV) split backward into an
+input pass and a weight pass that pipelining runs itself (``torch.autograd.grad`` to the inputs,
+then to the weights' gradient edges, whose gradients it sets on the parameters after the call):
+there fsdp2 drives the stage as pipelining drives torch's FSDP2 (:class:`_SplitBackward`),
+with the same collectives as the patched route and no warning.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .. import _compat
+from ._tree import iter_tensors
 from .._errors import FSDPValueError
 
 if TYPE_CHECKING:
     from ._group import ParamGroup
+    from ._param import ShardedParam
     from ._state import ModuleState
 
 __all__ = ["state", "check_stage"]
@@ -105,7 +112,8 @@ def state(module: Any) -> _StateView:
 # ---- the direct route ---------------------------------------------------------------------
 def check_stage(module_state: ModuleState) -> None:
     """At a root forward: if pipelining runs this module as a stage without recognising it as
-    an FSDP module, warn once (every microbatch reduces) or refuse a split-backward schedule.
+    an FSDP module, warn once (every microbatch reduces), or drive it under a split-backward
+    schedule (:class:`_SplitBackward`). Marks torch 2.11's shape-inference forward.
 
     Looks at the caller's frames only while ``torch.distributed.pipelining`` is imported, and
     only until the root has been seen under it once (``ModuleState.pipeline_checked``).
@@ -114,6 +122,10 @@ def check_stage(module_state: ModuleState) -> None:
     if stage_module is None:
         return
     root = module_state.modules[0]
+    if not torch.is_grad_enabled() and _compat.in_pipeline_shape_inference(root):
+        # torch 2.11 runs the stage once under no_grad to learn its shapes; torch's FSDP2 then
+        # keeps the groups its policy keeps, and the first step's forward gathers nothing again.
+        module_state.ctx.shape_inference = True
     if isinstance(root, getattr(stage_module, "FSDPModule", ())):
         module_state.pipeline_checked = True
         return  # pipelining drives fsdp2 itself (patch_torch)
@@ -123,16 +135,163 @@ def check_stage(module_state: ModuleState) -> None:
     module_state.pipeline_checked = True
     name = type(root).__name__
     if schedule is not None and _compat.schedule_splits_backward(schedule):
-        raise FSDPValueError(
-            f"fsdp2: {name} is a stage of {type(schedule).__name__}, which splits backward into an input "
-            "pass and a weight pass and sets the weights' gradients itself; torch.distributed.pipelining "
-            "does not recognise modules sharded by `from fsdp2 import fully_shard` as FSDP modules, so "
-            "nothing would reduce those gradients. Call fsdp2.patch_torch() before sharding the stages "
-            "(pipelining then drives fsdp2 as it drives torch's FSDP2), or use a schedule without a "
-            "split backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)")
+        if _compat.pipeline_last_backward(schedule, stage) is None:
+            raise FSDPValueError(
+                f"fsdp2: {name} is a stage of {type(schedule).__name__}, which splits backward into an input "
+                "pass and a weight pass but does not count its stages' backward passes as torch's own "
+                "schedules do (backward_counter), so fsdp2 cannot tell the step's last weight pass; call "
+                "fsdp2.patch_torch() before sharding the stages (pipelining then drives fsdp2 as it drives "
+                "torch's FSDP2)")
+        _SplitBackward(module_state).start(stage, schedule)
+        return  # the same collectives as the patched route: nothing to warn about
     logger.warning(
         "fsdp2: %s is a pipeline stage that torch.distributed.pipelining does not recognise as an FSDP "
         "module (sharded by `from fsdp2 import fully_shard`): every microbatch's backward reduce-scatters "
         "its gradients and the next forward all-gathers the parameters again, where torch's FSDP2 does "
         "both once per step. Training is correct; call fsdp2.patch_torch() before sharding the stages to "
         "let pipelining drive fsdp2 as it drives torch's FSDP2 (see docs/integrations.md)", name)
+
+
+class _SplitBackward:
+    """Drives a stage of a split-backward schedule that pipelining does not drive (direct import)
+    as pipelining drives torch's FSDP2 through ``patch_torch()``.
+
+    Every backward of the step runs with gradient sync, resharding after backward and the
+    last-backward wait off (set at each forward under the schedule), so the parameters stay
+    gathered between an input pass and its weight pass and the gradients accumulate unsharded.
+    The step's last pass that computes weight gradients (``_compat.pipeline_last_backward``)
+    ends the step: a full backward through autograd's accumulation, a weight pass through the
+    gradients pipelining asks of ``torch.autograd.grad`` for the weights' gradient edges. The
+    unsharded parameters' tensor hooks see those (autograd runs a captured leaf's tensor hooks),
+    and in that pass take each gradient into the unsharded ``.grad`` themselves, handing
+    pipelining zeros to add, because pipelining sets the gradients only after the call returns,
+    when nothing of fsdp2 runs again before the optimizer step. Once every parameter the stage's
+    forward reached has its gradient, the end of that autograd call does what pipelining's
+    ``perform_reduce_grad`` does for torch's FSDP2: sync and reshard on, each group's
+    post-backward (one reduce-scatter per group), then the root's end of backward.
+
+    Where pipelining's last assignment lands after that (``.grad = zeros`` on an unsharded
+    parameter whose gradient was taken), the next forward clears it.
+    """
+
+    def __init__(self, root_state: ModuleState) -> None:
+        self._root = root_state
+        self._stage: Any = None  # weak references to pipelining's objects, refreshed at each forward
+        self._schedule: Any = None
+        self._reached: set[int] = set()  # ids of the ShardedParams the last forward's graph reaches
+        self._taken: set[int] = set()  # those whose gradient the final pass took so far
+        self._final_queued = False
+        self._stale = False  # the final pass ran: pipelining left zeros on unsharded .grad
+        self._hooked: dict[int, weakref.ref] = {}  # unsharded parameters hooked (by id: tensors compare by value)
+
+    def start(self, stage: Any, schedule: Any) -> None:
+        """The stage's first forward under the schedule: this forward and every later one."""
+        module = self._root.modules[0]
+        self._root._handles.append(module.register_forward_pre_hook(self._before_forward_hook))
+        self._root._handles.append(module.register_forward_hook(self._after_forward_hook))
+        self._before_forward(stage, schedule)
+
+    def _before_forward_hook(self, _module: Any, _args: Any) -> None:
+        stage, schedule = _compat.pipeline_stage_and_schedule(self._root.modules[0])
+        self._before_forward(stage, schedule)
+
+    def _before_forward(self, stage: Any, schedule: Any) -> None:
+        if self._taken:  # the last weight pass left a parameter the forward reached without a gradient
+            self._taken = set()
+            raise RuntimeError(
+                f"fsdp2: the last weight pass of pipeline stage {type(self._root.modules[0]).__name__} gave no "
+                "gradient to a parameter its forward uses, so fsdp2 never reduced the step's gradients; call "
+                "fsdp2.patch_torch() before sharding the stages (pipelining then reduces them itself)")
+        if self._stale:
+            self._stale = False
+            for p in self._params():
+                if p.unsharded is not None:
+                    p.unsharded.grad = None
+        active = stage is not None and schedule is not None and _compat.schedule_splits_backward(schedule)
+        self._stage = weakref.ref(stage) if active else None
+        self._schedule = weakref.ref(schedule) if active else None
+        if active:  # as pipelining's backward_maybe_with_nosync does for torch's FSDP2
+            module = self._root.modules[0]
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
+
+    def _after_forward_hook(self, _module: Any, _args: Any, output: Any) -> None:
+        if self._stage is None or not torch.is_grad_enabled():
+            return
+        by_tensor = {id(p.unsharded): p for p in self._params() if p.unsharded is not None}
+        self._reached = {id(by_tensor[id(t)]) for t in _leaves_reached(output) if id(t) in by_tensor}
+        me = weakref.ref(self)
+        for p in self._params():
+            u = p.unsharded
+            hooked = self._hooked.get(id(u))
+            if u is not None and u.requires_grad and (hooked is None or hooked() is not u):
+                # Weak references: torch's garbage collector does not look into tensor hooks.
+                u.register_hook(functools.partial(_weight_grad_hook, me, weakref.ref(p)))
+                self._hooked[id(u)] = weakref.ref(u)
+
+    def _params(self) -> list[ShardedParam]:
+        ctx = self._root.ctx
+        states = ctx.states if ctx is not None else [self._root]
+        return [p for s in states for g in s.groups for p in g.params]
+
+    def on_grad(self, p: ShardedParam, grad: torch.Tensor) -> torch.Tensor | None:
+        """A hook on ``p``'s unsharded parameter: ``grad`` is on its way to it (see the class)."""
+        stage = self._stage() if self._stage is not None else None
+        schedule = self._schedule() if self._schedule is not None else None
+        if stage is None or schedule is None or not _compat.pipeline_last_backward(schedule, stage):
+            return None  # autograd, or pipelining after the call, accumulates it
+        u = p.unsharded
+        with torch.no_grad():
+            if u.grad is None:  # (a copy: the incoming gradient may be another node's too)
+                u.grad = grad.detach().clone()
+            else:
+                u.grad += grad
+        self._taken.add(id(p))
+        if not self._final_queued and self._reached <= self._taken:
+            self._final_queued = True
+            _compat.queue_end_of_backward_callback(self._reduce_step)
+        return _zeros_like(grad)
+
+    def _reduce_step(self) -> None:
+        """After the stage's last weight gradients: what ``perform_reduce_grad`` does for torch's FSDP2."""
+        self._final_queued = False
+        self._taken.clear()
+        module = self._root.modules[0]
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(True)
+        view = _StateView(self._root)
+        for state in view._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        view._root_post_backward_final_callback()
+        self._stale = True
+
+
+def _weight_grad_hook(driver: weakref.ref, param: weakref.ref, grad: torch.Tensor) -> torch.Tensor | None:
+    d, p = driver(), param()
+    return None if d is None or p is None else d.on_grad(p, grad)
+
+
+def _zeros_like(grad: torch.Tensor) -> torch.Tensor:
+    """Zeros for pipelining to add: one element expanded, where the gradient is a plain tensor."""
+    if type(grad) is torch.Tensor:
+        return grad.new_zeros(()).expand(grad.shape)
+    return torch.zeros_like(grad)
+
+
+def _leaves_reached(output: Any) -> list[torch.Tensor]:
+    """The leaf tensors (parameters) the autograd graph of ``output`` accumulates into."""
+    seen, leaves = set(), []
+    todo = [t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return leaves

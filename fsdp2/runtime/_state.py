@@ -72,6 +72,7 @@ class RootContext:
         self.state_of: dict[ParamGroup, ModuleState] = {}  # each group's module state (several groups: one state)
         self.iteration = -1  # root forwards started, from 0 (all-gather headers, error messages)
         self.interrupted = False  # an exception left this iteration half-done (see _recover_if_interrupted)
+        self.shape_inference = False  # this forward is torch 2.11 pipelining's no_grad one (_pipeline.check_stage)
         self.diag: _checks.Diagnostics | None = None
 
     def prefetch(self, targets: list[ParamGroup]) -> None:
@@ -384,6 +385,7 @@ class ModuleState:
             self.training_state = TrainingState.IDLE
         if self.is_root and not recompute:
             self.ctx.in_forward = False
+            self.ctx.shape_inference = False
             with _compat.outside_functorch():
                 for state in self.ctx.states:  # a prefetch this forward never used: free it
                     for group in state.groups:
@@ -412,7 +414,7 @@ class ModuleState:
         return _PreBackward.apply(self, t) if t.is_floating_point() or t.is_complex() else t
 
     def _reshard_after_forward(self, group: ParamGroup, backward_follows: bool) -> None:
-        if not backward_follows:
+        if not backward_follows and not self.ctx.shape_inference:
             group.reshard()  # no backward can follow: never leave full parameters behind
         elif all(m.training for m in self.modules):
             group.reshard_after_forward_step()
@@ -510,6 +512,11 @@ class ModuleState:
                 if local and not any(group.backward_started for group in state.groups):
                     continue  # waits for the backward of the root's forward
                 for group in reversed(state.groups):  # backward's order, as torch's
+                    if not group.backward_started and not group.policy.requires_gradient_sync:
+                        # As torch's end of backward: gradients set outside backward (pipelining's
+                        # weight pass) are kept in reduce dtype before the next one adds to them.
+                        for p in group.params:
+                            p.stash_unsynced_grad()
                     group.end_backward(forwards_done=not local)
                 state.training_state = TrainingState.IDLE
                 state._modules_to_run.clear()  # e.g. a forward recomputed for part of a group
