@@ -63,7 +63,8 @@ def fully_shard(
             gathers them again in backward; ``False`` keeps them; ``None``
             means ``False`` for the root and ``True`` otherwise; an ``int``
             ``k`` keeps 1/k of them after forward, so backward gathers over
-            ``k`` ranks only (``k`` must divide the mesh size).
+            ``k`` ranks only (``k`` must divide the mesh size; with several meshes,
+            each group's, where ``k`` equal to its shard axis means ``True``).
         shard_placement_fn: maps a parameter to ``Shard(dim)`` (or ``None``
             for ``Shard(0)``), or to torch's ``ShardPlacementResult`` (a placement and a
             ``mesh_info``) whose mesh is this call's (see ``_placement.py``).
@@ -141,7 +142,7 @@ def _make_group(found: list[Found], dims: list[int], args: Arguments, mesh: Devi
                 device: torch.device) -> ParamGroup:
     """One parameter group: ``found``'s parameters sharded on ``dims`` over ``mesh``."""
     mp_policy, offload_policy = args.mp_policy, args.offload_policy
-    reshard_after_forward = args.reshard_after_forward
+    reshard_after_forward = group_reshard_after_forward(args, mesh)
     dp = DataParallelMesh.of(mesh, args.spmd)
     subgroup = None
     if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
@@ -243,6 +244,9 @@ class Arguments(NamedTuple):
     offload_policy: OffloadPolicy
     ignored_params: set[nn.Parameter]
     comm_policy: QuantizedComm | None = None
+    # The int as passed (not resolved against this call's mesh): each group of several meshes
+    # resolves it against its own (``group_reshard_after_forward``), as torch's fully_shard does.
+    reshard_request: bool | int | None = None
 
 
 def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Any, mp_policy: Any,
@@ -250,7 +254,7 @@ def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn
                     comm_policy: Any = None) -> Arguments:
     """``fully_shard``'s keyword arguments checked, and resolved (the default mesh, torch's
     policies as fsdp2's); TypeError / ValueError naming the fix otherwise."""
-    spmd = None
+    spmd, request = None, reshard_after_forward
     if dp_mesh_dims is None:
         mesh = resolve_mesh(mesh)
     else:
@@ -259,7 +263,16 @@ def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn
     mp_policy, offload_policy = _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
     comm_policy = _check_comm_policy(comm_policy, reshard_after_forward, mesh)
     return Arguments(mesh, spmd, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                     ignored_params or set(), comm_policy)
+                     ignored_params or set(), comm_policy, request)
+
+
+def group_reshard_after_forward(args: Arguments, mesh: DeviceMesh) -> bool | int | None:
+    """``reshard_after_forward`` for the group on ``mesh``: an int resolved against that mesh's
+    shard axis (on a group of its size it means True; it must divide it)."""
+    request = args.reshard_request
+    if isinstance(request, int) and not isinstance(request, bool) and mesh is not args.mesh:
+        return _check_reshard_after_forward(request, mesh)
+    return args.reshard_after_forward
 
 
 def check_group(found: list[Found], args: Arguments) -> Placements:
@@ -273,11 +286,12 @@ def check_group(found: list[Found], args: Arguments) -> Placements:
         mesh = args.mesh if group_mesh is None else group_mesh
         members = [i for i, g in enumerate(placed.groups) if g == index]
         part, dims = [found[i] for i in members], [placed.dims[i] for i in members]
+        reshard = group_reshard_after_forward(args, mesh)
         if args.spmd is None:
-            _check_tensor_parallel(part, mesh, args.reshard_after_forward)
+            _check_tensor_parallel(part, mesh, reshard)
         else:
-            _check_spmd_params(part, args.spmd, args.reshard_after_forward)
-        _extension.check_params(part, dims, mesh.size(mesh.ndim - 1), args.reshard_after_forward)
+            _check_spmd_params(part, args.spmd, reshard)
+        _extension.check_params(part, dims, mesh.size(mesh.ndim - 1), reshard)
     if args.comm_policy is not None and args.comm_policy.weight_block:
         _check_quantizable(found)
     return placed
@@ -293,8 +307,6 @@ def _check_several_meshes(found: list[Found], placed: Placements, args: Argument
     refused = None
     if args.spmd is not None:
         refused = "dp_mesh_dims"
-    elif not isinstance(args.reshard_after_forward, (bool, type(None))):
-        refused = f"reshard_after_forward={args.reshard_after_forward} (int)"
     elif args.comm_policy is not None:
         refused = "comm_policy"
     if refused is not None:
