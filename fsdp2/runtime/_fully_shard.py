@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, QuantizedComm,
@@ -19,7 +18,7 @@ from .._api import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy
 from .. import _compat
 from . import _extension, _pipeline
 from ._group import ParamGroup, SubGroup
-from ._mesh import DataParallelMesh, SpmdAxes, tp_mesh_of
+from ._mesh import DataParallelMesh, SpmdAxes, resolve_mesh, resolve_spmd_mesh, tp_mesh_of
 from ._module import FSDPModule
 from ._param import ShardedParam
 from ._placement import Placements, check_placement_fn, placement_dims
@@ -64,7 +63,8 @@ def fully_shard(
             gathers them again in backward; ``False`` keeps them; ``None``
             means ``False`` for the root and ``True`` otherwise; an ``int``
             ``k`` keeps 1/k of them after forward, so backward gathers over
-            ``k`` ranks only (``k`` must divide the mesh size).
+            ``k`` ranks only (``k`` must divide the mesh size; with several meshes,
+            each group's, where ``k`` equal to its shard axis means ``True``).
         shard_placement_fn: maps a parameter to ``Shard(dim)`` (or ``None``
             for ``Shard(0)``), or to torch's ``ShardPlacementResult`` (a placement and a
             ``mesh_info``) whose mesh is this call's (see ``_placement.py``).
@@ -142,7 +142,7 @@ def _make_group(found: list[Found], dims: list[int], args: Arguments, mesh: Devi
                 device: torch.device) -> ParamGroup:
     """One parameter group: ``found``'s parameters sharded on ``dims`` over ``mesh``."""
     mp_policy, offload_policy = args.mp_policy, args.offload_policy
-    reshard_after_forward = args.reshard_after_forward
+    reshard_after_forward = group_reshard_after_forward(args, mesh)
     dp = DataParallelMesh.of(mesh, args.spmd)
     subgroup = None
     if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
@@ -244,6 +244,9 @@ class Arguments(NamedTuple):
     offload_policy: OffloadPolicy
     ignored_params: set[nn.Parameter]
     comm_policy: QuantizedComm | None = None
+    # The int as passed (not resolved against this call's mesh): each group of several meshes
+    # resolves it against its own (``group_reshard_after_forward``), as torch's fully_shard does.
+    reshard_request: bool | int | None = None
 
 
 def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Any, mp_policy: Any,
@@ -251,16 +254,25 @@ def check_arguments(*, mesh: Any, reshard_after_forward: Any, shard_placement_fn
                     comm_policy: Any = None) -> Arguments:
     """``fully_shard``'s keyword arguments checked, and resolved (the default mesh, torch's
     policies as fsdp2's); TypeError / ValueError naming the fix otherwise."""
-    spmd = None
+    spmd, request = None, reshard_after_forward
     if dp_mesh_dims is None:
-        mesh = _resolve_mesh(mesh)
+        mesh = resolve_mesh(mesh)
     else:
-        mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims)
+        mesh, spmd = resolve_spmd_mesh(mesh, dp_mesh_dims)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     mp_policy, offload_policy = _check_policies(mp_policy, offload_policy, ignored_params, shard_placement_fn)
     comm_policy = _check_comm_policy(comm_policy, reshard_after_forward, mesh)
     return Arguments(mesh, spmd, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                     ignored_params or set(), comm_policy)
+                     ignored_params or set(), comm_policy, request)
+
+
+def group_reshard_after_forward(args: Arguments, mesh: DeviceMesh) -> bool | int | None:
+    """``reshard_after_forward`` for the group on ``mesh``: an int resolved against that mesh's
+    shard axis (on a group of its size it means True; it must divide it)."""
+    request = args.reshard_request
+    if isinstance(request, int) and not isinstance(request, bool) and mesh is not args.mesh:
+        return _check_reshard_after_forward(request, mesh)
+    return args.reshard_after_forward
 
 
 def check_group(found: list[Found], args: Arguments) -> Placements:
@@ -274,11 +286,12 @@ def check_group(found: list[Found], args: Arguments) -> Placements:
         mesh = args.mesh if group_mesh is None else group_mesh
         members = [i for i, g in enumerate(placed.groups) if g == index]
         part, dims = [found[i] for i in members], [placed.dims[i] for i in members]
+        reshard = group_reshard_after_forward(args, mesh)
         if args.spmd is None:
-            _check_tensor_parallel(part, mesh, args.reshard_after_forward)
+            _check_tensor_parallel(part, mesh, reshard)
         else:
-            _check_spmd_params(part, args.spmd, args.reshard_after_forward)
-        _extension.check_params(part, dims, mesh.size(mesh.ndim - 1), args.reshard_after_forward)
+            _check_spmd_params(part, args.spmd, reshard)
+        _extension.check_params(part, dims, mesh.size(mesh.ndim - 1), reshard)
     if args.comm_policy is not None and args.comm_policy.weight_block:
         _check_quantizable(found)
     return placed
@@ -290,12 +303,10 @@ def _check_several_meshes(found: list[Found], placed: Placements, args: Argument
     fqn = found[placed.groups.index(placed.meshes.index(other))][2]
     for mesh in placed.meshes:
         if mesh is not None:
-            _resolve_mesh(mesh)
+            resolve_mesh(mesh)
     refused = None
     if args.spmd is not None:
         refused = "dp_mesh_dims"
-    elif not isinstance(args.reshard_after_forward, (bool, type(None))):
-        refused = f"reshard_after_forward={args.reshard_after_forward} (int)"
     elif args.comm_policy is not None:
         refused = "comm_policy"
     if refused is not None:
@@ -343,91 +354,6 @@ def _check_order(found: list[Found]) -> None:
                 "fully_shard on a module that contains it. fully_shard goes bottom-up: call fully_shard on the "
                 "children (e.g. each block) first, then on the parent (the root last)"
             )
-
-
-def _resolve_mesh(mesh: Any) -> DeviceMesh:
-    if mesh is None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError(
-                "fully_shard(mesh=None) needs torch.distributed to be initialized: call "
-                "dist.init_process_group(...) first (torchrun sets up the environment), or pass a mesh"
-            )
-        device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"
-        return init_device_mesh(device_type, (dist.get_world_size(),))
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "
-            "build one with init_device_mesh('cpu' or 'cuda', (world_size,))"
-        )
-    _check_mesh_device(mesh)
-    if mesh.ndim > 2:
-        raise ValueError(
-            f"fully_shard: mesh has {mesh.ndim} dims; use a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh "
-            "(HSDP), e.g. mesh['dp'] to take the data-parallel axes of a larger mesh"
-        )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise FSDPValueError(
-            "fully_shard: a 2-D mesh means HSDP (replicate, shard) and needs axis names; build it with "
-            "init_device_mesh(device, (replicas, shards), mesh_dim_names=('dp_replicate', 'dp_shard'))"
-        )
-    return mesh
-
-
-def _check_mesh_device(mesh: DeviceMesh) -> None:
-    if mesh.device_type == "meta":
-        raise ValueError(
-            "fully_shard: the mesh is on the meta device, where no collective can run (the parameters' shards "
-            "live on the mesh's device); build the mesh on the device that runs the model (init_device_mesh('cuda', "
-            "...) or 'cpu') and the model on meta instead: with torch.device('meta'): model = Model(), then "
-            "fully_shard, then model.to_empty(device=...) and initialise the weights"
-        )
-
-
-def _resolve_spmd_mesh(mesh: Any, dims: Any) -> tuple[DeviceMesh, SpmdAxes]:
-    """``dp_mesh_dims``: check it against the full ``mesh``; the data-parallel mesh (1-D, or
-    (replicate, shard) for HSDP; several axes of a kind flattened into one) and where its axes
-    sit in the full mesh."""
-    if not hasattr(dims, "shard_names") or not hasattr(dims, "replicate_names"):
-        raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError("fully_shard: dp_mesh_dims needs mesh= the whole SPMD DeviceMesh the parameters live on, "
-                        f"got {type(mesh).__name__}")
-    _check_mesh_device(mesh)
-    names = mesh.mesh_dim_names
-    if names is None:
-        raise ValueError("fully_shard: dp_mesh_dims names mesh axes, but the mesh has no axis names; build it "
-                         "with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
-    shard, replicate = tuple(dims.shard_names), tuple(dims.replicate_names)
-    for name in shard + replicate:
-        if name not in names:
-            raise ValueError(f"fully_shard: dp_mesh_dims names axis {name!r}, which the mesh {names} does not have")
-    if not shard:
-        raise ValueError("fully_shard: dp_mesh_dims without a shard axis (replication only) is plain data "
-                         "parallelism; use DistributedDataParallel, or name a shard axis")
-    both = set(shard) & set(replicate)
-    if both or len(set(shard)) < len(shard) or len(set(replicate)) < len(replicate):
-        twice = sorted(both) or sorted({n for n in shard + replicate if (shard + replicate).count(n) > 1})
-        raise ValueError(f"fully_shard: dp_mesh_dims uses axis {twice[0]!r} twice (to both shard and replicate, "
-                         "or twice in one); name each data-parallel axis once")
-    shard_axes = tuple(names.index(n) for n in shard)
-    replicate_axes = tuple(names.index(n) for n in replicate)
-    for kind, axes in (("shard", shard_axes), ("replicate", replicate_axes)):
-        if list(axes) != sorted(axes) or (kind == "shard" and axes[-1] - axes[0] != len(axes) - 1):
-            raise ValueError(
-                f"fully_shard: dp_mesh_dims' {kind} axes {tuple(names[i] for i in axes)} must be named in the "
-                f"mesh's order{' and be adjacent in it' if kind == 'shard' else ''} (the mesh is {names}): "
-                "they are flattened into one axis, as torch's fully_shard does"
-            )
-    # Several axes of a kind are one flattened axis (one process group); HSDP is (replicate, shard).
-    dp_mesh = _compat.flattened(mesh, shard)
-    if replicate:
-        dp_mesh = _compat.concat_meshes([_compat.flattened(mesh, replicate), dp_mesh])
-    sharded_mesh = None
-    if len(shard) > 1:  # the shards' own mesh: the data-parallel axes where the first shard axis was
-        parts = [dp_mesh if axis == shard_axes[0] else mesh[name] for axis, name in enumerate(names)
-                 if axis == shard_axes[0] or axis not in shard_axes + replicate_axes]
-        sharded_mesh = _compat.concat_meshes(parts)
-    return dp_mesh, SpmdAxes(mesh, shard_axes, replicate_axes, sharded_mesh)
 
 
 def _check_spmd_params(found: list[Found], spmd: SpmdAxes, reshard_after_forward: Any) -> None:

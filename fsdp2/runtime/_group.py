@@ -88,7 +88,7 @@ class ParamGroup(GroupBuffers):
         # them, see waits_for_inputs): one token each, held by the autograd graph, so a graph
         # dropped without a backward (an evaluation with gradients on) drops out by itself.
         self.inputs_pending: weakref.WeakSet[Any] = weakref.WeakSet()
-        # A forward of this iteration did not route its inputs through _InputsGradReady (none
+        # A forward of this iteration did not route its inputs through InputsGradReady (none
         # required grad, or the group had no frozen parameter then): nothing tells when backward
         # is done with the parameters frozen at or since that forward, so the end of backward
         # reduces them (as torch's FSDP2 does).
@@ -327,7 +327,7 @@ class ParamGroup(GroupBuffers):
         reshard): one flag comparison per form; counts are rebuilt only when one changed. Frozen
         parameters get no gradient, no reduce-scatter, and so no ``.grad`` for the optimizer
         to step with. A change after a forward is safe for its backward: that forward either
-        routed its inputs (``_InputsGradReady``) or counts as unhooked (``unhooked_forward``), so a
+        routed its inputs (``InputsGradReady``) or counts as unhooked (``unhooked_forward``), so a
         parameter frozen since is never freed before backward is done with it.
         """
         if requires_grad_changed(self.params) and any([p.sync_requires_grad() for p in self.params]):  # a list: all

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from .. import _compat
+from .._errors import FSDPValueError
 
-__all__ = ["DataParallelMesh", "SpmdAxes", "SubGroup", "tp_mesh_of"]
+__all__ = ["DataParallelMesh", "SpmdAxes", "SubGroup", "check_mesh_device", "resolve_mesh", "resolve_spmd_mesh",
+           "tp_mesh_of"]
 
 
 @dataclass(frozen=True)
@@ -158,3 +162,89 @@ def tp_mesh_of(param_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh | None
         if axes == param_mesh:
             return axes
     return param_mesh if _compat.joinable_meshes(dp_mesh, param_mesh) else None
+
+
+# ---- fully_shard's mesh argument -------------------------------------------------------
+def resolve_mesh(mesh: Any) -> DeviceMesh:
+    if mesh is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "fully_shard(mesh=None) needs torch.distributed to be initialized: call "
+                "dist.init_process_group(...) first (torchrun sets up the environment), or pass a mesh"
+            )
+        device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "
+            "build one with init_device_mesh('cpu' or 'cuda', (world_size,))"
+        )
+    check_mesh_device(mesh)
+    if mesh.ndim > 2:
+        raise ValueError(
+            f"fully_shard: mesh has {mesh.ndim} dims; use a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh "
+            "(HSDP), e.g. mesh['dp'] to take the data-parallel axes of a larger mesh"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise FSDPValueError(
+            "fully_shard: a 2-D mesh means HSDP (replicate, shard) and needs axis names; build it with "
+            "init_device_mesh(device, (replicas, shards), mesh_dim_names=('dp_replicate', 'dp_shard'))"
+        )
+    return mesh
+
+
+def check_mesh_device(mesh: DeviceMesh) -> None:
+    if mesh.device_type == "meta":
+        raise ValueError(
+            "fully_shard: the mesh is on the meta device, where no collective can run (the parameters' shards "
+            "live on the mesh's device); build the mesh on the device that runs the model (init_device_mesh('cuda', "
+            "...) or 'cpu') and the model on meta instead: with torch.device('meta'): model = Model(), then "
+            "fully_shard, then model.to_empty(device=...) and initialise the weights"
+        )
+
+
+def resolve_spmd_mesh(mesh: Any, dims: Any) -> tuple[DeviceMesh, SpmdAxes]:
+    """``dp_mesh_dims``: check it against the full ``mesh``; the data-parallel mesh (1-D, or
+    (replicate, shard) for HSDP; several axes of a kind flattened into one) and where its axes
+    sit in the full mesh."""
+    if not hasattr(dims, "shard_names") or not hasattr(dims, "replicate_names"):
+        raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError("fully_shard: dp_mesh_dims needs mesh= the whole SPMD DeviceMesh the parameters live on, "
+                        f"got {type(mesh).__name__}")
+    check_mesh_device(mesh)
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("fully_shard: dp_mesh_dims names mesh axes, but the mesh has no axis names; build it "
+                         "with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+    shard, replicate = tuple(dims.shard_names), tuple(dims.replicate_names)
+    for name in shard + replicate:
+        if name not in names:
+            raise ValueError(f"fully_shard: dp_mesh_dims names axis {name!r}, which the mesh {names} does not have")
+    if not shard:
+        raise ValueError("fully_shard: dp_mesh_dims without a shard axis (replication only) is plain data "
+                         "parallelism; use DistributedDataParallel, or name a shard axis")
+    both = set(shard) & set(replicate)
+    if both or len(set(shard)) < len(shard) or len(set(replicate)) < len(replicate):
+        twice = sorted(both) or sorted({n for n in shard + replicate if (shard + replicate).count(n) > 1})
+        raise ValueError(f"fully_shard: dp_mesh_dims uses axis {twice[0]!r} twice (to both shard and replicate, "
+                         "or twice in one); name each data-parallel axis once")
+    shard_axes = tuple(names.index(n) for n in shard)
+    replicate_axes = tuple(names.index(n) for n in replicate)
+    for kind, axes in (("shard", shard_axes), ("replicate", replicate_axes)):
+        if list(axes) != sorted(axes) or (kind == "shard" and axes[-1] - axes[0] != len(axes) - 1):
+            raise ValueError(
+                f"fully_shard: dp_mesh_dims' {kind} axes {tuple(names[i] for i in axes)} must be named in the "
+                f"mesh's order{' and be adjacent in it' if kind == 'shard' else ''} (the mesh is {names}): "
+                "they are flattened into one axis, as torch's fully_shard does"
+            )
+    # Several axes of a kind are one flattened axis (one process group); HSDP is (replicate, shard).
+    dp_mesh = _compat.flattened(mesh, shard)
+    if replicate:
+        dp_mesh = _compat.concat_meshes([_compat.flattened(mesh, replicate), dp_mesh])
+    sharded_mesh = None
+    if len(shard) > 1:  # the shards' own mesh: the data-parallel axes where the first shard axis was
+        parts = [dp_mesh if axis == shard_axes[0] else mesh[name] for axis, name in enumerate(names)
+                 if axis == shard_axes[0] or axis not in shard_axes + replicate_axes]
+        sharded_mesh = _compat.concat_meshes(parts)
+    return dp_mesh, SpmdAxes(mesh, shard_axes, replicate_axes, sharded_mesh)

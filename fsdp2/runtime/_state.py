@@ -34,12 +34,12 @@ from ._group import ParamGroup, ReduceQueue
 from ._release import EarlyRelease
 from ._param import raise_if_on_meta
 from ._state_dict import register_state_dict_hooks
+from ._autograd import InputsGradReady, Pending, PreBackward
 from ._tree import cast_floating, iter_tensors, map_tensors
 
 __all__ = ["TrainingState", "ModuleState", "RootContext", "get_state"]
 
 logger = logging.getLogger(__name__)
-
 
 
 def get_state(module: nn.Module) -> ModuleState | None:
@@ -85,8 +85,6 @@ class RootContext:
                 return  # the rest gathers when reached
             group.unshard(async_op=True, whole=False)  # (backward reads no segment released early)
             self.prefetched.add(group)
-
-
 
 
 class ModuleState:
@@ -411,7 +409,7 @@ class ModuleState:
 
     def _hook_output_under_transform(self, t: torch.Tensor) -> torch.Tensor:
         """``torch.func``: a floating output may take part in a backward outside the transform."""
-        return _PreBackward.apply(self, t) if t.is_floating_point() or t.is_complex() else t
+        return PreBackward.apply(self, t) if t.is_floating_point() or t.is_complex() else t
 
     def _reshard_after_forward(self, group: ParamGroup, backward_follows: bool) -> None:
         if not backward_follows and not self.ctx.shape_inference:
@@ -426,17 +424,17 @@ class ModuleState:
         return output if dtype is None else cast_floating(output, dtype)
 
     def _hook_inputs_grad_ready(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Route the inputs that require grad through ``_InputsGradReady`` (see there)."""
+        """Route the inputs that require grad through ``InputsGradReady`` (see there)."""
         tensors = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
         waiting = [group for group in self.groups if group.waits_for_inputs]
         if not tensors:  # e.g. token ids: the end of backward reduces this group
             for group in waiting:
                 group.unhooked_forward = True
             return args, kwargs
-        token = _Pending()
+        token = Pending()
         for group in waiting:  # (the others ignore it: inputs_grad_ready finds it in none of theirs)
             group.inputs_pending.add(token)
-        aliases = dict(zip(map(id, tensors), _InputsGradReady.apply(self._inputs_grad_ready, token, *tensors)))
+        aliases = dict(zip(map(id, tensors), InputsGradReady.apply(self._inputs_grad_ready, token, *tensors)))
         return map_tensors(lambda t: aliases.get(id(t), t), (args, kwargs))
 
     # ---- backward -----------------------------------------------------------------------
@@ -577,72 +575,3 @@ def _mesh_name(group: ParamGroup) -> str:
     """A group's mesh in labels: its axis names, or its size."""
     names = group.dp.mesh.mesh_dim_names
     return ",".join(names) if names else f"{group.world} ranks"
-
-
-class _InputsGradReady(torch.autograd.Function):
-    """Identity on a module's inputs whose backward runs once their gradients are computed,
-    which is after the module's own backward, at the same point on every rank.
-
-    Groups that reduce unused parameters (``set_reduce_scatter_unused_params``) reduce
-    there: waiting for every parameter's gradient would wait until the end of backward
-    on a rank that skipped a branch, and the ranks would then issue their reduce-scatters
-    in different orders. Groups with frozen parameters reduce no earlier (and once every
-    trainable gradient is in): backward may use a frozen weight for its input's gradient
-    after the trainable ones have theirs (``ParamGroup.waits_for_inputs``).
-    """
-
-    generate_vmap_rule = True  # forward-mode AD and torch.func transforms pass through
-
-    @staticmethod
-    def forward(ready: Callable[[_Pending], None], token: _Pending,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tensors
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.ready, ctx.token = inputs[0], inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.ready(ctx.token)  # the group's inputs_grad_ready, hidden from torch.compile
-        return (None, None, *grads)
-
-    @staticmethod
-    def jvp(ctx: Any, _ready: Any, _token: Any, *tangents: torch.Tensor | None) -> tuple[Any, ...]:
-        # The outputs are the inputs themselves, so autograd wants views for their tangents too.
-        return tuple(t if t is None else t.view_as(t) for t in tangents)
-
-
-class _PreBackward(torch.autograd.Function):
-    """Identity on a forward output whose backward runs the module's pre-backward.
-
-    Used under ``torch.func`` transforms only, where outputs that backward will reach may
-    report ``requires_grad=False`` inside the transform, so the usual gradient hook on the
-    outputs cannot be registered. Applied to the tangent as well, for a backward through it.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(state: ModuleState, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.state = inputs[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        ctx.state._pre_backward_hook(grad)
-        return None, grad
-
-    @staticmethod
-    def jvp(ctx: Any, _state: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tangent is None else _PreBackward.apply(ctx.state, tangent)
-
-
-class _Pending:
-    """One forward's inputs awaiting their gradients (``ParamGroup.inputs_pending``)."""
-
-    __slots__ = ("__weakref__",)
-

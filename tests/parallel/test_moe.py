@@ -297,6 +297,69 @@ def test_shard_placement_result_on_the_calls_mesh_matches_torch(world):
         assert r == {"losses_equal": True, "layouts_equal": True, "params_equal": True, "experts": (Shard(1),)}, r
 
 
+def _int_reshard_on_several_meshes_vs_torch(steps: int = 2) -> dict:
+    """reshard_after_forward=2 in one call over two meshes: dense on a 1-D mesh of 4 (after
+    forward each rank keeps a half, gathered back over 2 ranks), experts on a (replicate 2,
+    shard 2) mesh, where 2 is the whole shard axis (the same as True), as torch resolves it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor.debug import CommDebugMode
+    torch.manual_seed(0)
+    base = MoEModel(4)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "efsdp"))
+    info = _get_mesh_info(hsdp)
+    models = []
+    for fully_shard in (fsdp2.fully_shard, torch_fully_shard):
+        model = copy.deepcopy(base)
+        for block in model.layers:
+            experts = set(block.moe.experts.parameters())
+            fully_shard(block, mesh=dense, reshard_after_forward=2, shard_placement_fn=lambda p, e=experts:
+                        ShardPlacementResult(placement=Shard(0), mesh_info=info) if p in e else None)
+        fully_shard(model, mesh=dense)
+        _sum_gradients(model)
+        models.append(model)
+    reference = copy.deepcopy(base)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (*models, reference)]
+    losses, counts, grads_equal, grad_vs_reference = [], [[], []], True, 0.0
+    for step in range(steps):
+        step_losses = []
+        for m, seen in zip(models, counts):
+            with CommDebugMode() as mode:
+                loss = loss_of(m, *batch(rank, step)) / world
+                loss.backward()
+            step_losses.append(loss.item())
+            seen.append({str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items() if n})
+        sum(loss_of(reference, *batch(r, step)) / world for r in range(world)).backward()
+        grads = [[p.grad.full_tensor() for p in m.parameters()] for m in models]
+        grads_equal &= all(torch.equal(a, b) for a, b in zip(*grads))
+        grad_vs_reference = max(grad_vs_reference, *((g - r.grad).abs().max().item()
+                                                     for g, r in zip(grads[0], reference.parameters())))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(step_losses)
+    named = [dict(m.named_parameters()) for m in models]
+    groups = fsdp2.fully_shard.state(models[0].layers[0])._fsdp_param_groups
+    return {
+        "losses_equal": all(a == b for a, b in losses),
+        "grads_equal": grads_equal,
+        "grad_vs_reference": grad_vs_reference < 1e-6,
+        "counts_equal": counts[0] == counts[1],
+        "layouts_equal": all(_layout(p) == _layout(named[1][n]) for n, p in named[0].items()),
+        "params_equal": all(torch.equal(p.full_tensor(), named[1][n].full_tensor()) for n, p in named[0].items()),
+        "block_groups": len(groups),
+    }
+
+
+@pytest.mark.skipif(not HAS_SHARD_PLACEMENT_RESULT, reason="torch 2.13's FSDP2 API")
+def test_int_reshard_after_forward_on_several_meshes_matches_torch():
+    for r in run_on_ranks(_int_reshard_on_several_meshes_vs_torch, 4):
+        assert r == {"losses_equal": True, "grads_equal": True, "grad_vs_reference": True, "counts_equal": True,
+                     "layouts_equal": True, "params_equal": True, "block_groups": 2}, r
+
+
 def _accumulate_and_round_trip(steps: int = 2) -> dict:
     """Experts on their own mesh in one call (two groups per block), fsdp2 next to torch: two
     microbatches a step, the first without gradient sync and without resharding after backward,
@@ -363,16 +426,20 @@ def _refusals() -> list[str]:
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     dense, efsdp, ep = _meshes("init_device_mesh", 2)
     seen = []
-    # 1. A mesh per parameter (one group each) with what fsdp2 does not combine with it yet: an
-    # int reshard_after_forward; a mesh_info whose axes are not (replicate, shard).
+    # 1. A mesh per parameter (one group each) with what fsdp2 does not combine with it yet:
+    # quantized communication; a mesh_info whose axes are not (replicate, shard).
     model = MoEModel(4)
     expert_parallel(model, ep)
     block = model.layers[0]
     before = dict(block.named_parameters())
     experts, info = set(block.moe.experts.parameters()), _get_mesh_info(efsdp)
-    with pytest.raises(ValueError, match="does not combine parameter groups on several meshes with "
-                                         "reshard_after_forward=2"):
-        fsdp2.fully_shard(block, mesh=dense, reshard_after_forward=2, shard_placement_fn=lambda p: ShardPlacementResult(
+    with pytest.raises(ValueError, match="does not combine parameter groups on several meshes with comm_policy"):
+        fsdp2.fully_shard(block, mesh=dense, comm_policy=fsdp2.QuantizedComm(weights="int8"),
+                          shard_placement_fn=lambda p: ShardPlacementResult(
+            placement=Shard(0), mesh_info=info) if p in experts else None)
+    # An int reshard_after_forward must divide every group's shard axis (the experts' is 2), as torch's.
+    with pytest.raises(ValueError, match="reshard_after_forward=4 must divide the mesh size 2"):
+        fsdp2.fully_shard(block, mesh=dense, reshard_after_forward=4, shard_placement_fn=lambda p: ShardPlacementResult(
             placement=Shard(0), mesh_info=info) if p in experts else None)
     transposed = type(info)(efsdp, shard_mesh_dim=0)
     transposed.replicate_mesh_dim = 0  # (a shape fsdp2 does not read: the shard axis is a 2-D mesh's last)
