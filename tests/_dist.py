@@ -174,6 +174,28 @@ def shutdown_pools() -> None:
 
 atexit.register(shutdown_pools)
 
+# Every process group a task makes (``new_group``, a mesh's axes) keeps gloo's I/O threads in
+# the pool's workers for the pool's life, and hundreds of them cost an idle worker a fifth of a
+# core (4 workers of 896 threads each: 22% each, most of a core of the CI's two, paid by every
+# later test). Between tests, a pool past this many threads in a worker is stopped; the next
+# call starts a fresh one (a few seconds).
+MAX_WORKER_THREADS = 256
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:  # not Linux, or already gone
+        return 0
+
+
+def retire_crowded_pools() -> None:
+    """Stop the pools whose workers hold more than ``MAX_WORKER_THREADS`` threads (between tests)."""
+    for world_size, pool in list(_POOLS.items()):
+        if any(_threads(p.pid) > MAX_WORKER_THREADS for p in pool.procs if p.pid is not None):
+            del _POOLS[world_size]
+            pool.shutdown()
+
 
 @contextlib.contextmanager
 def info_records(logger: logging.Logger) -> Iterator[list[logging.LogRecord]]:
