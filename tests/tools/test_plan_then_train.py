@@ -12,8 +12,6 @@ with and without planning first, and the shards must be byte for byte the same.
 
 from __future__ import annotations
 
-import os
-import random
 from pathlib import Path
 
 import pytest
@@ -28,13 +26,14 @@ ARGV = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_
         "--model.max_seq_len=32", "--training.seq_len=32", "--training.batch_size=2"]
 
 
-def _rank(rank: int, world: int, port: int, argv: list[str], plan: bool, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _rank(rank: int, world: int, argv: list[str], plan: bool, out: str) -> None:
     torch.set_num_threads(1)
     config, dims = check_command(argv, world)
     if plan:
         assert check_memory(config, dims, "cpu") is not None  # the planner ran in this process
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: a random TCP port can be taken by a test running beside this one
+    store = Path(out) / f"store-plan{int(plan)}"
+    dist.init_process_group("gloo", init_method=store.as_uri(), rank=rank, world_size=world)
     try:
         dims.build_mesh("cpu")
         model = build_model(config, dims, torch.device("cpu"))
@@ -50,7 +49,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], plan: bool, out: st
 def test_planning_first_leaves_each_ranks_initial_weights_as_they_were(tmp_path, layout):
     argv = [*ARGV, *layout]
     for plan in (False, True):
-        mp.spawn(_rank, args=(2, random.randint(20000, 40000), argv, plan, str(tmp_path)), nprocs=2)
+        mp.spawn(_rank, args=(2, argv, plan, str(tmp_path)), nprocs=2)
     for rank in range(2):
         alone = torch.load(tmp_path / f"plan0-rank{rank}.pt")
         planned = torch.load(tmp_path / f"plan1-rank{rank}.pt")
