@@ -187,6 +187,31 @@ def test_a_released_lease_is_off_the_registry_when_it_says_so():
     assert run_on_ranks(_released_means_unlisted, 2, 300) == [[0], [0]]
 
 
+def _released_with_a_waiter(rounds: int) -> list[int]:
+    """Leases over gloo whose waiter thread started (a poll) before this thread's ``wait``:
+    after the wait no waiter is left inside gloo. A gloo work waited on by both threads gave its
+    one completion to one of them and left the other blocked until the connection closed, at
+    interpreter exit: ``pthread_exit`` inside C++, SIGABRT (seen in CI)."""
+    left = 0
+    with _reading_group(pipes=False) as pg:
+        peer = 1 - pg.rank()
+        for _ in range(rounds):
+            lease = _lease.Lease(pg, "a lease", ack_tag=78)
+            lease.expect_ack(peer)
+            lease.acknowledge(peer)
+            lease.poll()  # starts the waiter thread
+            lease.wait()
+            left += lease.waiter.is_alive()
+        _lease._drain_at_exit()  # and the exit hook leaves none either
+        left += len(_lease.join_waiters(0.0))
+        dist.barrier(group=pg)
+    return [left]
+
+
+def test_no_waiter_thread_is_left_in_gloo_after_a_lease_is_released():
+    assert run_on_ranks(_released_with_a_waiter, 2, 50) == [[0], [0]]
+
+
 def _training_leaves_nothing_held() -> list[int]:
     torch.manual_seed(0)
     model = MLP(256)

@@ -19,7 +19,10 @@ process exiting. So the guarantee lives here, with the exchange:
 * at interpreter exit (``atexit``, and multiprocessing's exit hook, which its children
   run instead), ``drain`` sends what is owed and waits, at most ``EXIT_WAIT_S``, for the
   acknowledgements still missing: a peer that is gone reads nothing any more; one that
-  does not answer in time is logged (WARNING) and the process exits anyway.
+  does not answer in time is logged (WARNING) and the process exits anyway. Then it joins
+  the waiter threads (gloo's, below): one still inside gloo's ``wait`` when the interpreter
+  finalizes would be ended by ``pthread_exit`` as it takes the GIL back, an unwind through
+  C++ that aborts the process (``terminate called without an active exception``).
 
 Code that may run inside garbage collection (``orphan``) only posts messages that cannot
 wait or interleave (``Pipes.try_send``); the rest waits for the next safe point.
@@ -36,14 +39,16 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["EXIT_WAIT_S", "Lease", "drain", "live", "prune"]
+__all__ = ["EXIT_WAIT_S", "WAITER_JOIN_S", "Lease", "drain", "join_waiters", "live", "prune"]
 
 EXIT_WAIT_S = 30.0  # at exit: the longest wait for peers still reading this process
+WAITER_JOIN_S = 10.0  # at exit: the longest wait for waiter threads whose gloo works have ended
 logger = logging.getLogger(__name__)
 
 _live: dict[int, Lease] = {}  # id -> every lease not yet released, in creation order
 _orphans: list[Lease] = []  # leases whose exchange was dropped before they were released
 _hooked_pid = 0  # the process whose exit hooks are registered (0: none yet)
+_waiters: list[threading.Thread] = []  # gloo waiter threads started (finished ones pruned), joined at exit
 
 
 class Lease:
@@ -93,6 +98,15 @@ class Lease:
 
     def wait(self) -> bool:
         """Wait for every acknowledgement due and every send; then let the memory go."""
+        if self.waiter is not None:
+            # gloo, a waiter thread started: it alone waits on the works. A gloo work waited on
+            # by two threads hands its one completion to one of them and blocks the other for
+            # good (until the connection closes, maybe at interpreter exit: an abort).
+            self.waiter.join()
+            if self.gone:
+                raise RuntimeError(f"fsdp2: {self.what}: the connection to the same-host peer(s) "
+                                   f"{sorted(self.gone)} (group ranks) failed before they acknowledged")
+            return True
         while self.works:
             self.works[0][1].wait()
             self.works.pop(0)  # only once finished: a failed wait leaves it to be waited on again
@@ -121,6 +135,8 @@ class Lease:
         if not hasattr(self.link, "try_send"):  # gloo
             if self.waiter is None:
                 self.waiter = threading.Thread(target=self._wait_all, name="fsdp2-read-lease", daemon=True)
+                _waiters[:] = [t for t in _waiters if t.is_alive()]
+                _waiters.append(self.waiter)
                 self.waiter.start()
             elif self.works and all(_gone(self._pid(peer)) for peer, _ in list(self.works)):
                 self.gone.update(peer for peer, _ in list(self.works))
@@ -235,9 +251,24 @@ def _gone(pid: int | None) -> bool:
         return False
 
 
+def join_waiters(timeout_s: float) -> list[threading.Thread]:
+    """Wait up to ``timeout_s`` for the waiter threads to end; those still running then (each
+    blocked on a peer that neither answered nor went away)."""
+    deadline = time.monotonic() + timeout_s
+    for thread in list(_waiters):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    _waiters[:] = [t for t in _waiters if t.is_alive()]
+    return list(_waiters)
+
+
 def _drain_at_exit() -> None:
-    if _hooked_pid == os.getpid() and _live:
+    if _hooked_pid != os.getpid():
+        return
+    if _live:
         drain(EXIT_WAIT_S)
+    if stuck := join_waiters(WAITER_JOIN_S):
+        logger.warning("fsdp2: %d thread(s) still wait on gloo for a same-host peer at exit; if the wait ends "
+                       "while the interpreter shuts down, the process may abort", len(stuck))
 
 
 def _hook_exit() -> None:
@@ -257,9 +288,10 @@ def _hook_exit() -> None:
 
 
 def _forget_all_in_child() -> None:
-    """After ``fork()``, in the child: the parent's leases are the parent's to settle."""
+    """After ``fork()``, in the child: the parent's leases (and threads) are the parent's to settle."""
     _live.clear()
     _orphans.clear()
+    _waiters.clear()
 
 
 if hasattr(os, "register_at_fork"):
