@@ -1,8 +1,8 @@
 """The few private PyTorch entry points fsdp2 needs, in one place.
 
 Checked against torch 2.11 to 2.14, the range pyproject.toml allows (CI runs the whole suite
-on 2.13 and the quick one on 2.11 and 2.14). Each has no public equivalent; where releases
-differ, the difference is handled here.
+on 2.13 and the version-sensitive quick tests, marked ``compat``, on 2.11 and 2.14). Each has
+no public equivalent; where releases differ, the difference is handled here.
 """
 
 from __future__ import annotations
