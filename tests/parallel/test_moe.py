@@ -21,6 +21,7 @@ import copy
 import functools
 import importlib
 import importlib.util
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -126,11 +127,47 @@ def _layout(p: DTensor) -> tuple:
     return p.device_mesh.mesh_dim_names, tuple(p.placements), tuple(p.to_local().shape)
 
 
-def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3, shard=_shard) -> dict:
+class _Run(NamedTuple):
+    losses: list[list[float]]  # per step: fsdp2's, torch's
+    reference_losses: list[float]  # per step: this rank's on the unsharded reference
+    counts: list[list[dict]]  # per model, per step: the collectives CommDebugMode saw
+    grads_equal: bool  # fsdp2's and torch's gradients, bit for bit, every step
+    grad_vs_reference: float  # the largest difference of fsdp2's gradients from the reference's
+
+
+def _train_pair(models: list[nn.Module], reference: nn.Module, steps: int) -> _Run:
+    """AdamW steps of fsdp2's and torch's sharded models and the unsharded reference, which
+    takes every rank's batch (each loss divided by the world: the ranks' sum is the mean)."""
     from torch.distributed.tensor.debug import CommDebugMode
+    world, rank = dist.get_world_size(), dist.get_rank()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (*models, reference)]
+    run = _Run([], [], [[] for _ in models], True, 0.0)
+    for step in range(steps):
+        step_losses = []
+        for m, seen in zip(models, run.counts):
+            with CommDebugMode() as mode:
+                loss = loss_of(m, *batch(rank, step)) / world
+                loss.backward()
+            step_losses.append(loss.item())
+            seen.append({str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items() if n})
+        per_rank = [loss_of(reference, *batch(r, step)) / world for r in range(world)]
+        sum(per_rank).backward()
+        grads = [[p.grad.full_tensor() for p in m.parameters()] for m in models]
+        run = run._replace(
+            grads_equal=run.grads_equal and all(torch.equal(a, b) for a, b in zip(*grads)),
+            grad_vs_reference=max(run.grad_vs_reference, *((g - r.grad).abs().max().item()
+                                                           for g, r in zip(grads[0], reference.parameters()))))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        run.losses.append(step_losses)
+        run.reference_losses.append(per_rank[rank].item())
+    return run
+
+
+def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3, shard=_shard) -> dict:
     torch.manual_seed(0)
     base = MoEModel(num_experts)
-    world, rank = dist.get_world_size(), dist.get_rank()
     dense, efsdp, ep_mesh = _meshes(kind, ep)
     models = []
     for fully_shard in (fsdp2.fully_shard, torch_fully_shard):
@@ -140,28 +177,9 @@ def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3, shard=
         shard(model, fully_shard, dense, efsdp, ep_mesh)
         models.append(model)
     reference = copy.deepcopy(base)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (*models, reference)]
-    losses, reference_losses, grads_equal, grad_vs_reference = [], [], True, 0.0
-    counts: list[list[dict]] = [[], []]  # per model, per step: the collectives CommDebugMode saw
-    for step in range(steps):
-        step_losses = []
-        for m, seen in zip(models, counts):
-            with CommDebugMode() as mode:
-                loss = loss_of(m, *batch(rank, step)) / world  # summed over ranks: the mean
-                loss.backward()
-            step_losses.append(loss)
-            seen.append({str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items() if n})
-        per_rank = [loss_of(reference, *batch(r, step)) / world for r in range(world)]
-        sum(per_rank).backward()
-        grads = [[p.grad.full_tensor() for p in m.parameters()] for m in models]
-        grads_equal &= all(torch.equal(a, b) for a, b in zip(*grads))
-        grad_vs_reference = max(grad_vs_reference, *((g - r.grad).abs().max().item()
-                                                     for g, r in zip(grads[0], reference.parameters())))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        losses.append([loss.item() for loss in step_losses])
-        reference_losses.append(per_rank[rank].item())
+    run = _train_pair(models, reference, steps)
+    losses, reference_losses, counts = run.losses, run.reference_losses, run.counts
+    grads_equal, grad_vs_reference = run.grads_equal, run.grad_vs_reference
     named = [dict(m.named_parameters()) for m in models]
     w1 = models[0].layers[0].moe.experts.w1
     return {
@@ -303,10 +321,9 @@ def _int_reshard_on_several_meshes_vs_torch(steps: int = 2) -> dict:
     shard 2) mesh, where 2 is the whole shard axis (the same as True), as torch resolves it."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-    from torch.distributed.tensor.debug import CommDebugMode
     torch.manual_seed(0)
     base = MoEModel(4)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     dense = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "efsdp"))
     info = _get_mesh_info(hsdp)
@@ -321,25 +338,8 @@ def _int_reshard_on_several_meshes_vs_torch(steps: int = 2) -> dict:
         _sum_gradients(model)
         models.append(model)
     reference = copy.deepcopy(base)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (*models, reference)]
-    losses, counts, grads_equal, grad_vs_reference = [], [[], []], True, 0.0
-    for step in range(steps):
-        step_losses = []
-        for m, seen in zip(models, counts):
-            with CommDebugMode() as mode:
-                loss = loss_of(m, *batch(rank, step)) / world
-                loss.backward()
-            step_losses.append(loss.item())
-            seen.append({str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items() if n})
-        sum(loss_of(reference, *batch(r, step)) / world for r in range(world)).backward()
-        grads = [[p.grad.full_tensor() for p in m.parameters()] for m in models]
-        grads_equal &= all(torch.equal(a, b) for a, b in zip(*grads))
-        grad_vs_reference = max(grad_vs_reference, *((g - r.grad).abs().max().item()
-                                                     for g, r in zip(grads[0], reference.parameters())))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        losses.append(step_losses)
+    run = _train_pair(models, reference, steps)
+    losses, counts, grads_equal, grad_vs_reference = run.losses, run.counts, run.grads_equal, run.grad_vs_reference
     named = [dict(m.named_parameters()) for m in models]
     groups = fsdp2.fully_shard.state(models[0].layers[0])._fsdp_param_groups
     return {
