@@ -59,7 +59,8 @@ class ModelCosts:
         block_params: one block's parameters FSDP gathers over dp_shard (experts apart).
         expert_params: one block's routed experts' parameters (gathered over efsdp; 0: dense).
         rest_params: the root group's parameters (embedding, norm, output layer).
-        param_itemsize: bytes of a parameter as stored (sharded, and the optimizer's dtype).
+        param_dtype: the parameters' dtype as stored (sharded, and the optimizer's), what a
+            layout with ``param_dtype=None`` computes in; ``param_itemsize`` its bytes.
         boundary_bytes: one block's output (what tensor parallelism's collectives and a
             pipeline's sends move, per sequence).
         dispatch_bytes: with experts, the rows one block routes (seq x top_k x dim): each
@@ -79,6 +80,7 @@ class ModelCosts:
     block_params: int
     expert_params: int
     rest_params: int
+    param_dtype: torch.dtype
     param_itemsize: int
     boundary_bytes: int
     dispatch_bytes: int
@@ -214,7 +216,7 @@ def model_costs(layout: Layout, builder: ModelBuilder) -> ModelCosts:
 
 @functools.lru_cache(maxsize=64)
 def _cached(builder: ModelBuilder, seq: int, dtype: torch.dtype | None) -> ModelCosts:
-    with _META, torch.device(_META):
+    with _META:  # as the memory planner builds it: nothing allocated
         model = builder.build()
     if not isinstance(getattr(model, "layers", None), nn.ModuleList) or len(model.layers) == 0:
         raise ValueError("model_costs needs a model whose blocks are in a non-empty nn.ModuleList `.layers`")
@@ -224,7 +226,7 @@ def _cached(builder: ModelBuilder, seq: int, dtype: torch.dtype | None) -> Model
         p.data = p.data.to(dtype)
     recorder = _Recorder({id(p.untyped_storage()) for p in model.parameters()})
     _hook_blocks(model, recorder)
-    with torch.device(_META):
+    with _META:
         inputs = builder.make_inputs(1, seq)
     with recorder, _FusedAttention(recorder):
         output = model(inputs)
@@ -277,6 +279,7 @@ def _costs(model: nn.Module, builder: ModelBuilder, recorder: _Recorder, seq: in
                       rest_forward=tuple(ops.get("rest_forward", ())),
                       rest_backward=tuple(ops.get("rest_backward", ())),
                       block_params=block_params, expert_params=expert_params, rest_params=rest_params,
-                      param_itemsize=stored.itemsize, boundary_bytes=recorder.boundary, dispatch_bytes=dispatch,
+                      param_dtype=stored, param_itemsize=stored.itemsize, boundary_bytes=recorder.boundary,
+                      dispatch_bytes=dispatch,
                       attention_flops=attention, model_flops=model_flops)
 

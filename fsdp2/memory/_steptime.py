@@ -178,7 +178,7 @@ def _check(layout: Layout, costs: ModelCosts, hardware: Hardware) -> None:
     if not isinstance(hardware, Hardware):
         raise TypeError(f"predict_step_time: hardware must be a fsdp2.memory.Hardware (e.g. HARDWARE['h100']), "
                         f"got {type(hardware).__name__}")
-    dtype = layout.param_dtype or costs.compute_dtype
+    dtype = layout.param_dtype or costs.param_dtype
     if costs.seq != layout.seq or costs.compute_dtype != dtype:
         raise ValueError(f"these costs were counted for seq {costs.seq} in {costs.compute_dtype}, the layout runs seq "
                          f"{layout.seq} in {dtype}: call model_costs(layout, builder) for it")

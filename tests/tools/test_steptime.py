@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp2.memory import (HARDWARE, Hardware, Layout, ModelBuilder, StepTime, calibrate, load_hardware, model_costs,
@@ -79,7 +80,7 @@ def test_llama_flops_are_what_flop_counter_mode_counts():
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(SMALL, n_layers=2))
         tokens = torch.zeros(1, seq, dtype=torch.long)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         builder.loss_fn(model(tokens), tokens).backward()
     assert costs.model_flops == counter.get_total_flops()
 
@@ -205,6 +206,9 @@ def test_layouts_the_costs_cannot_describe_are_refused():
         predict_step_time(dataclasses.replace(layout, seq=256), costs, HAND)
     with pytest.raises(ValueError, match="in torch.bfloat16: call model_costs"):
         predict_step_time(dataclasses.replace(layout, param_dtype=torch.bfloat16), costs, HAND)
+    bf16 = dataclasses.replace(layout, param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="counted for seq 128 in torch.bfloat16, .* in torch.float32"):
+        predict_step_time(layout, model_costs(bf16, builder), HAND)  # None: the parameters' own dtype
     three = ModelBuilder.llama(dataclasses.replace(SMALL, n_layers=6))
     pp = Layout(world=4, batch=4, seq=128, pp=4)
     with pytest.raises(ValueError, match="6 blocks cannot be split into pp 4"):
