@@ -36,6 +36,7 @@ import torch
 
 from ._api import QuantizedComm
 from .memory import Layout, MemoryEstimate, ModelBuilder, Reserve, estimate_memory
+from .memory import _time_cli
 from .memory._pipeline import SCHEDULES
 from .memory._tracker import format_bytes, format_table
 from .models.llama import LLAMA3, ModelArgs
@@ -209,6 +210,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="reserved for the caching allocator's fragmentation, as a fraction of the simulated peak")
     fit.add_argument("--no-reserve", action="store_true", help="reserve nothing: compare the simulated peak alone")
     fit.add_argument("--compare", action="store_true", help="one row per candidate layout, by peak")
+    _time_cli.add_flags(p)  # --hardware, --calibrate
     return p
 
 
@@ -550,6 +552,8 @@ def check_fit(argv: Sequence[str], *, suggest: bool = True) -> FitCheck:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
+        if (done := _time_cli.calibrate_command(parser, argv)) is not None:
+            return done
         args = _parse(parser, argv)
         name, model, notes = _model_args(args)
         layout = _layout(args)
@@ -566,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {note}")
         if est.fits is False:
             print("\n".join(_suggest(args, model, layout)))
+        _time_cli.print_time(args, model, layout)
     except ValueError as e:
         parser.error(str(e))
     return 0

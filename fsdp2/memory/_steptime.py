@@ -1,0 +1,284 @@
+"""``predict_step_time``: one training step's seconds on a layout, from a model's costs and a hardware profile.
+
+Arithmetic on ``ModelCosts`` (one sequence, unsharded) and a ``Hardware`` profile, no
+simulation: cheap enough to rank hundreds of layouts. Per rank and micro-batch:
+
+* compute: each op by the roofline, ``max(FLOPs / (peak x flops_efficiency), bytes /
+  (bandwidth x bandwidth_efficiency))``, its FLOPs and activation bytes times the micro-batch,
+  all of it over ``tp`` (tensor parallelism splits every op); activation checkpointing runs
+  every block's forward once more in backward.
+* collectives: ring all-gather and reduce-scatter ``(n - 1) / n x bytes / bandwidth + (n - 1) x
+  latency``, all-reduce twice that, all-to-all as one ring pass, each on the link its axis
+  crosses (axes laid out pp, dp_replicate, dp_shard (efsdp, ep), tp from outermost to
+  innermost, filling a node from the innermost: an axis of ``n`` ranks ``stride`` apart stays in
+  a node when ``n x stride <= devices_per_node``).
+* overlap as fsdp2 schedules it: block i+1's all-gather runs during block i's forward; in
+  backward the next block's all-gather and the previous block's reduce-scatter (and HSDP's
+  all-reduce) run during a block's backward. Exposed: the root's all-gather, the first
+  block's, the last block's reduce-scatter and the root's (kept gathered from forward to
+  backward, reduced at the end, unless ``root_early_release``). Tensor parallelism's
+  collectives and expert parallelism's all-to-alls are on the critical path.
+* gradient accumulation: the recipe reduces every micro-batch (no ``set_requires_gradient_sync(False)``),
+  so each micro-batch is a full forward and backward with its collectives.
+* pipelines: ``m`` microbatches of ``batch / m`` through ``pp`` ranks of ``v`` stages each;
+  the bubble ``(pp - 1) x (F + B) / v`` (F, B: one microbatch's forward and backward on a rank),
+  ``(pp - 1) x F / v`` for the zero-bubble schedules (the weight-gradient half of backward
+  fills the rest); each rank's stage pays the rest (embedding and output layer) as the
+  heaviest stage would; gradients reduced once after the last backward, exposed.
+* the optimizer: memory-bound, the shards' bytes it reads and writes (AdamW: parameter,
+  gradient and two states read, three written; the gradient-norm clip reads the gradients again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._costs import ModelCosts, OpCost
+from ._hardware import Hardware
+from ._layout import Layout
+from ._pipeline import _microbatches, _stages_per_rank
+
+__all__ = ["StepTime", "predict_step_time", "ring_time"]
+
+_ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Element bytes (in the parameters' stored dtype) the optimizer step reads and writes, with the
+# gradient clip's read of the gradients.
+_OPTIMIZER_ACCESSES = {"adamw": 8, "adam": 8, "sgd_momentum": 6, "sgd": 4}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """A predicted training step on one rank, in seconds, and what it is made of.
+
+    ``seconds = compute + recompute + exposed_comm + bubble + optimizer``.
+
+    Attributes:
+        seconds: the step.
+        compute: forward and backward ops (no recomputation).
+        recompute: activation checkpointing's second forward of each block.
+        exposed_comm: collectives nothing overlaps (fsdp2's first and last, TP's, EP's, the
+            pipeline's sends) and what overlapped ones take beyond the compute they hide behind.
+        bubble: pipeline ranks idle in the schedule's warm-up and cool-down.
+        optimizer: the optimizer step (and the gradient clip's read).
+        tokens_per_s_per_device: the global batch's tokens per second, over the world.
+        mfu: model FLOPs (forward and backward, no recomputation) per second over the world's peak.
+        limit: the largest part: "compute" (with recompute), "communication", "bubble" or "optimizer".
+    """
+
+    seconds: float
+    compute: float
+    recompute: float
+    exposed_comm: float
+    bubble: float
+    optimizer: float
+    tokens_per_s_per_device: float
+    mfu: float
+    limit: str
+
+    def summary(self) -> str:
+        """Lines for the planner's "time:" section."""
+        def ms(x: float) -> str:
+            return f"{1e3 * x:.1f} ms"
+
+        return (f"step {self.seconds:.3f} s; {self.tokens_per_s_per_device:,.0f} tokens/s per device; "
+                f"MFU {100 * self.mfu:.1f}%; limited by {self.limit}\n"
+                f"compute {ms(self.compute)}, recompute {ms(self.recompute)}, exposed communication "
+                f"{ms(self.exposed_comm)}, pipeline bubble {ms(self.bubble)}, optimizer {ms(self.optimizer)}")
+
+
+def ring_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """A ring all-gather or reduce-scatter of ``nbytes`` (the full size) over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
+class _Links:
+    """Each mesh axis's (size, stride) and the link its collectives cross."""
+
+    def __init__(self, layout: Layout, hw: Hardware) -> None:
+        tp, ep, shard, rep = layout.tp, layout.ep, layout.dp_shard, layout.dp_replicate
+        self.axes = {"tp": (tp, 1), "ep": (ep, tp), "efsdp": (shard // ep, tp * ep), "dp_shard": (shard, tp),
+                     "dp_replicate": (rep, tp * shard), "pp": (layout.pp, tp * shard * rep)}
+        self.hw = hw
+
+    def crosses(self, axis: str) -> bool:
+        n, stride = self.axes[axis]
+        return n > 1 and n * stride > self.hw.devices_per_node
+
+    def link(self, axis: str) -> tuple[float, float]:
+        hw = self.hw
+        if self.crosses(axis):
+            return hw.inter_bandwidth * hw.link_efficiency, hw.inter_latency
+        return hw.intra_bandwidth * hw.link_efficiency, hw.intra_latency
+
+    def ring(self, axis: str, nbytes: float) -> float:
+        return ring_time(nbytes, self.axes[axis][0], *self.link(axis)) if nbytes else 0.0  # none: no collective
+
+    def p2p(self, axis: str, nbytes: float) -> float:
+        bandwidth, latency = self.link(axis)
+        return nbytes / bandwidth + latency if self.axes[axis][0] > 1 else 0.0
+
+
+def _compute(ops: tuple[OpCost, ...], batch: float, tp: int, hw: Hardware) -> float:
+    flops_s, bytes_s = hw.peak_flops * hw.flops_efficiency * tp, hw.hbm_bandwidth * hw.bandwidth_efficiency * tp
+    return sum(max(op.flops * batch / flops_s, (op.act_bytes * batch + op.weight_bytes) / bytes_s) for op in ops)
+
+
+def _wire_itemsizes(layout: Layout, costs: ModelCosts) -> tuple[float, float, float]:
+    """Bytes per element all-gathered, reduce-scattered, and all-reduced across replicas."""
+    gather = costs.compute_dtype.itemsize
+    reduce = (layout.reduce_dtype or costs.compute_dtype).itemsize
+    replicate = reduce
+    policy = layout.comm_policy
+    if policy is not None:  # quantized values plus one fp32 scale per block of elements
+        if policy.weight_block:
+            gather = policy.weight_bits / 8 + 4 / policy.weight_block
+        if policy.grad_block:
+            reduce = policy.grad_bits / 8 + 4 / policy.grad_block
+        if policy.replicate_grad_block:
+            replicate = policy.grad_bits / 8 + 4 / policy.replicate_grad_block
+    return gather, reduce, replicate
+
+
+@dataclass(frozen=True)
+class _Comm:
+    """One group's collectives per micro-batch: all-gather, reduce-scatter, HSDP all-reduce (seconds)."""
+
+    gather: float
+    reduce: float
+    all_reduce: float
+
+
+def _fsdp(layout: Layout, costs: ModelCosts, links: _Links) -> tuple[_Comm, _Comm]:
+    """(a block's, the root's) FSDP collectives."""
+    gather_b, reduce_b, rep_b = _wire_itemsizes(layout, costs)
+    tp, ep, shard = layout.tp, layout.ep, layout.dp_shard
+    dense, experts = costs.block_params / tp, costs.expert_params / ep
+
+    def comm(dense_numel: float, expert_numel: float) -> _Comm:
+        return _Comm(links.ring("dp_shard", dense_numel * gather_b) + links.ring("efsdp", expert_numel * gather_b),
+                     links.ring("dp_shard", dense_numel * reduce_b) + links.ring("efsdp", expert_numel * reduce_b),
+                     2 * links.ring("dp_replicate", (dense_numel / shard + expert_numel / (shard // ep)) * rep_b))
+
+    return comm(dense, experts), comm(costs.rest_params / tp, 0.0)
+
+
+def _chain(n: int, compute: float, comm: float, first: float) -> float:
+    """``n`` alike blocks, each computing after its collective, the next one's overlapping it:
+    the first collective exposed, then the slower of the two per block."""
+    return first + compute + (n - 1) * max(compute, comm) if n else 0.0
+
+
+def _check(layout: Layout, costs: ModelCosts, hardware: Hardware) -> None:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"predict_step_time: layout must be a fsdp2.memory.Layout, got {type(layout).__name__}")
+    if not isinstance(costs, ModelCosts):
+        raise TypeError(f"predict_step_time: costs must be model_costs(layout, builder)'s, got {type(costs).__name__}")
+    if not isinstance(hardware, Hardware):
+        raise TypeError(f"predict_step_time: hardware must be a fsdp2.memory.Hardware (e.g. HARDWARE['h100']), "
+                        f"got {type(hardware).__name__}")
+    dtype = layout.param_dtype or costs.param_dtype
+    if costs.seq != layout.seq or costs.compute_dtype != dtype:
+        raise ValueError(f"these costs were counted for seq {costs.seq} in {costs.compute_dtype}, the layout runs seq "
+                         f"{layout.seq} in {dtype}: call model_costs(layout, builder) for it")
+    if layout.tp > 1 and not costs.boundary_bytes:
+        raise ValueError("tensor parallelism's collectives need the blocks' output size: the model's blocks return "
+                         "no tensor model_costs could measure; use tp=1")
+    if layout.pp > 1 and costs.n_blocks % (layout.pp * _stages_per_rank(layout)):
+        raise ValueError(f"{costs.n_blocks} blocks cannot be split into pp {layout.pp} x "
+                         f"{_stages_per_rank(layout)} equal stages: change pp or pp_stages_per_rank")
+
+
+def predict_step_time(layout: Layout, costs: ModelCosts, hardware: Hardware) -> StepTime:
+    """One optimizer step's predicted seconds on ``layout`` (see this module's docstring for the model).
+
+    Args:
+        layout: the layout (its ``seq`` and ``param_dtype`` must be those ``costs`` were counted for).
+        costs: ``model_costs(layout, builder)``; shared by every layout of the same model, seq and dtype.
+        hardware: a ``Hardware`` profile (``HARDWARE["h100"]``, or ``calibrate()``'s).
+
+    Raises ValueError for a layout these costs cannot describe (another seq or dtype, a
+    pipeline whose stages do not divide the blocks), TypeError for arguments of the wrong type.
+    """
+    _check(layout, costs, hardware)
+    links = _Links(layout, hardware)
+    pipelined = layout.pp > 1
+    m = _microbatches(layout) if pipelined else 1
+    v = _stages_per_rank(layout) if pipelined else 1
+    batch = layout.batch / m
+    blocks = costs.n_blocks // layout.pp
+    tp, ac = layout.tp, layout.activation_checkpointing
+    fb, bb = (_compute(ops, batch, tp, hardware) for ops in (costs.block_forward, costs.block_backward))
+    fr, br = (_compute(ops, batch, tp, hardware) for ops in (costs.rest_forward, costs.rest_backward))
+    # Per block and pass on the critical path: sequence-parallel TP's 2 all-gathers and 2
+    # reduce-scatters of the block's (batch, seq, dim), EP's 2 all-to-alls of the routed rows.
+    tp_pass = 4 * links.ring("tp", costs.boundary_bytes * batch)
+    ep_pass = 2 * links.ring("ep", costs.dispatch_bytes * batch)
+    crit_f = tp_pass + ep_pass
+    crit_b = crit_f * (2 if ac else 1)
+    block, root = _fsdp(layout, costs, links)
+    compute_micro = blocks * (fb + bb) + fr + br
+    recompute_micro = blocks * fb if ac else 0.0
+    if pipelined:
+        total_micro, bubble = _pipeline(layout, links, costs, m, v, blocks, (fb, bb, fr, br), (crit_f, crit_b),
+                                        block, root)
+    else:
+        total_micro, bubble = _fsdp_step(layout, blocks, (fb, bb, fr, br), (crit_f, crit_b), block, root), 0.0
+    accum = layout.grad_accum
+    compute, recompute = accum * m * compute_micro, accum * m * recompute_micro
+    exposed = accum * total_micro - compute - recompute - bubble
+    optimizer = _optimizer(layout, costs, hardware)
+    seconds = compute + recompute + exposed + bubble + optimizer
+    sequences = layout.batch * accum * layout.dp_replicate * layout.dp_shard  # per step, all ranks
+    parts = {"compute": compute + recompute, "communication": exposed, "bubble": bubble, "optimizer": optimizer}
+    return StepTime(seconds=seconds, compute=compute, recompute=recompute, exposed_comm=exposed, bubble=bubble,
+                    optimizer=optimizer, tokens_per_s_per_device=sequences * layout.seq / seconds / layout.world,
+                    mfu=sequences * costs.model_flops / (seconds * layout.world * hardware.peak_flops),
+                    limit=max(parts, key=parts.__getitem__))
+
+
+def _fsdp_step(layout: Layout, blocks: int, times: tuple[float, float, float, float], crit: tuple[float, float],
+               block: _Comm, root: _Comm) -> float:
+    """One micro-batch's forward and backward without pipelining."""
+    fb, bb, fr, br = times
+    crit_f, crit_b = crit
+    c_f = fb + crit_f
+    c_b = bb + crit_b + (fb if layout.activation_checkpointing else 0.0)
+    forward = root.gather + _chain(blocks, c_f, block.gather, block.gather) + fr
+    regather = block.gather if layout.reshard_after_forward else 0.0
+    in_flight = regather + block.reduce + block.all_reduce  # during one block's backward
+    backward = (root.gather if layout.root_reshard_after_forward else 0.0) + br + \
+        _chain(blocks, c_b, in_flight, regather) + block.reduce + block.all_reduce
+    root_reduce = root.reduce + root.all_reduce
+    if layout.root_early_release:  # reduced during the blocks' backward, where they leave room
+        root_reduce = max(0.0, root_reduce - (blocks - 1) * max(0.0, c_b - in_flight))
+    return forward + backward + root_reduce
+
+
+def _pipeline(layout: Layout, links: _Links, costs: ModelCosts, m: int, v: int, blocks: int,
+              times: tuple[float, float, float, float], crit: tuple[float, float], block: _Comm,
+              root: _Comm) -> tuple[float, float]:
+    """(one step's schedule without gradient accumulation, its bubble) on the heaviest pipeline rank."""
+    fb, bb, fr, br = times
+    crit_f, crit_b = crit
+    ac = layout.activation_checkpointing
+    send = v * links.p2p("pp", costs.boundary_bytes * layout.batch / m)  # each stage's send per microbatch
+    c_f, c_b = fb + crit_f, bb + crit_b + (fb if ac else 0.0)
+    forward, backward = blocks * c_f + fr + send, blocks * c_b + br + send
+    stage_f, stage_b = forward / v, backward / v
+    bubble = (layout.pp - 1) * (stage_f if layout.pp_schedule in _ZERO_BUBBLE else stage_f + stage_b)
+    # FSDP inside the stage: gathered once per step (or per microbatch and pass when resharded),
+    # overlapped block by block; reduced once after the last backward, exposed.
+    passes = 2 * m if layout.reshard_after_forward else 1
+    gathers = passes * (block.gather + (blocks - 1) * max(0.0, block.gather - c_f)) + root.gather
+    reduces = blocks * (block.reduce + block.all_reduce) + root.reduce + root.all_reduce
+    return m * (forward + backward) + bubble + gathers + reduces, bubble * layout.grad_accum
+
+
+def _optimizer(layout: Layout, costs: ModelCosts, hw: Hardware) -> float:
+    shards = layout.tp * layout.dp_shard * layout.pp
+    elements = (costs.rest_params + costs.n_blocks * costs.block_params) / shards + \
+        costs.n_blocks * costs.expert_params / (layout.dp_shard * layout.pp)  # experts: over efsdp x ep
+    accesses = _OPTIMIZER_ACCESSES[layout.optimizer]
+    return elements * costs.param_itemsize * accesses / (hw.hbm_bandwidth * hw.bandwidth_efficiency)
