@@ -55,7 +55,8 @@ def placement_dims(found: list, placement_fn: Callable | None, mesh: DeviceMesh,
             if id(placement.mesh_info) not in resolved:
                 resolved[id(placement.mesh_info)] = (placement.mesh_info, *_result_mesh(placement, param, fqn))
             _info, own, axes = resolved[id(placement.mesh_info)]
-            key = _groups(own, placement.mesh_info)
+            # An SPMD mesh_info's data-parallel mesh is resolved as dp_mesh_dims are: fsdp2's layout.
+            key = _groups(own, placement.mesh_info if axes is None else None)
             if key != own_key and axes is None:
                 _check_axes(own, placement.mesh_info, fqn)
             placement = placement.placement

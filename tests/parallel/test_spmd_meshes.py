@@ -3,7 +3,8 @@ other meshes (torch 2.13's ``ShardPlacementResult``): one parameter group per me
 
 A result's ``mesh_info`` decides its group's kind, as torch's: one naming ``dp_mesh_dims`` (torch's
 ``_get_mesh_info(spmd_mesh, dims)``) is a second SPMD mesh with axis names of its own (the
-experts' ``("efsdp", "ep")``, sharded over ``efsdp``, ``Shard(0)`` on ``ep``); one without is a
+experts' ``("efsdp", "ep")``, sharded over ``efsdp``, ``Shard(0)`` on ``ep``; or, HSDP, sharded
+over ``ep`` and replicated over ``efsdp``); one without is a
 plain data-parallel mesh (a 1-D mesh of every rank) for plain parameters; and the other way
 round, a call on that plain mesh whose results put the rest on the SPMD meshes. fsdp2 and torch's
 ``fully_shard`` train the same model side by side, and an unsharded reference on every rank's
@@ -76,13 +77,15 @@ _PLACEMENTS = {"body.up.weight": Shard(0), "body.up.bias": Shard(0), "body.down.
                "body.experts.weight": Shard(0)}
 
 
-def _distribute(model: _Model, mesh: DeviceMesh, expert_mesh: DeviceMesh) -> _Model:
-    """Every parameter but the gate's a DTensor on its whole SPMD mesh, Replicate() on the first axis."""
+def _distribute(model: _Model, mesh: DeviceMesh, expert_mesh: DeviceMesh, ep: bool = True) -> _Model:
+    """Every parameter but the gate's a DTensor on its whole SPMD mesh, Replicate() on the first
+    axis (the experts replicated on both without ``ep``)."""
     for name, p in list(model.named_parameters()):
         if name.startswith("body.gate"):
             continue
         on = expert_mesh if name.startswith("body.experts") else mesh
-        placements = [Replicate(), _PLACEMENTS.get(name, Replicate())]
+        second = _PLACEMENTS.get(name, Replicate()) if ep or on is mesh else Replicate()
+        placements = [Replicate(), second]
         owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
         setattr(owner, attr, nn.Parameter(distribute_tensor(p.detach(), on, placements)))
     model.body.meshes = (mesh, expert_mesh)
@@ -137,6 +140,7 @@ def _placement_fn(p: nn.Parameter, experts: set, gate: set, experts_info: Any, w
 
 def _shard(model: _Model, impl: str, world: DeviceMesh, call: str) -> None:
     """``call="spmd"``: the body's call has dp_mesh_dims, the experts and the gate go elsewhere;
+    ``"hsdp"``: the same, the experts (no EP) sharded over ``ep`` and replicated over ``efsdp``;
     ``"plain"``: the call is on the 1-D world mesh (the gate's), the rest on SPMD meshes."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     fully_shard = fsdp2.fully_shard if impl == "fsdp2" else torch_fully_shard
@@ -145,10 +149,11 @@ def _shard(model: _Model, impl: str, world: DeviceMesh, call: str) -> None:
     mesh, expert_mesh = model.body.up.weight.device_mesh, model.body.experts.weight.device_mesh
     body = model.body
     fn = functools.partial(_placement_fn, experts=set(body.experts.parameters()), gate=set(body.gate.parameters()),
-                           experts_info=_mesh_info(expert_mesh, _dims(impl, shard="efsdp")),
-                           world_info=_mesh_info(world) if call == "spmd" else None,
+                           experts_info=_mesh_info(expert_mesh, _dims(impl, shard="ep", replicate="efsdp")
+                                                   if call == "hsdp" else _dims(impl, shard="efsdp")),
+                           world_info=_mesh_info(world) if call != "plain" else None,
                            dense_info=_mesh_info(mesh, _dims(impl, shard="dp")) if call == "plain" else None)
-    if call == "spmd":
+    if call != "plain":
         fully_shard(body, mesh=mesh, dp_mesh_dims=_dims(impl, shard="dp"), shard_placement_fn=fn,
                     reshard_after_forward=True)
     else:
@@ -169,7 +174,7 @@ def _train(call: str, steps: int = 3) -> dict:
     impls = ["fsdp2", "torch"] if HAS_DATA_PARALLEL_MESH_DIMS else ["fsdp2"]
     models = []
     for impl in impls:
-        model = _distribute(copy.deepcopy(reference), mesh, expert_mesh)
+        model = _distribute(copy.deepcopy(reference), mesh, expert_mesh, ep=call != "hsdp")
         _shard(model, impl, world, call)
         models.append(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (*models, reference)]
@@ -211,7 +216,7 @@ def _train(call: str, steps: int = 3) -> dict:
     }
 
 
-@pytest.mark.parametrize("call", ["spmd", "plain"])
+@pytest.mark.parametrize("call", ["spmd", "hsdp", "plain"])
 def test_second_mesh_by_shard_placement_result_with_dp_mesh_dims_matches_torch(call):
     results = run_on_ranks(_train, 4, call, timeout=300.0)
     for rank, r in enumerate(results):
@@ -219,7 +224,8 @@ def test_second_mesh_by_shard_placement_result_with_dp_mesh_dims_matches_torch(c
                                ["gate.weight", "gate.bias"]], r["groups"]
         ours = r["layouts"][0]
         assert ours["body.up.weight"] == (("dp", "tp"), ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"), (4, 8))
-        assert ours["body.experts.weight"] == (("efsdp", "ep"), ("Shard(dim=1)", "Shard(dim=0)"), (4, 4))
+        experts = ("Replicate()", "Shard(dim=1)") if call == "hsdp" else ("Shard(dim=1)", "Shard(dim=0)")
+        assert ours["body.experts.weight"] == (("efsdp", "ep"), experts, (8, 4) if call == "hsdp" else (4, 4))
         assert ours["body.gate.weight"] == (("world",), ("Shard(dim=0)",), (2, 8))
         assert r["loss_vs_reference"] < 1e-6 and r["grad_vs_reference"] < 1e-6, r
         assert r["param_vs_reference"] < 1e-5, r
