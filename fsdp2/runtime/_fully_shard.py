@@ -67,7 +67,8 @@ def fully_shard(
             each group's, where ``k`` equal to its shard axis means ``True``).
         shard_placement_fn: maps a parameter to ``Shard(dim)`` (or ``None``
             for ``Shard(0)``), or to torch's ``ShardPlacementResult`` (a placement and a
-            ``mesh_info``) whose mesh is this call's (see ``_placement.py``).
+            ``mesh_info``): another mesh makes a parameter group of its own, an SPMD one where
+            the ``mesh_info`` names ``dp_mesh_dims`` (see ``_placement.py``).
         mp_policy: see :class:`MixedPrecisionPolicy` (torch's is accepted too and converted).
         offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on the CPU
             (torch's ``OffloadPolicy`` / ``CPUOffloadPolicy`` are accepted too).
@@ -105,7 +106,7 @@ def fully_shard(
             members = [i for i, g in enumerate(placed.groups) if g == index]
             taken += members
             groups.append(_make_group([found[i] for i in members], [placed.dims[i] for i in members], args,
-                                      args.mesh if group_mesh is None else group_mesh, device))
+                                      args.mesh if group_mesh is None else group_mesh, placed.spmds[index], device))
         if device.type != "cpu":
             _move_buffers(modules, device)
         state = ModuleState(tuple(modules), groups, args.mp_policy)
@@ -138,12 +139,13 @@ def fully_shard(
     return module
 
 
-def _make_group(found: list[Found], dims: list[int], args: Arguments, mesh: DeviceMesh,
+def _make_group(found: list[Found], dims: list[int], args: Arguments, mesh: DeviceMesh, spmd: SpmdAxes | None,
                 device: torch.device) -> ParamGroup:
-    """One parameter group: ``found``'s parameters sharded on ``dims`` over ``mesh``."""
+    """One parameter group: ``found``'s parameters sharded on ``dims`` over ``mesh`` (the
+    data-parallel axes of ``spmd``'s mesh where the group is on an SPMD mesh)."""
     mp_policy, offload_policy = args.mp_policy, args.offload_policy
     reshard_after_forward = group_reshard_after_forward(args, mesh)
-    dp = DataParallelMesh.of(mesh, args.spmd)
+    dp = DataParallelMesh.of(mesh, spmd)
     subgroup = None
     if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
         subgroup = SubGroup(dp, reshard_after_forward)
@@ -278,19 +280,21 @@ def group_reshard_after_forward(args: Arguments, mesh: DeviceMesh) -> bool | int
 def check_group(found: list[Found], args: Arguments) -> Placements:
     """Every check on the parameters one ``fully_shard`` call would take; their shard dims and
     meshes (one parameter group per mesh, ``_placement.py``)."""
-    placed = placement_dims(found, args.shard_placement_fn, args.mesh)
+    placed = placement_dims(found, args.shard_placement_fn, args.mesh, args.spmd)
     _check_devices(found, args.mesh)
     if len(placed.meshes) > 1:
         _check_several_meshes(found, placed, args)
+    if args.spmd is not None and found:  # torch refuses any int for the whole call, whatever mesh each group is on
+        _check_spmd_reshard(args.reshard_request)
     for index, group_mesh in enumerate(placed.meshes):
         mesh = args.mesh if group_mesh is None else group_mesh
         members = [i for i, g in enumerate(placed.groups) if g == index]
         part, dims = [found[i] for i in members], [placed.dims[i] for i in members]
         reshard = group_reshard_after_forward(args, mesh)
-        if args.spmd is None:
+        if placed.spmds[index] is None:  # a data-parallel mesh: plain or TP/EP parameters
             _check_tensor_parallel(part, mesh, reshard)
-        else:
-            _check_spmd_params(part, args.spmd, reshard)
+        else:  # an SPMD mesh (the call's dp_mesh_dims, or a ShardPlacementResult's)
+            _check_spmd_params(part, placed.spmds[index], reshard)
         _extension.check_params(part, dims, mesh.size(mesh.ndim - 1), reshard)
     if args.comm_policy is not None and args.comm_policy.weight_block:
         _check_quantizable(found)
@@ -301,18 +305,13 @@ def _check_several_meshes(found: list[Found], placed: Placements, args: Argument
     """Parameters on several meshes in one call (one group each): what fsdp2 does not combine yet."""
     other = next(m for m in placed.meshes if m is not None)
     fqn = found[placed.groups.index(placed.meshes.index(other))][2]
-    for mesh in placed.meshes:
-        if mesh is not None:
+    for mesh, spmd in zip(placed.meshes, placed.spmds):
+        if mesh is not None and spmd is None:  # (an SPMD one's axes were checked as dp_mesh_dims are)
             resolve_mesh(mesh)
-    refused = None
-    if args.spmd is not None:
-        refused = "dp_mesh_dims"
-    elif args.comm_policy is not None:
-        refused = "comm_policy"
-    if refused is not None:
+    if args.comm_policy is not None:
         raise FSDPValueError(
             f"fully_shard: shard_placement_fn puts {fqn!r} on {other}, another mesh than this call's, and fsdp2 "
-            f"does not combine parameter groups on several meshes with {refused} yet; shard the module that holds "
+            "does not combine parameter groups on several meshes with comm_policy yet; shard the module that holds "
             "those parameters in a fully_shard call of its own first (e.g. fully_shard(block.moe.experts, "
             "mesh=edp_mesh, shard_placement_fn=lambda p: Shard(1)), then fully_shard(block, mesh=dp_mesh))"
         )
@@ -357,15 +356,17 @@ def _check_order(found: list[Found]) -> None:
 
 
 def _check_spmd_params(found: list[Found], spmd: SpmdAxes, reshard_after_forward: Any) -> None:
-    """``dp_mesh_dims``: every parameter is a DTensor on the full mesh, replicated on the data-parallel axes."""
+    """``dp_mesh_dims``: every parameter is a DTensor on the full mesh, replicated on the data-parallel
+    axes (the call's mesh, or the one a ShardPlacementResult's mesh_info names)."""
     names = spmd.mesh.mesh_dim_names
     for param, _locations, fqn in found:
         if not isinstance(param, DTensor) or param.device_mesh != spmd.mesh:
             where = f"a DTensor on {param.device_mesh}" if isinstance(param, DTensor) else "a plain tensor"
             raise ValueError(
-                f"fully_shard: with dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
-                f"fully_shard ({spmd.mesh}); {fqn!r} is {where}. Distribute it first, e.g. "
-                "distribute_tensor / parallelize_module on that mesh with Replicate() on the data-parallel axes"
+                f"fully_shard: with dp_mesh_dims every parameter must be a DTensor on the whole SPMD mesh it is "
+                f"sharded over ({spmd.mesh}); {fqn!r} is {where}. Distribute it first, e.g. "
+                "distribute_tensor / parallelize_module on that mesh with Replicate() on the data-parallel axes "
+                "(or return a ShardPlacementResult whose mesh_info has no dp_mesh_dims for it)"
             )
         for axis in sorted(spmd.dp_axes):
             if not isinstance(param.placements[axis], Replicate):
@@ -373,7 +374,12 @@ def _check_spmd_params(found: list[Found], spmd: SpmdAxes, reshard_after_forward
                     f"fully_shard: parameter {fqn!r} is {param.placements[axis]!r} on data-parallel axis "
                     f"{names[axis]!r}; with dp_mesh_dims it must be Replicate() there (fsdp2 shards it)"
                 )
-    if found and not isinstance(reshard_after_forward, (bool, type(None))):
+    if found:
+        _check_spmd_reshard(reshard_after_forward)
+
+
+def _check_spmd_reshard(reshard_after_forward: Any) -> None:
+    if not isinstance(reshard_after_forward, (bool, type(None))):
         raise ValueError(f"fully_shard: reshard_after_forward={reshard_after_forward} (int) is not supported with "
                          "dp_mesh_dims; use True or False")
 
