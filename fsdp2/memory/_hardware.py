@@ -115,11 +115,19 @@ HARDWARE: dict[str, Hardware] = {
     "a100": Hardware(name="A100 SXM 80GB (8 per node, NVLink 3, 8x200Gb/s IB)", peak_flops=312e12,
                      hbm_bandwidth=2.039e12, devices_per_node=8, intra_bandwidth=300e9, intra_latency=5e-6,
                      inter_bandwidth=25e9, inter_latency=10e-6, memory=80 * _GiB),
+    # The H100 of Meta's Grand Teton hosts, where torchtitan measured its published runs
+    # (pytorch/torchtitan docs/performance.md @ eaea6f6, Dec 2024): 96 GB HBM2e at 2.4 TB/s, the
+    # default 500 W power limit (the SXM5's TDP is 700 W), 8 per host on NVLink, 400 Gb/s RDMA per
+    # GPU. Its dense bf16 peak is "between SXM and NVL" (ibid.), unknown: taken halfway between
+    # the H100 SXM5's 989.4 and the H100 NVL's 835.5 TFLOP/s (datasheets), 912 TFLOP/s.
+    "h100_96gb_500w": Hardware(name="H100 96GB HBM2e at 500 W (8 per node, NVLink 4, 8x400Gb/s RDMA)",
+                               peak_flops=912e12, hbm_bandwidth=2.4e12, devices_per_node=8, intra_bandwidth=450e9,
+                               intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6, memory=96 * _GiB),
 }
 
 
 def load_hardware(spec: str | Path | Hardware) -> Hardware:
-    """A profile by preset name ("h100", "a100"), or read from a JSON file ``calibrate`` saved."""
+    """A profile by preset name ("h100", "a100", "h100_96gb_500w"), or read from a JSON file ``calibrate`` saved."""
     if isinstance(spec, Hardware):
         return spec
     if isinstance(spec, str) and spec.lower() in HARDWARE:

@@ -23,6 +23,7 @@ __all__ = ["Layout", "ModelBuilder", "OPTIMIZER_STATES", "positive_int"]
 # Optimizer states per parameter element.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 BACKENDS = ("nccl", "gloo")
+SELECTIVE = (None, "op", "layer")  # Layout.selective_checkpointing
 
 
 def positive_int(owner: str, name: str, value: object) -> None:
@@ -56,6 +57,10 @@ class Layout:
             gradients early (``FSDPModule.set_early_release(True)``); by default it keeps them all
             from forward to the end of backward and reduces there, as torch's FSDP2.
         activation_checkpointing: each block recomputes its forward in backward.
+        selective_checkpointing: None, or torchtitan's selective checkpointing (activation_checkpointing
+            must then be False): "op", each block saves its matmuls' outputs except every second one,
+            and attention's, recomputing the rest (simulated by ``estimate_memory``); "layer", every
+            second block fully checkpointed (the step-time model only: ``estimate_memory`` refuses it).
         optimizer: "adamw"/"adam" (2 states), "sgd_momentum" (1), "sgd" (0).
         grad_accum: micro-batches per step; above 1 the sharded gradients of the earlier
             ones are live during the last one's forward and backward.
@@ -91,6 +96,7 @@ class Layout:
     root_reshard_after_forward: bool = False
     root_early_release: bool = False
     activation_checkpointing: bool = False
+    selective_checkpointing: str | None = None
     optimizer: str = "adamw"
     grad_accum: int = 1
     backend: str = "nccl"
@@ -131,6 +137,12 @@ class Layout:
                      "activation_checkpointing", "cpu_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Layout.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.selective_checkpointing not in SELECTIVE:
+            raise ValueError(f"Layout.selective_checkpointing must be None, 'op' or 'layer', got "
+                             f"{self.selective_checkpointing!r}")
+        if self.selective_checkpointing and self.activation_checkpointing:
+            raise ValueError("Layout.selective_checkpointing and activation_checkpointing=True exclude each other "
+                             "(full checkpointing recomputes everything): set one of them")
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
         if self.backend not in BACKENDS:

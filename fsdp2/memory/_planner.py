@@ -181,6 +181,10 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
         raise TypeError(f"estimate_memory(layout, model): layout must be a fsdp2.memory.Layout, got "
                         f"{type(layout).__name__}; e.g. Layout(world=8, batch=1, seq=8192)")
     builder = _as_builder(model)
+    if layout.selective_checkpointing == "layer":
+        raise ValueError("estimate_memory does not simulate selective_checkpointing='layer' (every second block "
+                         "checkpointed: it copies block 0 for the blocks it does not build); plan "
+                         "activation_checkpointing=True and False for the bounds, or selective_checkpointing='op'")
     if gpu_memory is not None:
         positive_int("estimate_memory", "gpu_memory", gpu_memory)
     if reserve is None:
@@ -240,7 +244,12 @@ def _describe(layout: Layout, n_blocks: int, pdtype: torch.dtype) -> str:
             f"x tp {layout.tp}; "
             f"{n_blocks} blocks; batch {layout.batch} x seq {layout.seq}; param {str(pdtype).removeprefix('torch.')}; "
             f"reshard_after_forward={layout.reshard_after_forward}; "
-            f"activation_checkpointing={layout.activation_checkpointing}")
+            f"activation_checkpointing={_ac_name(layout)}")
+
+
+def _ac_name(layout: Layout) -> str:
+    return f"selective {layout.selective_checkpointing}" if layout.selective_checkpointing else \
+        str(layout.activation_checkpointing)
 
 
 def _optimizer_step(sim: Simulation, optimizer: str) -> dict[str, int]:

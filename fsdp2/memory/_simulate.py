@@ -287,6 +287,14 @@ def _build(builder: ModelBuilder, layout: Layout, tp_mesh: DeviceMesh | None, at
         for b in model.layers:
             b.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, context_fn=contexts,
                                                               **k))(b.forward)
+    elif layout.selective_checkpointing == "op":
+        from torch.utils.checkpoint import checkpoint
+
+        from ._selective import op_level_contexts
+
+        for b in model.layers:  # each call gets fresh contexts (the policy counts one block's matmuls)
+            b.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False,
+                                                              context_fn=op_level_contexts(attention), **k))(b.forward)
     return model
 
 

@@ -6,7 +6,7 @@ simulation: cheap enough to rank hundreds of layouts. Per rank and micro-batch:
 * compute: each op by the roofline, ``max(FLOPs / (peak x flops_efficiency), bytes /
   (bandwidth x bandwidth_efficiency))``, its FLOPs and activation bytes times the micro-batch,
   all of it over ``tp`` (tensor parallelism splits every op); activation checkpointing runs
-  every block's forward once more in backward.
+  every block's forward once more in backward (selective checkpointing: the part it recomputes).
 * collectives: ring all-gather and reduce-scatter ``(n - 1) / n x bytes / bandwidth + (n - 1) x
   latency``, all-reduce twice that, all-to-all as one ring pass, each on the link its axis
   crosses (axes laid out pp, dp_replicate, dp_shard (efsdp, ep), tp from outermost to
@@ -208,23 +208,24 @@ def predict_step_time(layout: Layout, costs: ModelCosts, hardware: Hardware) -> 
     v = _stages_per_rank(layout) if pipelined else 1
     batch = layout.batch / m
     blocks = costs.n_blocks // layout.pp
-    tp, ac = layout.tp, layout.activation_checkpointing
+    tp = layout.tp
     fb, bb = (_compute(ops, batch, tp, hardware) for ops in (costs.block_forward, costs.block_backward))
     fr, br = (_compute(ops, batch, tp, hardware) for ops in (costs.rest_forward, costs.rest_backward))
+    rb, share = _recompute(layout, costs, fb, batch, hardware)  # a block's recomputation, averaged over blocks
     # Per block and pass on the critical path: sequence-parallel TP's 2 all-gathers and 2
     # reduce-scatters of the block's (batch, seq, dim), EP's 2 all-to-alls of the routed rows.
     tp_pass = 4 * links.ring("tp", costs.boundary_bytes * batch)
     ep_pass = 2 * links.ring("ep", costs.dispatch_bytes * batch)
     crit_f = tp_pass + ep_pass
-    crit_b = crit_f * (2 if ac else 1)
+    crit_b = crit_f * (1 + share)
     block, root = _fsdp(layout, costs, links)
     compute_micro = blocks * (fb + bb) + fr + br
-    recompute_micro = blocks * fb if ac else 0.0
+    recompute_micro = blocks * rb
     if pipelined:
         total_micro, bubble = _pipeline(layout, links, costs, m, v, blocks, (fb, bb, fr, br), (crit_f, crit_b),
-                                        block, root)
+                                        block, root, rb)
     else:
-        total_micro, bubble = _fsdp_step(layout, blocks, (fb, bb, fr, br), (crit_f, crit_b), block, root), 0.0
+        total_micro, bubble = _fsdp_step(layout, blocks, (fb, bb, fr, br), (crit_f, crit_b), block, root, rb), 0.0
     accum = layout.grad_accum
     compute, recompute = accum * m * compute_micro, accum * m * recompute_micro
     exposed = accum * total_micro - compute - recompute - bubble
@@ -239,12 +240,12 @@ def predict_step_time(layout: Layout, costs: ModelCosts, hardware: Hardware) -> 
 
 
 def _fsdp_step(layout: Layout, blocks: int, times: tuple[float, float, float, float], crit: tuple[float, float],
-               block: _Comm, root: _Comm) -> float:
-    """One micro-batch's forward and backward without pipelining."""
+               block: _Comm, root: _Comm, rb: float) -> float:
+    """One micro-batch's forward and backward without pipelining (``rb``: a block's recomputation)."""
     fb, bb, fr, br = times
     crit_f, crit_b = crit
     c_f = fb + crit_f
-    c_b = bb + crit_b + (fb if layout.activation_checkpointing else 0.0)
+    c_b = bb + crit_b + rb
     forward = root.gather + _chain(blocks, c_f, block.gather, block.gather) + fr
     regather = block.gather if layout.reshard_after_forward else 0.0
     in_flight = regather + block.reduce + block.all_reduce  # during one block's backward
@@ -258,13 +259,12 @@ def _fsdp_step(layout: Layout, blocks: int, times: tuple[float, float, float, fl
 
 def _pipeline(layout: Layout, links: _Links, costs: ModelCosts, m: int, v: int, blocks: int,
               times: tuple[float, float, float, float], crit: tuple[float, float], block: _Comm,
-              root: _Comm) -> tuple[float, float]:
+              root: _Comm, rb: float) -> tuple[float, float]:
     """(one step's schedule without gradient accumulation, its bubble) on the heaviest pipeline rank."""
     fb, bb, fr, br = times
     crit_f, crit_b = crit
-    ac = layout.activation_checkpointing
     send = v * links.p2p("pp", costs.boundary_bytes * layout.batch / m)  # each stage's send per microbatch
-    c_f, c_b = fb + crit_f, bb + crit_b + (fb if ac else 0.0)
+    c_f, c_b = fb + crit_f, bb + crit_b + rb
     forward, backward = blocks * c_f + fr + send, blocks * c_b + br + send
     stage_f, stage_b = forward / v, backward / v
     bubble = (layout.pp - 1) * (stage_f if layout.pp_schedule in _ZERO_BUBBLE else stage_f + stage_b)
@@ -274,6 +274,31 @@ def _pipeline(layout: Layout, links: _Links, costs: ModelCosts, m: int, v: int, 
     gathers = passes * (block.gather + (blocks - 1) * max(0.0, block.gather - c_f)) + root.gather
     reduces = blocks * (block.reduce + block.all_reduce) + root.reduce + root.all_reduce
     return m * (forward + backward) + bubble + gathers + reduces, bubble * layout.grad_accum
+
+
+def _recompute(layout: Layout, costs: ModelCosts, fb: float, batch: float, hw: Hardware) -> tuple[float, float]:
+    """(a block's recomputation in backward, averaged over the blocks; the share of its forward
+    collectives repeated). Full: the whole forward. Selective "layer": every second block's
+    forward (torchtitan checkpoints blocks 2, 4, ...). Selective "op" (torchtitan's policy): the
+    forward's ops but the saved ones, attention and every other matmul (the 1st, 3rd, ... op
+    with FLOPs in the block's recorded order); of TP's collectives the all-gathers (half) again."""
+    if layout.activation_checkpointing:
+        return fb, 1.0
+    if layout.selective_checkpointing == "layer":
+        share = (costs.n_blocks // 2) / costs.n_blocks
+        return share * fb, share
+    if layout.selective_checkpointing == "op":
+        recomputed, matmuls = [], 0
+        for op in costs.block_forward:
+            if op.attention:
+                continue
+            if op.flops:
+                matmuls += 1
+                if matmuls % 2:
+                    continue
+            recomputed.append(op)
+        return _compute(tuple(recomputed), batch, layout.tp, hw), 0.5
+    return 0.0, 0.0
 
 
 def _optimizer(layout: Layout, costs: ModelCosts, hw: Hardware) -> float:
