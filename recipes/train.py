@@ -62,7 +62,9 @@ from recipes.checkpoint import (
     Checkpointer, UnusableCheckpointError, check_checkpoint_dir, check_export, check_initial_load, export_model,
     load_initial,
 )
-from recipes.config import ConfigError, JobConfig, TrainingConfig, command_line_keys, describe, parse_args
+from recipes.config import (
+    ConfigError, JobConfig, TrainingConfig, check_layout_world, command_line_keys, describe, parse_args,
+)
 from recipes.data import ByteTokenizer, corpus_files, corpus_size, get_batch, load_corpus, split_corpus
 from recipes.llama.model import Transformer
 from recipes.llama.moe import active_params, register_load_balancing
@@ -152,6 +154,7 @@ def check_command(argv: list[str], world_size: int) -> tuple[JobConfig, Parallel
     values, the layout on ``world_size`` ranks, and what training will need (``check_run``).
     Raises ConfigError or ValueError (tests/tools/test_doc_commands.py runs the docs' commands through it)."""
     config = parse_args(argv)
+    check_layout_world(argv, world_size)
     p = config.parallelism
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, pp=p.pp)
     check_layout(dims, config)
