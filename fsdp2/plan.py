@@ -473,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse(parser, argv)
         name, model, notes = _model_args(args)
         if args.search:
-            return run_search(args, name=name, model=model, param_dtype=DTYPES[args.param_dtype], reserve=_reserve(args))
+            return run_search(args, name=name, model=model, param_dtype=DTYPES[args.param_dtype],
+                              reserve=_reserve(args))
         layout = _layout(args)
         if args.compare:
             print(f"{name}, world {args.world}, batch {args.batch} x seq {args.seq}, "

@@ -6,9 +6,10 @@ With no arguments it trains the tiny config (recipes/configs/tiny.toml) on the P
 standard library's own source files, on 2 CPU ranks (gloo) or on GPUs (NCCL) when CUDA
 is available. Short flags: --dp-shard N, --dp-replicate N, --tp N (-1 = infer from the
 world size), --steps N, --data PATH, --checkpoint-dir DIR, --checkpoint-every N,
---metrics-file PATH, --dry-run, --skip-memory-check. A run given a checkpoint directory that
-holds a complete checkpoint resumes from it (the newest one that passes verification). Every
-key (--help lists them) can be overridden as --section.key=value.
+--metrics-file PATH, --dry-run, --skip-memory-check, --layout-from FILE[:K] (the layout
+`python -m fsdp2.plan --search --search-json FILE` chose: docs/planning.md). A run given a
+checkpoint directory that holds a complete checkpoint resumes from it (the newest one that
+passes verification). Every key (--help lists them) can be overridden as --section.key=value.
 
 Before any rank allocates the model: every path is checked, settings that would have no
 effect on this run are warned about, and the memory planner (python -m fsdp2.plan) predicts a

