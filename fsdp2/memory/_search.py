@@ -7,13 +7,13 @@ Three parts, each replaceable:
   ranks, activation checkpointing, resharding, micro-batch and accumulation, the pipeline
   schedule, quantized communication. Nothing the recipe's ``check_command`` refuses is emitted.
 * ``FastMemory``: the planner's simulation, shared. Layouts that differ only in their shard
-  and replica counts share one simulation: the sharded categories at the simulated peak
-  (parameters' shards, optimizer state, sharded gradients) scale as 1 / dp_shard, the rest
-  (gathered parameters, activations, buffers in flight) do not; the reserve is the target
-  layout's own. tests/tools/test_plan_search.py holds it to the full simulation.
-* ``search``: every layout scored (the step-time model: ``score(layout)``), then checked for
-  memory fastest first, until ``top`` layouts fit. Slower layouts are never simulated; each
-  simulation made also sizes, for free, every other layout that shares it.
+  and replica counts share at most two simulations (at two dp_shards): every point of the step
+  is fitted as a + b / dp_shard through them; the reserve is each layout's own.
+  tests/tools/test_plan_search.py holds it to each layout's own simulation.
+* ``search``: every layout scored (the step-time model: ``score(layout)``, from
+  ``_search_scorer.make_scorer``), then checked for memory fastest first, until ``top`` layouts
+  fit. Slower layouts are never simulated; each simulation made also sizes, for free, every
+  other layout that shares it.
 """
 
 from __future__ import annotations
