@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import tomllib
 from pathlib import Path
@@ -35,6 +34,8 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from ._api import QuantizedComm
+from ._plan_search import add_search_arguments, run_search
+from ._plan_args import SIZES, _ac, _bool, _count, _fraction, _positive, _size, parse_bytes
 from .memory import Layout, MemoryEstimate, ModelBuilder, Reserve, estimate_memory
 from .memory import _time_cli
 from .memory._pipeline import SCHEDULES
@@ -44,88 +45,6 @@ from .models.llama import LLAMA3, ModelArgs
 __all__ = ["main", "parse_bytes", "check_fit", "FitCheck"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# GPU makers' "GB" are binary: an "80 GB" GPU holds 80 GiB (an "A100 40GB" reports 42,405,855,232
-# bytes = 39.49 GiB to CUDA). So GB reads as GiB here, and the output says so.
-_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 2**10, "mb": 2**20, "gb": 2**30,
-          "tb": 2**40}
-SIZES = ("sizes take a unit: GiB/MiB/TiB, or GB/MB/TB read the same (binary, as GPU makers count: "
-         "an '80 GB' GPU holds 80 GiB, of which CUDA reports a little less), or B for bytes")
-AC_CHOICES = {"full": True, "none": False, "true": True, "false": False, "on": True, "off": False}
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '80 GB' (the same: binary), '512MiB', '85899345920B' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; {SIZES}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-class _Size(int):
-    """A size in bytes that remembers how it was written (to say how a "GB" was read)."""
-
-    text: str
-
-    def note(self, flag: str) -> str | None:
-        unit = re.sub(r"[0-9.e\s]", "", self.text).lower()
-        if unit in ("kb", "mb", "gb", "tb"):
-            return (f"{flag} {self.text} read as {format_bytes(self)} ({unit.upper()} as GPU makers count, binary: "
-                    f"write {unit[0].upper()}iB to say so, or B for bytes)")
-        return None
-
-
-def _size(text: str) -> _Size:
-    size = _Size(parse_bytes(text))
-    size.text = text
-    return size
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes", "on"):
-        return True
-    if text.lower() in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _ac(text: str) -> bool:
-    if text.lower() == "selective":
-        raise argparse.ArgumentTypeError("selective (per-op) activation checkpointing is not modeled; use full or none")
-    if text.lower() not in AC_CHOICES:
-        raise argparse.ArgumentTypeError(f"expected full or none, got {text!r}")
-    return AC_CHOICES[text.lower()]
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return value
-
-
 def _config(text: str) -> str:
     """A preset's name, or a recipe TOML file's path (read after parsing: flags override it)."""
     if text in LLAMA3 or text.endswith(".toml") or Path(text).is_file():
@@ -200,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="with HSDP, which reductions of the gradients are quantized")
     run.add_argument("--error-feedback", action="store_true",
                      help="keep each rank's gradient quantization error (an fp32 copy of the model per rank)")
+    add_search_arguments(p)
     fit = p.add_argument_group("the verdict")
     fit.add_argument("--gpu-memory", type=_size, default=None, help="memory per GPU, e.g. 80GiB")
     fit.add_argument("--reserve-context", type=parse_bytes, default=RESERVE_DEFAULTS["context"],
@@ -556,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
             return done
         args = _parse(parser, argv)
         name, model, notes = _model_args(args)
+        if args.search:
+            return run_search(args, name=name, model=model, param_dtype=DTYPES[args.param_dtype],
+                              reserve=_reserve(args))
         layout = _layout(args)
         if args.compare:
             print(f"{name}, world {args.world}, batch {args.batch} x seq {args.seq}, "

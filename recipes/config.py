@@ -19,6 +19,7 @@ import difflib
 import functools
 import inspect
 import io
+import json
 import textwrap
 import tokenize
 import tomllib
@@ -33,7 +34,7 @@ from .llama.model import ModelArgs
 __all__ = [
     "ConfigError", "JobConfig", "JobSettings", "TrainingConfig", "ParallelismConfig", "DataConfig",
     "ValidationConfig", "CheckpointConfig", "MetricsConfig", "ProfilingConfig", "FaultsConfig", "DEFAULT_CONFIG",
-    "parse_args", "load_config", "describe", "field_help", "command_line_keys",
+    "parse_args", "load_config", "describe", "field_help", "command_line_keys", "read_layout", "check_layout_world",
 ]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.toml"
@@ -416,30 +417,91 @@ def _split_overrides(args: typing.Sequence[str]) -> list[tuple[str, Any, str]]:
     return out
 
 
-def parse_args(argv: typing.Sequence[str]) -> JobConfig:
-    """``[--config PATH] [--section.key=value | short flag ...]`` -> JobConfig."""
-    args, path = list(argv), DEFAULT_CONFIG
+def _pop_option(args: list[str], flag: str) -> str | None:
+    """Remove ``flag VALUE`` or ``flag=VALUE`` from ``args``; its value, or None when absent."""
     for i, arg in enumerate(args):
-        if arg == "--config" or arg.startswith("--config="):
+        if arg == flag or arg.startswith(flag + "="):
             if "=" in arg:
-                path = Path(arg.partition("=")[2])
                 del args[i]
-            elif i + 1 < len(args):
-                path = Path(args[i + 1])
+                return arg.partition("=")[2]
+            if i + 1 < len(args):
+                value = args[i + 1]
                 del args[i:i + 2]
-            else:
-                raise ConfigError("--config needs a path")
-            break
-    return load_config(path, args)
+                return value
+            raise ConfigError(f"{flag} needs a {'path' if flag == '--config' else 'FILE or FILE:K'}")
+    return None
+
+
+def parse_args(argv: typing.Sequence[str]) -> JobConfig:
+    """``[--config PATH] [--layout-from FILE[:K]] [--section.key=value | short flag ...]`` -> JobConfig.
+
+    ``--layout-from``'s layout (``python -m fsdp2.plan --search --search-json FILE``) comes after the
+    config file and before the other overrides, which may change it.
+    """
+    args = list(argv)
+    path = Path(_pop_option(args, "--config") or DEFAULT_CONFIG)
+    spec = _pop_option(args, "--layout-from")
+    planned = read_layout(spec) if spec is not None else None
+    if planned is not None:
+        args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in planned[1]["recipe"].items()] + args
+    config = load_config(path, args)
+    if planned is not None:
+        _check_planned_model(config, planned[0], spec)
+    return config
+
+
+def read_layout(spec: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the plan, its entry K) of ``--layout-from FILE[:K]`` (K: 0, the fastest layout that fits, by default)."""
+    file, colon, index = spec.rpartition(":")
+    if not colon or not index.isdigit():
+        file, index = spec, "0"
+    try:
+        plan = json.loads(Path(file).read_text())
+        entries = plan["layouts"]
+    except OSError as e:
+        raise ConfigError(f"--layout-from {spec}: cannot read {file} ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"--layout-from {spec}: not the JSON of python -m fsdp2.plan --search --search-json "
+                          f"{file}") from None
+    if not 0 <= int(index) < len(entries):
+        raise ConfigError(f"--layout-from {spec}: the plan holds layouts 0-{len(entries) - 1}; give FILE:K with K "
+                          "among them (0: the fastest that fits)")
+    return plan, entries[int(index)]
+
+
+# The model's shape the plan and the run must agree on (what the layout's memory and speed depend on).
+_SHAPE = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden", "tie_embeddings", "moe_experts",
+          "moe_top_k", "expert_hidden", "moe_shared_experts")
+
+
+def _check_planned_model(config: JobConfig, plan: dict[str, Any], spec: str) -> None:
+    planned = ModelArgs(**plan["model_args"])
+    differ = [f"{k} {getattr(config.model, k)} (planned: {getattr(planned, k)})" for k in _SHAPE
+              if getattr(config.model, k) != getattr(planned, k)]
+    if differ:
+        raise ConfigError(f"--layout-from {spec}: the layout was planned for another model ({plan.get('model')}): "
+                          f"this run's has {', '.join(differ)}; give the --config (or --model.* keys) the plan "
+                          "printed with its recipe flags")
+
+
+def check_layout_world(argv: typing.Sequence[str], world_size: int) -> None:
+    """Raise ConfigError when ``--layout-from``'s layout was planned for another number of ranks."""
+    spec = _pop_option(list(argv), "--layout-from")
+    if spec is None:
+        return
+    plan, entry = read_layout(spec)
+    if entry["layout"]["world"] != world_size:
+        raise ConfigError(f"--layout-from {spec}: the layout was planned for {entry['layout']['world']} ranks and this "
+                          f"run has {world_size} (WORLD_SIZE); launch {entry['layout']['world']} ranks or search again "
+                          f"with --world {world_size}")
 
 
 def command_line_keys(argv: typing.Sequence[str]) -> set[str]:
-    """The ``section.key`` names ``argv``'s overrides and short flags set (not ``--config``'s file)."""
+    """The ``section.key`` names ``argv``'s overrides and short flags set (not ``--config``'s file, nor
+    ``--layout-from``'s layout)."""
     args = list(argv)
-    for i, arg in enumerate(args):
-        if arg == "--config" or arg.startswith("--config="):
-            del args[i:i + (1 if "=" in arg else 2)]
-            break
+    _pop_option(args, "--config")
+    _pop_option(args, "--layout-from")
     return {key for key, _raw, _source in _split_overrides(args)}
 
 

@@ -6,9 +6,10 @@ With no arguments it trains the tiny config (recipes/configs/tiny.toml) on the P
 standard library's own source files, on 2 CPU ranks (gloo) or on GPUs (NCCL) when CUDA
 is available. Short flags: --dp-shard N, --dp-replicate N, --tp N (-1 = infer from the
 world size), --steps N, --data PATH, --checkpoint-dir DIR, --checkpoint-every N,
---metrics-file PATH, --dry-run, --skip-memory-check. A run given a checkpoint directory that
-holds a complete checkpoint resumes from it (the newest one that passes verification). Every
-key (--help lists them) can be overridden as --section.key=value.
+--metrics-file PATH, --dry-run, --skip-memory-check, --layout-from FILE[:K] (the layout
+`python -m fsdp2.plan --search --search-json FILE` chose: docs/planning.md). A run given a
+checkpoint directory that holds a complete checkpoint resumes from it (the newest one that
+passes verification). Every key (--help lists them) can be overridden as --section.key=value.
 
 Before any rank allocates the model: every path is checked, settings that would have no
 effect on this run are warned about, and the memory planner (python -m fsdp2.plan) predicts a
@@ -62,7 +63,9 @@ from recipes.checkpoint import (
     Checkpointer, UnusableCheckpointError, check_checkpoint_dir, check_export, check_initial_load, export_model,
     load_initial,
 )
-from recipes.config import ConfigError, JobConfig, TrainingConfig, command_line_keys, describe, parse_args
+from recipes.config import (
+    ConfigError, JobConfig, TrainingConfig, check_layout_world, command_line_keys, describe, parse_args,
+)
 from recipes.data import ByteTokenizer, corpus_files, corpus_size, get_batch, load_corpus, split_corpus
 from recipes.llama.model import Transformer
 from recipes.llama.moe import active_params, register_load_balancing
@@ -152,6 +155,7 @@ def check_command(argv: list[str], world_size: int) -> tuple[JobConfig, Parallel
     values, the layout on ``world_size`` ranks, and what training will need (``check_run``).
     Raises ConfigError or ValueError (tests/tools/test_doc_commands.py runs the docs' commands through it)."""
     config = parse_args(argv)
+    check_layout_world(argv, world_size)
     p = config.parallelism
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, pp=p.pp)
     check_layout(dims, config)
