@@ -23,11 +23,15 @@ from .memory._search import (
     Evaluated, FastMemory, SearchResult, enumerate_layouts, model_overrides, no_layout_reason, recipe_flags,
     recipe_overrides, search,
 )
-from .memory._search_scorer import make_scorer
+from .memory._costs import model_costs
+from .memory._hardware import load_hardware
+from .memory._steptime import StepTime, predict_step_time
 from .memory._tracker import format_bytes, format_table
 from .models.llama import LLAMA3, ModelArgs
 
 __all__ = ["add_search_arguments", "run_search"]
+
+SEARCH_HARDWARE = "h100"  # the profile --search predicts for when --hardware is not given
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,8 +40,6 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
                    help="rank the layouts of --world ranks for --global-batch by predicted speed, among those that "
                         "fit --gpu-memory; the layout flags (--tp, --batch, ...) are ignored")
     s.add_argument("--global-batch", type=_positive, default=None, help="sequences per optimizer step (with --search)")
-    s.add_argument("--hardware", default="h100", metavar="{h100,a100,FILE.json}",
-                   help="the hardware profile the step time is predicted for; its memory is the default --gpu-memory")
     s.add_argument("--top", type=_positive, default=5, help="layouts in the ranked table")
     s.add_argument("--search-json", type=Path, default=None, metavar="FILE",
                    help="write every layout evaluated, with its scores, as JSON (recipes/train.py --layout-from FILE)")
@@ -102,8 +104,13 @@ def run_search(args: argparse.Namespace, *, name: str, model: ModelArgs, param_d
     """Enumerate, size and rank; print the table and the winner's recipe flags. ValueError for no layout."""
     if args.global_batch is None:
         raise ValueError("--search needs --global-batch: the sequences per optimizer step, over all ranks")
-    builder = ModelBuilder.llama(model)
-    score, hw, scorer = make_scorer(model, builder, args.hardware)
+    builder = ModelBuilder.llama(model)  # one builder: model_costs runs once for every layout
+    hw = load_hardware(args.hardware or SEARCH_HARDWARE)
+
+    def score(layout: Layout) -> StepTime:
+        return predict_step_time(layout, model_costs(layout, builder), hw)
+
+    scorer = f"the step-time model ({hw.name})"
     gpu_memory = args.gpu_memory or hw.memory
     start, cpu = time.perf_counter(), time.process_time()
     layouts = enumerate_layouts(model, world=args.world, global_batch=args.global_batch, seq=args.seq,
