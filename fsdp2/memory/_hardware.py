@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 __all__ = ["Hardware", "HARDWARE", "calibrate", "load_hardware"]
 
-_FLOATS = ("peak_flops", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency")
+_FLOATS = ("peak_flops", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency",
+           "op_overhead", "dtensor_op_overhead")
 _FRACTIONS = ("flops_efficiency", "bandwidth_efficiency", "link_efficiency")
 
 
@@ -46,6 +47,13 @@ class Hardware:
             (cuBLAS on large bf16 GEMMs: about 0.6-0.8 of the datasheet's dense peak).
         bandwidth_efficiency: the fraction of ``hbm_bandwidth`` memory-bound kernels reach (~0.8).
         link_efficiency: the fraction of the link bandwidths NCCL's ring collectives reach (~0.8).
+        op_overhead: seconds of host time each op costs besides its roofline (eager dispatch:
+            Python, the dispatcher, DTensor's sharding propagation). Added to every op, since a
+            CPU rank runs the host and the kernel on one core; 0 in the GPU presets, whose host
+            work runs ahead of the kernels (launch-bound tiny models excepted). ``calibrate``
+            measures it.
+        dtensor_op_overhead: the same for an op on DTensors (tensor parallelism's: sharding
+            propagation and redistribution checks), used in place of ``op_overhead`` when tp > 1.
     """
 
     name: str
@@ -60,13 +68,15 @@ class Hardware:
     flops_efficiency: float = 0.7
     bandwidth_efficiency: float = 0.8
     link_efficiency: float = 0.8
+    op_overhead: float = 0.0
+    dtensor_op_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"Hardware.name must be a non-empty str, got {self.name!r}")
         for field in _FLOATS:
             value = getattr(self, field)
-            latency = field.endswith("latency")
+            latency = field.endswith("latency") or field.endswith("overhead")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (value == 0 and not latency):
                 need = "a finite number of seconds >= 0" if latency else "a finite number > 0"
@@ -140,40 +150,73 @@ def load_hardware(spec: str | Path | Hardware) -> Hardware:
 
 
 # ---- measuring this machine ------------------------------------------------------------------
-def _best(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` timed runs (seconds): the machine's capability, not its noise."""
-    fn()  # warm-up: allocations, thread pools
-    best = math.inf
+def _median(fn, repeats: int) -> float:
+    """The median of ``repeats`` timed runs (seconds): what a rank sharing its core gets, typically."""
+    fn()
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _loop(fn, repeats: int) -> float:
+    """Seconds per run of ``repeats`` back-to-back runs, timed as a whole: with every rank running
+    its loop at once, a rank sharing its core with others gets its share of it, waits included."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
 
 
 def _matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _best(lambda: torch.mm(a, b), 5)
+    return 2 * n**3 / _loop(lambda: torch.mm(a, b), 8)
 
 
 def _copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _best(lambda: dst.copy_(src), 5)  # read once, written once
+    return 2 * nbytes / _loop(lambda: dst.copy_(src), 8)  # read once, written once
+
+
+def _op_overhead(group: dist.ProcessGroup | None = None, chain: int = 100) -> float:
+    """Seconds per op of a chain of one-element ops, forward and backward under autograd: what
+    eager mode costs an op besides its work (Python, the dispatcher, autograd's bookkeeping);
+    with ``group``, on a DTensor replicated over it (no communication: every op stays local)."""
+    x = torch.zeros(1, requires_grad=True)
+    if group is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        mesh = DeviceMesh.from_group(group, "cpu")
+        x = distribute_tensor(torch.zeros(1), mesh, [Replicate()]).requires_grad_()
+
+    def run() -> None:
+        y = x
+        for _ in range(chain):
+            y = y * 1.0
+        y.backward()
+
+    return _loop(run, 5) / (2 * chain)  # each op forward, and its backward
 
 
 def _collective(group: dist.ProcessGroup | None, nbytes: int) -> tuple[float, float]:
     """(bandwidth, latency per ring step) of all-reduces on ``group``, all its ranks calling.
 
     An all-reduce of B bytes on n ranks takes 2 (n - 1) / n x B / bandwidth + 2 (n - 1) x latency:
-    a one-element one gives the latency, a large one the bandwidth. Every rank takes rank 0's figures.
+    a one-element one gives the latency, a large one the bandwidth (medians: where ranks share
+    cores, a collective waits for its peers to be scheduled, as in training). Every rank takes
+    rank 0's figures.
     """
     n = dist.get_world_size(group)
     small, large = torch.zeros(1), torch.zeros(nbytes // 4)
 
     def timed(t: torch.Tensor, repeats: int) -> float:
         dist.barrier(group=group)
-        return _best(lambda: dist.all_reduce(t, group=group), repeats)
+        return _median(lambda: dist.all_reduce(t, group=group), repeats)
 
     t_small, t_large = timed(small, 20), timed(large, 5)
     latency = t_small / (2 * (n - 1))
@@ -183,18 +226,37 @@ def _collective(group: dist.ProcessGroup | None, nbytes: int) -> tuple[float, fl
     return float(figures[0]), float(figures[1])
 
 
-def _rank(rank: int, world: int, store_path: str, nbytes: int, out: object) -> None:
+def _measure(group: dist.ProcessGroup | None, nbytes: int) -> tuple[float, ...]:
+    """(flops, memory bandwidth, op overhead, DTensor op overhead, link bandwidth, link latency), every
+    rank of ``group``
+    calling: the compute figures measured on all ranks at once, one thread each, so that ranks
+    sharing cores (more ranks than cores) see what each gets in training; their mean."""
+    bandwidth, latency = _collective(group, nbytes)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core per rank, as the CPU training recipe runs them
+    try:
+        dist.barrier(group=group)
+        local = torch.tensor([_matmul_flops(), _copy_bandwidth(), _op_overhead(),
+                              _op_overhead(group or dist.group.WORLD)], dtype=torch.float64)
+    finally:
+        torch.set_num_threads(threads)
+    dist.all_reduce(local, group=group)
+    local /= dist.get_world_size(group)
+    return (*(float(x) for x in local), bandwidth, latency)
+
+
+def _rank(rank: int, world: int, store_path: str, nbytes: int, out: object) -> None:
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
-        figures = _collective(None, nbytes)
+        figures = _measure(None, nbytes)
         if rank == 0:
             out.put(figures)  # type: ignore[attr-defined]
     finally:
         dist.destroy_process_group()
 
 
-def _spawned(world: int, nbytes: int, timeout: float) -> tuple[float, float]:
+def _spawned(world: int, nbytes: int, timeout: float) -> tuple[float, ...]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -218,8 +280,11 @@ def calibrate(*, world: int = 2, group: dist.ProcessGroup | None = None, comm_by
               timeout: float = 300.0, name: str | None = None) -> Hardware:
     """Measure this machine: a ``Hardware`` profile whose figures are what it reaches (efficiencies 1).
 
-    ``peak_flops``: the best of a few fp32 1024x1024 matmuls on the CPU, ``hbm_bandwidth``: a
-    64 MiB copy (bytes read plus written per second), and the collectives' bandwidth and
+    ``peak_flops``: fp32 1024x1024 matmuls on the CPU, ``hbm_bandwidth``: a 64 MiB copy (bytes
+    read plus written per second), ``op_overhead`` (and ``dtensor_op_overhead``): a chain of
+    one-element ops (on a replicated DTensor) forward and backward, per op; these on every rank
+    at once, one thread each, each loop timed as a whole (ranks that share cores, with each other
+    or with other work, get their share), averaged over the ranks; and the collectives' median bandwidth and
     latency: gloo all-reduces of one element and of ``comm_bytes`` between ``world`` local
     processes it spawns, or on ``group`` when given (then every rank of it must call, and all
     get rank 0's figures). One host: ``devices_per_node`` is the ranks measured and the
@@ -236,17 +301,12 @@ def calibrate(*, world: int = 2, group: dist.ProcessGroup | None = None, comm_by
         raise ValueError(f"calibrate(world=...) must be an int >= 2 (ranks whose collectives are timed), got {world!r}")
     if group is not None:
         world = dist.get_world_size(group)
-        bandwidth, latency = _collective(group, comm_bytes)
+        flops, hbm, overhead, dtensor, bandwidth, latency = _measure(group, comm_bytes)
     else:
-        bandwidth, latency = _spawned(world, comm_bytes, timeout)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # per rank: one core each, as the ranks share the machine
-    try:
-        flops, hbm = _matmul_flops(), _copy_bandwidth()
-    finally:
-        torch.set_num_threads(threads)
+        flops, hbm, overhead, dtensor, bandwidth, latency = _spawned(world, comm_bytes, timeout)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(name=name or f"calibrated: {world} CPU ranks", peak_flops=flops, hbm_bandwidth=hbm,
                     devices_per_node=world, intra_bandwidth=bandwidth, intra_latency=latency,
                     inter_bandwidth=bandwidth, inter_latency=latency, memory=max(1, ram // world),
-                    flops_efficiency=1.0, bandwidth_efficiency=1.0, link_efficiency=1.0)
+                    flops_efficiency=1.0, bandwidth_efficiency=1.0, link_efficiency=1.0, op_overhead=overhead,
+                    dtensor_op_overhead=dtensor)

@@ -5,8 +5,9 @@ simulation: cheap enough to rank hundreds of layouts. Per rank and micro-batch:
 
 * compute: each op by the roofline, ``max(FLOPs / (peak x flops_efficiency), bytes /
   (bandwidth x bandwidth_efficiency))``, its FLOPs and activation bytes times the micro-batch,
-  all of it over ``tp`` (tensor parallelism splits every op); activation checkpointing runs
-  every block's forward once more in backward (selective checkpointing: the part it recomputes).
+  all of it over ``tp`` (tensor parallelism splits every op), plus ``op_overhead`` per op (the
+  host's dispatch, which tp does not split); activation checkpointing runs every block's
+  forward once more in backward (selective checkpointing: the part it recomputes).
 * collectives: ring all-gather and reduce-scatter ``(n - 1) / n x bytes / bandwidth + (n - 1) x
   latency``, all-reduce twice that, all-to-all as one ring pass, each on the link its axis
   crosses (axes laid out pp, dp_replicate, dp_shard (efsdp, ep), tp from outermost to
@@ -122,7 +123,9 @@ class _Links:
 
 def _compute(ops: tuple[OpCost, ...], batch: float, tp: int, hw: Hardware) -> float:
     flops_s, bytes_s = hw.peak_flops * hw.flops_efficiency * tp, hw.hbm_bandwidth * hw.bandwidth_efficiency * tp
-    return sum(max(op.flops * batch / flops_s, (op.act_bytes * batch + op.weight_bytes) / bytes_s) for op in ops)
+    roofline = sum(max(op.flops * batch / flops_s, (op.act_bytes * batch + op.weight_bytes) / bytes_s) for op in ops)
+    overhead = hw.dtensor_op_overhead if tp > 1 else hw.op_overhead  # tp's ops run on DTensors
+    return roofline + len(ops) * overhead  # each op's host time (eager dispatch), not split by tp
 
 
 def _wire_itemsizes(layout: Layout, costs: ModelCosts) -> tuple[float, float, float]:

@@ -57,7 +57,10 @@ def describe(hw: Hardware) -> str:
             f"  {hw.devices_per_node} per node: {hw.intra_bandwidth / 1e9:.3g} GB/s, {hw.intra_latency * 1e6:.3g} us "
             f"per step inside; {hw.inter_bandwidth / 1e9:.3g} GB/s, {hw.inter_latency * 1e6:.3g} us across "
             f"(x{hw.link_efficiency:g} reached)\n"
-            f"  memory {hw.memory / 2**30:.3g} GiB per device")
+            f"  memory {hw.memory / 2**30:.3g} GiB per device"
+            + (f"\n  host overhead {hw.op_overhead * 1e6:.3g} us per op, "
+               f"{hw.dtensor_op_overhead * 1e6:.3g} us on DTensors"
+               if hw.op_overhead or hw.dtensor_op_overhead else ""))
 
 
 def print_time(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> None:

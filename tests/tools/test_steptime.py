@@ -180,6 +180,8 @@ def test_predict_is_cheap():
     ("devices_per_node", 0, r"devices_per_node must be an int >= 1"),
     ("memory", 1.5, r"memory must be an int >= 1"),
     ("flops_efficiency", 1.5, r"flops_efficiency must be a fraction in \(0, 1\]"),
+    ("op_overhead", -1e-6, r"op_overhead must be a finite number of seconds >= 0"),
+    ("dtensor_op_overhead", float("inf"), r"dtensor_op_overhead must be a finite number of seconds >= 0"),
 ])
 def test_nonsensical_hardware_is_refused(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -196,6 +198,31 @@ def test_hardware_presets_json_round_trip_and_unknown_names(tmp_path):
     path.write_text(json.dumps({**json.loads(HAND.to_json()), "nvlink": 5}))
     with pytest.raises(ValueError, match="keys Hardware does not: \\['nvlink'\\]"):
         load_hardware(path)
+
+
+def test_op_overhead_adds_its_seconds_per_op_and_tp_pays_the_dtensor_one():
+    builder = ModelBuilder.llama(SMALL)
+    layout = Layout(world=8, batch=2, seq=128, grad_accum=2)
+    costs = model_costs(layout, builder)
+    assert HAND.op_overhead == 0 and all(hw.op_overhead == hw.dtensor_op_overhead == 0 for hw in HARDWARE.values())
+    slow = dataclasses.replace(HAND, op_overhead=10e-6, dtensor_op_overhead=50e-6)
+    ops = {part: len(getattr(costs, part)) for part in ("block_forward", "block_backward", "rest_forward",
+                                                         "rest_backward")}
+    per_micro = SMALL.n_layers * (ops["block_forward"] + ops["block_backward"]) + ops["rest_forward"] + \
+        ops["rest_backward"]
+    # By hand: every op of both micro-batches once more, 10 us each; compute only, not the links.
+    plain, with_host = (predict_step_time(layout, costs, hw) for hw in (HAND, slow))
+    assert with_host.compute - plain.compute == pytest.approx(2 * per_micro * 10e-6)
+    ac = dataclasses.replace(layout, activation_checkpointing=True)
+    assert predict_step_time(ac, costs, slow).recompute - predict_step_time(ac, costs, HAND).recompute == \
+        pytest.approx(2 * SMALL.n_layers * ops["block_forward"] * 10e-6)
+    # Tensor parallelism splits the roofline, not the host's dispatch: its ops cost the DTensor figure.
+    tp = dataclasses.replace(layout, tp=2)
+    assert predict_step_time(tp, costs, slow).compute - predict_step_time(tp, costs, HAND).compute == \
+        pytest.approx(2 * per_micro * 50e-6)
+    # A profile saved before the field existed reads as 0 (no host overhead).
+    old = {k: v for k, v in json.loads(HAND.to_json()).items() if not k.endswith("overhead")}
+    assert Hardware.from_json(json.dumps(old)) == HAND
 
 
 def test_layouts_the_costs_cannot_describe_are_refused():
@@ -224,7 +251,8 @@ def _calibrate_on_group() -> dict:
 
 
 def _check_measured(figures: dict) -> None:
-    for name in ("peak_flops", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth"):
+    for name in ("peak_flops", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth",
+                 "op_overhead", "dtensor_op_overhead"):
         assert math.isfinite(figures[name]) and figures[name] > 0, (name, figures)
     assert figures["flops_efficiency"] == figures["link_efficiency"] == 1.0
 
@@ -232,7 +260,7 @@ def _check_measured(figures: dict) -> None:
 def test_calibrate_on_a_process_group_gives_positive_finite_figures():
     first, second = run_on_ranks(_calibrate_on_group, 2)
     _check_measured(first)
-    assert first["devices_per_node"] == 2
+    assert first["devices_per_node"] == 2 and first["op_overhead"] < 1e-2
     assert (first["intra_bandwidth"], first["intra_latency"]) == (second["intra_bandwidth"], second["intra_latency"])
 
 

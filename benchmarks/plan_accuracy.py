@@ -1,0 +1,168 @@
+"""The step-time model (``fsdp2.memory.predict_step_time``) against measured steps of the recipe.
+
+    python benchmarks/plan_accuracy.py                 # 14 layouts on 2 and 4 CPU ranks (~6-8 min)
+    python benchmarks/plan_accuracy.py --quick         # 2 layouts, 3 steps: the pipeline runs end to end
+    python benchmarks/plan_accuracy.py --out rows.jsonl --steps 8 --warmup 2
+
+It calibrates this machine first (``fsdp2.memory.calibrate``: one profile per world size, its
+ranks spawned as training spawns them, so they share the cores as training's do), then launches
+``recipes/train.py`` under torchrun (``--standalone``, gloo on CPU) once per layout of a small
+Llama (the tiny config's model at dim 256: FSDP, HSDP, TP, PP 1F1B, activation checkpointing,
+reshard after forward on and off, two micro-batch sizes, on 2 and 4 ranks), reads each step's
+tokens/s from the recipe's metrics file and takes the median step time after ``--warmup`` steps.
+Each layout's prediction comes from the same command line: the recipe's config is turned into the
+planner's flags (``recipes.preflight.plan_argv``), then a ``Layout``, ``model_costs`` and
+``predict_step_time`` on the calibrated profile.
+
+It prints a table (layout, predicted s, measured s, error) and ends with one JSON line:
+``spearman`` (rank correlation of predicted and measured), ``median_abs_error`` (a fraction),
+``best_gap`` (the measured time of the layout the model ranks first over the fastest measured,
+minus 1), the transport, torch version, world sizes, the profiles and the per-layout rows.
+Issue #39's targets: spearman >= 0.9, median_abs_error <= 0.15, best_gap <= 0.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # recipes/ next to fsdp2/
+
+from fsdp2 import plan  # noqa: E402
+from fsdp2.memory import Hardware, ModelBuilder, calibrate, model_costs, predict_step_time  # noqa: E402
+from recipes.preflight import plan_argv  # noqa: E402
+from recipes.train import check_command  # noqa: E402
+
+# The model: the tiny config's Llama (4 layers, 4 heads, 2 kv heads, vocab 256) at dim 256, seq 128,
+# large enough that its matmuls are not negligible beside the per-op overheads.
+MODEL = ["--model.dim=256", "--model.n_layers=4", "--training.seq_len=128"]
+
+# (name, ranks, recipe flags)
+LAYOUTS: list[tuple[str, int, list[str]]] = [
+    ("fsdp b4", 2, ["--training.batch_size=4"]),
+    ("fsdp b8", 2, ["--training.batch_size=8"]),
+    ("fsdp b4 ac", 2, ["--training.batch_size=4", "--training.activation_checkpoint=true"]),
+    ("fsdp b4 no-reshard", 2, ["--training.batch_size=4", "--parallelism.reshard_after_forward=never"]),
+    ("tp2 b4", 2, ["--training.batch_size=4", "--tp", "2"]),
+    ("pp2 1f1b b4", 2, ["--training.batch_size=4", "--parallelism.pp=2", "--parallelism.pp_schedule=1F1B"]),
+    ("pp2 1f1b b8", 2, ["--training.batch_size=8", "--parallelism.pp=2", "--parallelism.pp_schedule=1F1B"]),
+    ("fsdp b2", 4, ["--training.batch_size=2"]),
+    ("fsdp b4", 4, ["--training.batch_size=4"]),
+    ("fsdp b4 ac", 4, ["--training.batch_size=4", "--training.activation_checkpoint=true"]),
+    ("fsdp b4 no-reshard", 4, ["--training.batch_size=4", "--parallelism.reshard_after_forward=never"]),
+    ("hsdp 2x2 b4", 4, ["--training.batch_size=4", "--dp-replicate", "2"]),
+    ("fsdp2 x tp2 b4", 4, ["--training.batch_size=4", "--tp", "2"]),
+    ("pp2 x fsdp2 b4", 4, ["--training.batch_size=4", "--parallelism.pp=2", "--parallelism.pp_schedule=1F1B"]),
+]
+QUICK = [LAYOUTS[0], LAYOUTS[4]]
+
+
+def recipe_argv(flags: list[str], steps: int) -> list[str]:
+    return [*MODEL, *flags, "--steps", str(steps), "--metrics.log_every=1", "--metrics.sample_tokens=0",
+            "--training.warmup_steps=1", "--skip-memory-check"]
+
+
+def predict(flags: list[str], world: int, hardware: Hardware) -> float:
+    """The model's step time for the recipe run these flags launch on ``world`` ranks."""
+    config, dims = check_command(recipe_argv(flags, 1), world)
+    args = plan._parse(plan._parser(), plan_argv(config, dims, "cpu", 2**34))
+    _name, model, _notes = plan._model_args(args)
+    layout = plan._layout(args)
+    return predict_step_time(layout, model_costs(layout, ModelBuilder.llama(model)), hardware).seconds
+
+
+def measure(flags: list[str], world: int, *, steps: int, warmup: int, timeout: float) -> list[float]:
+    """Launch the recipe on ``world`` CPU ranks; each timed step's seconds (after ``warmup`` steps)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               str(ROOT / "recipes" / "train.py"), *recipe_argv(flags, steps), "--metrics-file", str(metrics)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    tokens = records[1]["tokens"] - records[0]["tokens"]  # per step, all ranks
+    return [tokens / r["tokens_per_s"] for r in records[warmup:]]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties take their mean rank)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def summary(rows: list[dict], profiles: dict[int, Hardware], wall: float) -> dict:
+    predicted, measured = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
+    first = min(range(len(rows)), key=predicted.__getitem__)
+    return {"spearman": round(spearman(predicted, measured), 4),
+            "median_abs_error": round(statistics.median(abs(r["error"]) for r in rows), 4),
+            "best_gap": round(measured[first] / min(measured) - 1, 4),
+            "model_first": rows[first]["layout"], "fastest": rows[measured.index(min(measured))]["layout"],
+            "transport": "gloo (CPU)", "torch": torch.__version__, "worlds": sorted(profiles),
+            "cpus": os.cpu_count(), "wall_s": round(wall, 1),
+            "profiles": {w: json.loads(h.to_json()) for w, h in profiles.items()}, "rows": rows}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 layouts, 3 steps (a smoke test)")
+    parser.add_argument("--steps", type=int, default=7, help="steps per launch")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps not timed")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON line to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    layouts = QUICK if args.quick else LAYOUTS
+    steps, warmup = (3, 1) if args.quick else (args.steps, args.warmup)
+    start = time.perf_counter()
+    profiles = {w: calibrate(world=w) for w in sorted({world for _, world, _ in layouts})}
+    rows = []
+    print(f"{'layout':<26} {'predicted s':>11} {'measured s':>10} {'error':>7}", flush=True)
+    for name, world, flags in layouts:
+        seconds = measure(flags, world, steps=steps, warmup=warmup, timeout=args.timeout)
+        measured = statistics.median(seconds)
+        predicted = predict(flags, world, profiles[world])
+        rows.append({"layout": f"{world} ranks: {name}", "world": world, "flags": flags,
+                     "predicted_s": round(predicted, 4), "measured_s": round(measured, 4),
+                     "error": round(predicted / measured - 1, 4), "steps_s": [round(s, 4) for s in seconds]})
+        print(f"{rows[-1]['layout']:<26} {predicted:>11.3f} {measured:>10.3f} {predicted / measured - 1:>+7.1%}",
+              flush=True)
+    line = json.dumps(summary(rows, profiles, time.perf_counter() - start))
+    if args.out:
+        args.out.write_text(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
