@@ -29,6 +29,8 @@ new command in the docs needs a check here. What each rule does:
 
 from __future__ import annotations
 
+import os
+
 import contextlib
 import importlib.util
 import io
@@ -324,6 +326,16 @@ def test_the_docs_show_commands_and_every_one_has_a_rule():
     unclaimed = [f"{c.where}: {c}" for c in COMMANDS if _rule(c) is None]
     assert not unclaimed, "commands in the docs that no test runs or checks (add a rule here):\n" + "\n".join(unclaimed)
     assert {_rule(c) for c in COMMANDS} == set(RULES), "a rule claims no command: remove it"
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """A benchmark script checked in this process may set variables at import
+    (``benchmarks/overhead.py``: ``FSDP2_CPU_COLLECTIVES=flat``): later tests must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 # The planner's runs take seconds each: slow (tests/tools/test_plan_cli.py covers the planner in the quick run).
