@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import Any, Callable
 
 from .memory._tracker import format_bytes
 
@@ -61,31 +62,24 @@ def _ac(text: str) -> bool:
     return AC_CHOICES[text.lower()]
 
 
-def _positive(text: str) -> int:
+def _number(text: str, convert: type, ok: Callable[[Any], bool], expected: str) -> Any:
+    """``text`` as a ``convert`` that ``ok`` accepts, else argparse's error saying what was expected."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return value
+    return _number(text, float, lambda v: 0 <= v < 1, "a fraction in [0, 1)")
