@@ -7,7 +7,8 @@ predicts a step's seconds, tokens/s and MFU from the same model on a ``Hardware`
 """
 
 from ._costs import ModelCosts, OpCost, model_costs
-from ._hardware import HARDWARE, Hardware, calibrate, load_hardware
+from ._calibrate import calibrate
+from ._hardware import HARDWARE, Hardware, load_hardware
 from ._layout import Layout, ModelBuilder
 from ._planner import MemoryEstimate, Reserve, estimate_memory
 from ._steptime import StepTime, predict_step_time, ring_time

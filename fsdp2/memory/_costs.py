@@ -59,6 +59,8 @@ class ModelCosts:
         block_params: one block's parameters FSDP gathers over dp_shard (experts apart).
         expert_params: one block's routed experts' parameters (gathered over efsdp; 0: dense).
         rest_params: the root group's parameters (embedding, norm, output layer).
+        block_tensors, rest_tensors: parameter tensors of one block (experts included) and of the
+            rest (the optimizer's per-tensor work).
         param_dtype: the parameters' dtype as stored (sharded, and the optimizer's), what a
             layout with ``param_dtype=None`` computes in; ``param_itemsize`` its bytes.
         boundary_bytes: one block's output (what tensor parallelism's collectives and a
@@ -80,6 +82,8 @@ class ModelCosts:
     block_params: int
     expert_params: int
     rest_params: int
+    block_tensors: int
+    rest_tensors: int
     param_dtype: torch.dtype
     param_itemsize: int
     boundary_bytes: int
@@ -279,6 +283,8 @@ def _costs(model: nn.Module, builder: ModelBuilder, recorder: _Recorder, seq: in
                       rest_forward=tuple(ops.get("rest_forward", ())),
                       rest_backward=tuple(ops.get("rest_backward", ())),
                       block_params=block_params, expert_params=expert_params, rest_params=rest_params,
+                      block_tensors=len(list(block0.parameters())),
+                      rest_tensors=len(list(model.parameters())) - sum(len(list(b.parameters())) for b in model.layers),
                       param_dtype=stored, param_itemsize=stored.itemsize, boundary_bytes=recorder.boundary,
                       dispatch_bytes=dispatch,
                       attention_flops=attention, model_flops=model_flops)

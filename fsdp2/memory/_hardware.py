@@ -12,19 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-__all__ = ["Hardware", "HARDWARE", "calibrate", "load_hardware"]
+__all__ = ["Hardware", "HARDWARE", "load_hardware"]
 
 _FLOATS = ("peak_flops", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency",
-           "op_overhead", "dtensor_op_overhead")
+           "op_overhead", "dtensor_op_overhead", "group_overhead", "param_overhead")
 _FRACTIONS = ("flops_efficiency", "bandwidth_efficiency", "link_efficiency")
 
 
@@ -48,12 +42,19 @@ class Hardware:
         bandwidth_efficiency: the fraction of ``hbm_bandwidth`` memory-bound kernels reach (~0.8).
         link_efficiency: the fraction of the link bandwidths NCCL's ring collectives reach (~0.8).
         op_overhead: seconds of host time each op costs besides its roofline (eager dispatch:
-            Python, the dispatcher, DTensor's sharding propagation). Added to every op, since a
-            CPU rank runs the host and the kernel on one core; 0 in the GPU presets, whose host
-            work runs ahead of the kernels (launch-bound tiny models excepted). ``calibrate``
-            measures it.
-        dtensor_op_overhead: the same for an op on DTensors (tensor parallelism's: sharding
-            propagation and redistribution checks), used in place of ``op_overhead`` when tp > 1.
+            Python, the dispatcher, autograd). Added to every op, since a CPU rank runs the host
+            and the kernel on one core; 0 in the GPU presets, whose host work runs ahead of the
+            kernels (launch-bound tiny models excepted). ``calibrate`` measures it.
+        dtensor_op_overhead: the same for an op of a tensor-parallel block (DTensor's sharding
+            propagation, the redistributions and their collectives' host work), used in place
+            of ``op_overhead`` when tp > 1.
+        group_overhead: host seconds an FSDP group costs per forward and backward besides its
+            ops and its collectives' bytes: its hooks, issuing and waiting for its collectives,
+            copying into and out of its buffers (0 in the GPU presets: it runs ahead of the kernels).
+        param_overhead: host seconds the optimizer step and the gradient clip cost per
+            parameter tensor besides the bytes they read and write (torch's optimizers loop over
+            the tensors on CPU, one DTensor dispatch per op; 0 in the GPU presets: foreach
+            kernels, ahead of the device).
     """
 
     name: str
@@ -70,6 +71,8 @@ class Hardware:
     link_efficiency: float = 0.8
     op_overhead: float = 0.0
     dtensor_op_overhead: float = 0.0
+    group_overhead: float = 0.0
+    param_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -147,166 +150,3 @@ def load_hardware(spec: str | Path | Hardware) -> Hardware:
         raise ValueError(f"hardware {str(spec)!r}: not a preset ({', '.join(sorted(HARDWARE))}) nor a JSON file; "
                          "python -m fsdp2.plan --calibrate FILE.json writes one for this machine")
     return Hardware.from_json(path.read_text())
-
-
-# ---- measuring this machine ------------------------------------------------------------------
-def _median(fn, repeats: int) -> float:
-    """The median of ``repeats`` timed runs (seconds): what a rank sharing its core gets, typically."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def _loop(fn, repeats: int) -> float:
-    """Seconds per run of ``repeats`` back-to-back runs, timed as a whole: with every rank running
-    its loop at once, a rank sharing its core with others gets its share of it, waits included."""
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
-
-
-def _matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _loop(lambda: torch.mm(a, b), 8)
-
-
-def _copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
-    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _loop(lambda: dst.copy_(src), 8)  # read once, written once
-
-
-def _op_overhead(group: dist.ProcessGroup | None = None, chain: int = 100) -> float:
-    """Seconds per op of a chain of one-element ops, forward and backward under autograd: what
-    eager mode costs an op besides its work (Python, the dispatcher, autograd's bookkeeping);
-    with ``group``, on a DTensor replicated over it (no communication: every op stays local)."""
-    x = torch.zeros(1, requires_grad=True)
-    if group is not None:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import Replicate, distribute_tensor
-
-        mesh = DeviceMesh.from_group(group, "cpu")
-        x = distribute_tensor(torch.zeros(1), mesh, [Replicate()]).requires_grad_()
-
-    def run() -> None:
-        y = x
-        for _ in range(chain):
-            y = y * 1.0
-        y.backward()
-
-    return _loop(run, 5) / (2 * chain)  # each op forward, and its backward
-
-
-def _collective(group: dist.ProcessGroup | None, nbytes: int) -> tuple[float, float]:
-    """(bandwidth, latency per ring step) of all-reduces on ``group``, all its ranks calling.
-
-    An all-reduce of B bytes on n ranks takes 2 (n - 1) / n x B / bandwidth + 2 (n - 1) x latency:
-    a one-element one gives the latency, a large one the bandwidth (medians: where ranks share
-    cores, a collective waits for its peers to be scheduled, as in training). Every rank takes
-    rank 0's figures.
-    """
-    n = dist.get_world_size(group)
-    small, large = torch.zeros(1), torch.zeros(nbytes // 4)
-
-    def timed(t: torch.Tensor, repeats: int) -> float:
-        dist.barrier(group=group)
-        return _median(lambda: dist.all_reduce(t, group=group), repeats)
-
-    t_small, t_large = timed(small, 20), timed(large, 5)
-    latency = t_small / (2 * (n - 1))
-    bandwidth = 2 * (n - 1) / n * nbytes / max(t_large - 2 * (n - 1) * latency, 1e-9)
-    figures = torch.tensor([bandwidth, latency], dtype=torch.float64)
-    dist.broadcast(figures, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return float(figures[0]), float(figures[1])
-
-
-def _measure(group: dist.ProcessGroup | None, nbytes: int) -> tuple[float, ...]:
-    """(flops, memory bandwidth, op overhead, DTensor op overhead, link bandwidth, link latency), every
-    rank of ``group``
-    calling: the compute figures measured on all ranks at once, one thread each, so that ranks
-    sharing cores (more ranks than cores) see what each gets in training; their mean."""
-    bandwidth, latency = _collective(group, nbytes)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one core per rank, as the CPU training recipe runs them
-    try:
-        dist.barrier(group=group)
-        local = torch.tensor([_matmul_flops(), _copy_bandwidth(), _op_overhead(),
-                              _op_overhead(group or dist.group.WORLD)], dtype=torch.float64)
-    finally:
-        torch.set_num_threads(threads)
-    dist.all_reduce(local, group=group)
-    local /= dist.get_world_size(group)
-    return (*(float(x) for x in local), bandwidth, latency)
-
-
-def _rank(rank: int, world: int, store_path: str, nbytes: int, out: object) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    try:
-        figures = _measure(None, nbytes)
-        if rank == 0:
-            out.put(figures)  # type: ignore[attr-defined]
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawned(world: int, nbytes: int, timeout: float) -> tuple[float, ...]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, world, store, nbytes, out), daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            figures = out.get(timeout=timeout)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    return figures
-
-
-def calibrate(*, world: int = 2, group: dist.ProcessGroup | None = None, comm_bytes: int = 16 * 2**20,
-              timeout: float = 300.0, name: str | None = None) -> Hardware:
-    """Measure this machine: a ``Hardware`` profile whose figures are what it reaches (efficiencies 1).
-
-    ``peak_flops``: fp32 1024x1024 matmuls on the CPU, ``hbm_bandwidth``: a 64 MiB copy (bytes
-    read plus written per second), ``op_overhead`` (and ``dtensor_op_overhead``): a chain of
-    one-element ops (on a replicated DTensor) forward and backward, per op; these on every rank
-    at once, one thread each, each loop timed as a whole (ranks that share cores, with each other
-    or with other work, get their share), averaged over the ranks; and the collectives' median bandwidth and
-    latency: gloo all-reduces of one element and of ``comm_bytes`` between ``world`` local
-    processes it spawns, or on ``group`` when given (then every rank of it must call, and all
-    get rank 0's figures). One host: ``devices_per_node`` is the ranks measured and the
-    inter-node figures are the intra-node ones. ``memory``: the host's RAM divided by those ranks.
-
-    Args:
-        world: ranks to spawn (at least 2); ignored with ``group``.
-        group: an existing gloo process group to measure instead of spawning.
-        comm_bytes: bytes of the large all-reduce.
-        timeout: seconds to wait for the spawned ranks.
-        name: the profile's name (default: "calibrated: <world> CPU ranks").
-    """
-    if group is None and (not isinstance(world, int) or isinstance(world, bool) or world < 2):
-        raise ValueError(f"calibrate(world=...) must be an int >= 2 (ranks whose collectives are timed), got {world!r}")
-    if group is not None:
-        world = dist.get_world_size(group)
-        flops, hbm, overhead, dtensor, bandwidth, latency = _measure(group, comm_bytes)
-    else:
-        flops, hbm, overhead, dtensor, bandwidth, latency = _spawned(world, comm_bytes, timeout)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Hardware(name=name or f"calibrated: {world} CPU ranks", peak_flops=flops, hbm_bandwidth=hbm,
-                    devices_per_node=world, intra_bandwidth=bandwidth, intra_latency=latency,
-                    inter_bandwidth=bandwidth, inter_latency=latency, memory=max(1, ram // world),
-                    flops_efficiency=1.0, bandwidth_efficiency=1.0, link_efficiency=1.0, op_overhead=overhead,
-                    dtensor_op_overhead=dtensor)

@@ -26,8 +26,12 @@ simulation: cheap enough to rank hundreds of layouts. Per rank and micro-batch:
   ``(pp - 1) x F / v`` for the zero-bubble schedules (the weight-gradient half of backward
   fills the rest); each rank's stage pays the rest (embedding and output layer) as the
   heaviest stage would; gradients reduced once after the last backward, exposed.
+* host work besides the ops' (``Hardware.group_overhead``, ``param_overhead``; 0 on the GPU
+  presets, where it runs ahead of the device): each FSDP group's hooks, per forward and
+  backward, counted with its block's compute; the optimizer's and the clip's per tensor.
 * the optimizer: memory-bound, the shards' bytes it reads and writes (AdamW: parameter,
-  gradient and two states read, three written; the gradient-norm clip reads the gradients again).
+  gradient and two states read, three written; the gradient-norm clip reads the gradients again),
+  and its host work per parameter tensor.
 """
 
 from __future__ import annotations
@@ -215,6 +219,9 @@ def predict_step_time(layout: Layout, costs: ModelCosts, hardware: Hardware) -> 
     fb, bb = (_compute(ops, batch, tp, hardware) for ops in (costs.block_forward, costs.block_backward))
     fr, br = (_compute(ops, batch, tp, hardware) for ops in (costs.rest_forward, costs.rest_backward))
     rb, share = _recompute(layout, costs, fb, batch, hardware)  # a block's recomputation, averaged over blocks
+    # Each FSDP group's host work (its hooks), half in forward and half in backward (not recomputed).
+    hooks = hardware.group_overhead / 2
+    fb, bb, fr, br = fb + hooks, bb + hooks, fr + hooks, br + hooks
     # Per block and pass on the critical path: sequence-parallel TP's 2 all-gathers and 2
     # reduce-scatters of the block's (batch, seq, dim), EP's 2 all-to-alls of the routed rows.
     tp_pass = 4 * links.ring("tp", costs.boundary_bytes * batch)
@@ -309,4 +316,8 @@ def _optimizer(layout: Layout, costs: ModelCosts, hw: Hardware) -> float:
     elements = (costs.rest_params + costs.n_blocks * costs.block_params) / shards + \
         costs.n_blocks * costs.expert_params / (layout.dp_shard * layout.pp)  # experts: over efsdp x ep
     accesses = _OPTIMIZER_ACCESSES[layout.optimizer]
-    return elements * costs.param_itemsize * accesses / (hw.hbm_bandwidth * hw.bandwidth_efficiency)
+    # Every rank holds a shard of each of its blocks' tensors; a pipeline rank, of its stages'
+    # (and, as the heaviest stage would, of the rest's).
+    tensors = costs.n_blocks // layout.pp * costs.block_tensors + costs.rest_tensors
+    return elements * costs.param_itemsize * accesses / (hw.hbm_bandwidth * hw.bandwidth_efficiency) + \
+        tensors * hw.param_overhead

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from ._costs import model_costs
-from ._hardware import HARDWARE, Hardware, calibrate, load_hardware
+from ._calibrate import calibrate
+from ._hardware import HARDWARE, Hardware, load_hardware
 from ._layout import ModelBuilder
 from ._steptime import predict_step_time
 

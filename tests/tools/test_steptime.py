@@ -225,6 +225,28 @@ def test_op_overhead_adds_its_seconds_per_op_and_tp_pays_the_dtensor_one():
     assert Hardware.from_json(json.dumps(old)) == HAND
 
 
+def test_group_and_parameter_overheads_by_hand():
+    builder = ModelBuilder.llama(SMALL)
+    layout = Layout(world=8, batch=2, seq=128, grad_accum=2)
+    costs = model_costs(layout, builder)
+    # A Llama block: wq, wk, wv, wo, w1, w2, w3 and two norms; the rest: embedding, final norm, output.
+    assert (costs.block_tensors, costs.rest_tensors) == (9, 3)
+    assert all(hw.group_overhead == hw.param_overhead == 0 for hw in HARDWARE.values())
+    slow = dataclasses.replace(HAND, group_overhead=1e-3, param_overhead=1e-4)
+    plain, with_host = (predict_step_time(layout, costs, hw) for hw in (HAND, slow))
+    # Each of the blocks' groups and the root's, in forward and backward, once per micro-batch.
+    assert with_host.compute - plain.compute == pytest.approx(2 * (SMALL.n_layers + 1) * 1e-3)
+    # Every rank steps a shard of every tensor: 9 per block and 3 more, 0.1 ms each.
+    assert with_host.optimizer - plain.optimizer == pytest.approx((9 * SMALL.n_layers + 3) * 1e-4)
+    # Activation checkpointing recomputes a block's ops, not its group's hooks.
+    ac = dataclasses.replace(layout, activation_checkpointing=True)
+    assert predict_step_time(ac, costs, slow).recompute == pytest.approx(predict_step_time(ac, costs, HAND).recompute)
+    # A pipeline rank holds half the blocks: half their tensors (and the rest's, as the heaviest stage).
+    pp = Layout(world=8, batch=4, seq=128, pp=2)
+    assert predict_step_time(pp, costs, slow).optimizer - predict_step_time(pp, costs, HAND).optimizer == \
+        pytest.approx((9 * SMALL.n_layers // 2 + 3) * 1e-4)
+
+
 def test_layouts_the_costs_cannot_describe_are_refused():
     builder = ModelBuilder.llama(SMALL)
     layout = Layout(world=8, batch=2, seq=128)
@@ -252,7 +274,7 @@ def _calibrate_on_group() -> dict:
 
 def _check_measured(figures: dict) -> None:
     for name in ("peak_flops", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth",
-                 "op_overhead", "dtensor_op_overhead"):
+                 "op_overhead", "dtensor_op_overhead", "group_overhead", "param_overhead"):
         assert math.isfinite(figures[name]) and figures[name] > 0, (name, figures)
     assert figures["flops_efficiency"] == figures["link_efficiency"] == 1.0
 
