@@ -35,6 +35,7 @@ starts a fresh run from saved weights (safetensors or a DCP checkpoint).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import math
@@ -654,4 +655,7 @@ def generate(model: Transformer, prompt: str, n_tokens: int, device: torch.devic
 
 
 if __name__ == "__main__":
+    # A rank killed by a fatal signal (SIGSEGV, SIGABRT: a C++ std::terminate) prints every
+    # thread's Python stack on its way out: the only trace such a death leaves under torchrun.
+    faulthandler.enable(all_threads=True)
     main()
