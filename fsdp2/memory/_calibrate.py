@@ -219,7 +219,8 @@ def calibrate(*, world: int = 2, group: dist.ProcessGroup | None = None, comm_by
     every rank of it must call, all get the same figures, and tensor parallelism is timed over
     the whole group unless it is the default group of an even world). One host:
     ``devices_per_node`` is the ranks measured and the inter-node figures are the intra-node
-    ones. ``memory``: the host's RAM divided by those ranks.
+    ones. ``memory``: the host's RAM divided by those ranks; ``oversubscription``: those ranks
+    over the cores this process may use (at least 1).
 
     Args:
         world: ranks to spawn (at least 2); ignored with ``group``.
@@ -241,4 +242,13 @@ def calibrate(*, world: int = 2, group: dist.ProcessGroup | None = None, comm_by
                     devices_per_node=world, intra_bandwidth=bandwidth, intra_latency=latency,
                     inter_bandwidth=bandwidth, inter_latency=latency, memory=max(1, ram // world),
                     flops_efficiency=1.0, bandwidth_efficiency=1.0, link_efficiency=1.0, op_overhead=op,
-                    dtensor_op_overhead=dtensor_op, group_overhead=group_op, param_overhead=param_op)
+                    dtensor_op_overhead=dtensor_op, group_overhead=group_op, param_overhead=param_op,
+                    oversubscription=max(1.0, world / _cores()))
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the platform says, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -55,6 +55,10 @@ class Hardware:
             parameter tensor besides the bytes they read and write (torch's optimizers loop over
             the tensors on CPU, one DTensor dispatch per op; 0 in the GPU presets: foreach
             kernels, ahead of the device).
+        oversubscription: ranks per core where ranks share cores (a CPU host running more ranks
+            than it has cores; ``calibrate``: ranks over the cores it may use, at least 1): the
+            compute figures are what each rank gets with all of them busy, and while some idle
+            (a pipeline's bubble) the others run up to this many times faster. 1 on GPUs.
     """
 
     name: str
@@ -73,6 +77,7 @@ class Hardware:
     dtensor_op_overhead: float = 0.0
     group_overhead: float = 0.0
     param_overhead: float = 0.0
+    oversubscription: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -91,6 +96,10 @@ class Hardware:
                 raise ValueError(f"Hardware.{field} must be an int >= 1, got {value!r}"
                                  + (" (bytes per device, e.g. 80 * 2**30)" if field == "memory" else
                                     " (devices sharing a node's fast links; 1 for one device per node)"))
+        over = self.oversubscription
+        if isinstance(over, bool) or not isinstance(over, (int, float)) or not math.isfinite(over) or over < 1:
+            raise ValueError(f"Hardware.oversubscription must be a finite number >= 1 (ranks per core; 1 where "
+                             f"each rank has its own device), got {over!r}")
         for field in _FRACTIONS:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:

@@ -25,7 +25,10 @@ simulation: cheap enough to rank hundreds of layouts. Per rank and micro-batch:
   the bubble ``(pp - 1) x (F + B) / v`` (F, B: one microbatch's forward and backward on a rank),
   ``(pp - 1) x F / v`` for the zero-bubble schedules (the weight-gradient half of backward
   fills the rest); each rank's stage pays the rest (embedding and output layer) as the
-  heaviest stage would; gradients reduced once after the last backward, exposed.
+  heaviest stage would; gradients reduced once after the last backward, exposed. Where ranks
+  share cores (``Hardware.oversubscription`` > 1, a CPU host with more ranks than cores), the
+  idle ranks' cores serve the busy ones: the step is the longer of a rank's own work and the
+  schedule (with its bubble) run ``oversubscription`` times faster.
 * host work besides the ops' (``Hardware.group_overhead``, ``param_overhead``; 0 on the GPU
   presets, where it runs ahead of the device): each FSDP group's hooks, per forward and
   backward, counted with its block's compute; the optimizer's and the clip's per tensor.
@@ -232,8 +235,8 @@ def predict_step_time(layout: Layout, costs: ModelCosts, hardware: Hardware) -> 
     compute_micro = blocks * (fb + bb) + fr + br
     recompute_micro = blocks * rb
     if pipelined:
-        total_micro, bubble = _pipeline(layout, links, costs, m, v, blocks, (fb, bb, fr, br), (crit_f, crit_b),
-                                        block, root, rb)
+        total_micro, bubble = _pipeline(layout, links, hardware, costs, m, v, blocks, (fb, bb, fr, br),
+                                        (crit_f, crit_b), block, root, rb)
     else:
         total_micro, bubble = _fsdp_step(layout, blocks, (fb, bb, fr, br), (crit_f, crit_b), block, root, rb), 0.0
     accum = layout.grad_accum
@@ -267,7 +270,7 @@ def _fsdp_step(layout: Layout, blocks: int, times: tuple[float, float, float, fl
     return forward + backward + root_reduce
 
 
-def _pipeline(layout: Layout, links: _Links, costs: ModelCosts, m: int, v: int, blocks: int,
+def _pipeline(layout: Layout, links: _Links, hw: Hardware, costs: ModelCosts, m: int, v: int, blocks: int,
               times: tuple[float, float, float, float], crit: tuple[float, float], block: _Comm,
               root: _Comm, rb: float) -> tuple[float, float]:
     """(one step's schedule without gradient accumulation, its bubble) on the heaviest pipeline rank."""
@@ -278,12 +281,16 @@ def _pipeline(layout: Layout, links: _Links, costs: ModelCosts, m: int, v: int, 
     forward, backward = blocks * c_f + fr + send, blocks * c_b + br + send
     stage_f, stage_b = forward / v, backward / v
     bubble = (layout.pp - 1) * (stage_f if layout.pp_schedule in _ZERO_BUBBLE else stage_f + stage_b)
+    # Ranks sharing cores: while some idle, the others run up to ``oversubscription`` times
+    # faster, so the step is the longer of the ranks' own work and the schedule run that fast.
+    busy = m * (forward + backward)
+    bubble = max(0.0, (busy + bubble) / hw.oversubscription - busy)
     # FSDP inside the stage: gathered once per step (or per microbatch and pass when resharded),
     # overlapped block by block; reduced once after the last backward, exposed.
     passes = 2 * m if layout.reshard_after_forward else 1
     gathers = passes * (block.gather + (blocks - 1) * max(0.0, block.gather - c_f)) + root.gather
     reduces = blocks * (block.reduce + block.all_reduce) + root.reduce + root.all_reduce
-    return m * (forward + backward) + bubble + gathers + reduces, bubble * layout.grad_accum
+    return busy + bubble + gathers + reduces, bubble * layout.grad_accum
 
 
 def _recompute(layout: Layout, costs: ModelCosts, fb: float, batch: float, hw: Hardware) -> tuple[float, float]:

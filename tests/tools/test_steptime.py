@@ -128,6 +128,15 @@ def test_1f1b_bubble_is_pp_minus_1_over_m_plus_pp_minus_1():
         pytest.approx(step.bubble / 2)
     zero = dataclasses.replace(interleaved, pp_schedule="InterleavedZeroBubble")
     assert predict_step_time(zero, model_costs(zero, builder), FREE_LINKS).bubble < step.bubble / 2
+    # Ranks sharing cores: the busy ones use the idle ones' cores. busy = 8 / 3 x the bubble here;
+    # 1.25 ranks per core run the 11 slots' schedule in 11 / 1.25 = 8.8 of the 8 busy slots' time.
+    shared = dataclasses.replace(FREE_LINKS, oversubscription=1.25)
+    busy = step.bubble * 8 / 3
+    assert predict_step_time(layout, model_costs(layout, builder), shared).bubble == \
+        pytest.approx((busy + step.bubble) / 1.25 - busy)
+    # Two ranks a core: the bubble is all absorbed, the step is the ranks' own work.
+    assert predict_step_time(layout, model_costs(layout, builder),
+                             dataclasses.replace(FREE_LINKS, oversubscription=2.0)).bubble == 0
 
 
 def test_activation_checkpointing_adds_exactly_one_forward_of_the_blocks():
@@ -182,6 +191,7 @@ def test_predict_is_cheap():
     ("flops_efficiency", 1.5, r"flops_efficiency must be a fraction in \(0, 1\]"),
     ("op_overhead", -1e-6, r"op_overhead must be a finite number of seconds >= 0"),
     ("dtensor_op_overhead", float("inf"), r"dtensor_op_overhead must be a finite number of seconds >= 0"),
+    ("oversubscription", 0.5, r"oversubscription must be a finite number >= 1"),
 ])
 def test_nonsensical_hardware_is_refused(field, value, match):
     with pytest.raises(ValueError, match=match):
