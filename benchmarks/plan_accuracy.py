@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
             seconds, tokens[i] = measure(flags, world, steps=steps, warmup=warmup, timeout=args.timeout,
                                          failures=failures)
             timed[i] += seconds
+            print(f"round {r + 1}: {world} ranks: {_name}: {statistics.median(seconds):.3f} s a step", file=sys.stderr,
+                  flush=True)
     rows = []
     print(f"{'layout':<26} {'predicted s':>11} {'measured s':>10} {'error':>7}", flush=True)
     for i, (name, world, flags) in enumerate(layouts):
