@@ -3,7 +3,9 @@
 Every figure is timed on all ranks at once, one thread each, each loop timed as a whole, so
 ranks sharing cores (more ranks than cores, or other work) get what each gets in training:
 
-* compute: fp32 1024x1024 matmuls (``peak_flops``) and a 64 MiB copy (``hbm_bandwidth``);
+* compute: fp32 1024x1024 matmuls (``peak_flops``) and a 64 MiB copy (``hbm_bandwidth``); the
+  matmuls again on the first rank alone, its peers idle (``oversubscription``: how much faster a
+  rank runs while others idle, where ranks share cores with each other or with other work);
 * host work, on a Llama of the planner's family at toy size (dim 32, 2 blocks: its roofline is
   negligible, what remains is eager execution's): one forward and backward plainly, with the
   blocks tensor-parallel (``fsdp2.models.llama.tp_plan`` over 2 ranks) and with every block and
@@ -150,8 +152,8 @@ def _collective(group: dist.ProcessGroup, nbytes: int) -> tuple[float, float]:
 
 
 def _measure(group: dist.ProcessGroup, nbytes: int) -> tuple[float, ...]:
-    """(flops, memory bandwidth, op, DTensor op, group and parameter overheads, link bandwidth, link
-    latency), every rank of ``group`` calling; the compute and host figures are the ranks' mean."""
+    """(flops, memory bandwidth, op, DTensor op, group and parameter overheads, oversubscription, link
+    bandwidth, link latency), every rank of ``group`` calling; compute and host figures: the ranks' mean."""
     world = dist.get_world_size(group)
     bandwidth, latency = _collective(group, nbytes)
     threads = torch.get_num_threads()
@@ -159,11 +161,17 @@ def _measure(group: dist.ProcessGroup, nbytes: int) -> tuple[float, ...]:
     try:
         dist.barrier(group=group)
         local = torch.tensor([_matmul_flops(), _copy_bandwidth(), *_host_figures(group, world)], dtype=torch.float64)
+        # The first rank alone, the others waiting in a barrier: how much faster a rank runs
+        # while its peers idle (ranks sharing cores, with each other or with other work).
+        alone = torch.tensor([_matmul_flops() if dist.get_rank(group) == 0 else 0.0], dtype=torch.float64)
+        dist.barrier(group=group)
     finally:
         torch.set_num_threads(threads)
     dist.all_reduce(local, group=group)
     local /= world
-    return (*(float(x) for x in local), bandwidth, latency)
+    dist.broadcast(alone, src=dist.get_global_rank(group, 0), group=group)
+    oversubscription = min(float(world), max(1.0, float(alone[0]) / float(local[0])))
+    return (*(float(x) for x in local), oversubscription, bandwidth, latency)
 
 
 def _rank(rank: int, world: int, store_path: str, nbytes: int, out: object) -> None:
@@ -219,8 +227,9 @@ def calibrate(*, world: int = 2, group: dist.ProcessGroup | None = None, comm_by
     every rank of it must call, all get the same figures, and tensor parallelism is timed over
     the whole group unless it is the default group of an even world). One host:
     ``devices_per_node`` is the ranks measured and the inter-node figures are the intra-node
-    ones. ``memory``: the host's RAM divided by those ranks; ``oversubscription``: those ranks
-    over the cores this process may use (at least 1).
+    ones. ``memory``: the host's RAM divided by those ranks; ``oversubscription``: the first
+    rank's matmul speed alone (the others waiting) over the ranks' mean with all busy, between 1
+    and the ranks measured.
 
     Args:
         world: ranks to spawn (at least 2); ignored with ``group``.
@@ -236,19 +245,11 @@ def calibrate(*, world: int = 2, group: dist.ProcessGroup | None = None, comm_by
         figures = _measure(group, comm_bytes)
     else:
         figures = _spawned(world, comm_bytes, timeout)
-    flops, hbm, op, dtensor_op, group_op, param_op, bandwidth, latency = figures
+    flops, hbm, op, dtensor_op, group_op, param_op, oversubscription, bandwidth, latency = figures
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(name=name or f"calibrated: {world} CPU ranks", peak_flops=flops, hbm_bandwidth=hbm,
                     devices_per_node=world, intra_bandwidth=bandwidth, intra_latency=latency,
                     inter_bandwidth=bandwidth, inter_latency=latency, memory=max(1, ram // world),
                     flops_efficiency=1.0, bandwidth_efficiency=1.0, link_efficiency=1.0, op_overhead=op,
                     dtensor_op_overhead=dtensor_op, group_overhead=group_op, param_overhead=param_op,
-                    oversubscription=max(1.0, world / _cores()))
-
-
-def _cores() -> int:
-    """The cores this process may run on (its affinity where the platform says, else all)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+                    oversubscription=oversubscription)

@@ -55,10 +55,10 @@ class Hardware:
             parameter tensor besides the bytes they read and write (torch's optimizers loop over
             the tensors on CPU, one DTensor dispatch per op; 0 in the GPU presets: foreach
             kernels, ahead of the device).
-        oversubscription: ranks per core where ranks share cores (a CPU host running more ranks
-            than it has cores; ``calibrate``: ranks over the cores it may use, at least 1): the
-            compute figures are what each rank gets with all of them busy, and while some idle
-            (a pipeline's bubble) the others run up to this many times faster. 1 on GPUs.
+        oversubscription: how many times faster a rank runs while its peers idle, where ranks
+            share cores (a CPU host with more ranks than cores, or other work on it; ``calibrate``
+            measures it): the compute figures are what each rank gets with all of them busy, and
+            a pipeline's bubble lends the idle ranks' cores to the busy ones. 1 on GPUs.
     """
 
     name: str
