@@ -148,11 +148,18 @@ def test_layout_checks_the_comm_policy():
 
 
 def test_plan_cli_quantized_flags():
-    def plan(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "fsdp2.plan", "--config", "llama3_8b", "--world", "64",
-                               "--seq", "2048", *flags], capture_output=True, text=True)
+    def plan(*flags: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "fsdp2.plan", "--config", "llama3_8b", "--world", "64",
+                                 "--seq", "2048", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    plain, fed = plan(), plan("--quantize-weights", "int8", "--quantize-gradients", "int8", "--error-feedback")
+    def result(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+        stdout, stderr = proc.communicate(timeout=300)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+    # the three planners side by side (each a process of its own, as before; most of each is its start)
+    started = [plan(), plan("--quantize-weights", "int8", "--quantize-gradients", "int8", "--error-feedback"),
+               plan("--error-feedback")]
+    plain, fed, refused = map(result, started)
     assert plain.returncode == 0 and fed.returncode == 0, (plain.stderr, fed.stderr)
     comm = [float(line.split()[-2]) for out in (plain.stdout, fed.stdout) for line in out.splitlines()
             if line.startswith("communication per step per rank")]
@@ -160,5 +167,4 @@ def test_plan_cli_quantized_flags():
     assert 0.3 * comm[0] < comm[1] < 0.45 * comm[0], comm
     needs = [line for out in (plain.stdout, fed.stdout) for line in out.splitlines() if line.startswith("total")]
     assert float(needs[1].split()[1]) > float(needs[0].split()[1]), needs  # the residuals: 4 bytes a parameter
-    refused = plan("--error-feedback")
     assert refused.returncode == 2 and "--error-feedback needs --quantize-gradients" in refused.stderr
