@@ -4,8 +4,9 @@
     python benchmarks/plan_accuracy.py --quick         # 2 layouts, 3 steps, 1 round: the pipeline runs end to end
     python benchmarks/plan_accuracy.py --out rows.jsonl --steps 8 --warmup 2 --rounds 3
 
-It calibrates this machine first (``fsdp2.memory.calibrate``: one profile per world size, its
-ranks spawned as training spawns them, so they share the cores as training's do), then launches
+It calibrates this machine before each round (``fsdp2.memory.calibrate``: one profile per world
+size, its ranks spawned as training spawns them, so they share the cores as training's do; the
+prediction uses the rounds' mean), and launches
 ``recipes/train.py`` under torchrun (``--standalone``, gloo on CPU) ``--rounds`` times per layout
 of a small Llama (the tiny config's model at dim 256: FSDP, HSDP, TP, PP 1F1B, activation
 checkpointing, reshard after forward on and off, two micro-batch sizes, on 2 and 4 ranks), the
@@ -28,6 +29,7 @@ Issue #39's targets: spearman >= 0.9, median_abs_error <= 0.15, best_gap <= 0.05
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -109,6 +111,15 @@ def measure(flags: list[str], world: int, *, steps: int, warmup: int, timeout: f
     raise RuntimeError(f"{' '.join(cmd)} failed twice ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
+def mean_profile(profiles: list[Hardware]) -> Hardware:
+    """The profiles' mean, figure by figure (calibrations of one world at different times)."""
+    fields = {f.name: getattr(profiles[0], f.name) for f in dataclasses.fields(Hardware)}
+    for name, value in fields.items():
+        if isinstance(value, float):
+            fields[name] = statistics.fmean(getattr(h, name) for h in profiles)
+    return Hardware(**fields)
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (ties take their mean rank)."""
     def ranks(v: list[float]) -> list[float]:
@@ -171,11 +182,14 @@ def main(argv: list[str] | None = None) -> None:
     steps, warmup, rounds = (3, 1, 1) if args.quick else (args.steps, args.warmup, args.rounds)
     start = time.perf_counter()
     comm_bytes = 2**20 if args.quick else 16 * 2**20  # (the quick run checks the pipeline, not the figures)
-    profiles = {w: calibrate(world=w, comm_bytes=comm_bytes) for w in sorted({world for _, world, _ in layouts})}
+    worlds = sorted({world for _, world, _ in layouts})
+    measured_profiles: dict[int, list[Hardware]] = {w: [] for w in worlds}
     failures: list[str] = []
     timed: dict[int, list[float]] = {i: [] for i in range(len(layouts))}
     tokens: dict[int, int] = {}
     for r in range(rounds):  # alternating order: a drift in the machine's load hits every layout alike
+        for w in worlds:  # each round calibrated anew: the profile is the rounds' mean
+            measured_profiles[w].append(calibrate(world=w, comm_bytes=comm_bytes))
         order = range(len(layouts)) if r % 2 == 0 else reversed(range(len(layouts)))
         for i in order:
             _name, world, flags = layouts[i]
@@ -184,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             timed[i] += seconds
             print(f"round {r + 1}: {world} ranks: {_name}: {statistics.median(seconds):.3f} s a step", file=sys.stderr,
                   flush=True)
+    profiles = {w: mean_profile(measured_profiles[w]) for w in worlds}
     rows = []
     print(f"{'layout':<26} {'predicted s':>11} {'measured s':>10} {'error':>7}", flush=True)
     for i, (name, world, flags) in enumerate(layouts):
