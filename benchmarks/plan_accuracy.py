@@ -104,8 +104,10 @@ def measure(flags: list[str], world: int, *, steps: int, warmup: int, timeout: f
                 records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
                 tokens = records[1]["tokens"] - records[0]["tokens"]  # per step, all ranks
                 return [tokens / r["tokens_per_s"] for r in records[warmup:]], tokens
-            failures.append(f"{world} ranks {' '.join(flags)} (attempt {attempt + 1}, exit {done.returncode}): "
-                            + " | ".join(done.stderr.strip().splitlines()[-3:]))
+            kept = Path(tempfile.mkdtemp(prefix="plan-accuracy-failed-")) / "stderr.txt"
+            kept.write_text(done.stderr)  # whole: a rank's faulthandler stacks are above torchrun's summary
+            failures.append(f"{world} ranks {' '.join(flags)} (attempt {attempt + 1}, exit {done.returncode}, "
+                            f"stderr in {kept}): " + " | ".join(done.stderr.strip().splitlines()[-3:]))
             print(f"launch failed ({done.returncode}), {'retrying' if attempt == 0 else 'giving up'}: "
                   f"{failures[-1]}", file=sys.stderr, flush=True)
     raise RuntimeError(f"{' '.join(cmd)} failed twice ({done.returncode}):\n{done.stderr[-3000:]}")
