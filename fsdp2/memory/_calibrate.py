@@ -3,9 +3,10 @@
 Every figure is timed on all ranks at once, one thread each, each loop timed as a whole, so
 ranks sharing cores (more ranks than cores, or other work) get what each gets in training:
 
-* compute: fp32 1024x1024 matmuls (``peak_flops``) and a 64 MiB copy (``hbm_bandwidth``); the
-  matmuls again on the first rank alone, its peers idle (``oversubscription``: how much faster a
-  rank runs while others idle, where ranks share cores with each other or with other work);
+* compute: fp32 1024x1024 matmuls (``peak_flops``), a 64 MiB copy (``hbm_bandwidth``), a causal
+  fused attention forward and backward (``attention_flops``); the matmuls again on the first
+  rank alone, its peers idle (``oversubscription``: how much faster a rank runs while others
+  idle, where ranks share cores with each other or with other work);
 * host work, on a Llama of the planner's family at toy size (dim 32, 2 blocks: its roofline is
   negligible, what remains is eager execution's): one forward and backward plainly, with the
   blocks tensor-parallel (``fsdp2.models.llama.tp_plan`` over 2 ranks) and with every block and
@@ -26,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..models.llama import ModelArgs, tp_plan
@@ -69,6 +71,18 @@ def _copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     return 2 * nbytes / _loop(lambda: dst.copy_(src), 8)  # read once, written once
+
+
+def _attention_flops(batch: int = 2, heads: int = 8, seq: int = 256, head_dim: int = 64) -> float:
+    """FLOP/s of a causal fused attention's forward and backward, its FLOPs as ``model_costs``
+    counts them (the unmasked half; backward 2.5x forward)."""
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+
+    def run() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    forward = 2 * batch * heads * seq * seq * 2 * head_dim * 0.5
+    return 3.5 * forward / _loop(run, 8)
 
 
 def _toy_model(builder: ModelBuilder) -> torch.nn.Module:
@@ -152,15 +166,17 @@ def _collective(group: dist.ProcessGroup, nbytes: int) -> tuple[float, float]:
 
 
 def _measure(group: dist.ProcessGroup, nbytes: int) -> tuple[float, ...]:
-    """(flops, memory bandwidth, op, DTensor op, group and parameter overheads, oversubscription, link
-    bandwidth, link latency), every rank of ``group`` calling; compute and host figures: the ranks' mean."""
+    """(flops, memory bandwidth, attention flops, op, DTensor op, group and parameter overheads,
+    oversubscription, link bandwidth, link latency), every rank of ``group`` calling; compute and host
+    figures: the ranks' mean."""
     world = dist.get_world_size(group)
     bandwidth, latency = _collective(group, nbytes)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core per rank, as the CPU training recipe runs them
     try:
         dist.barrier(group=group)
-        local = torch.tensor([_matmul_flops(), _copy_bandwidth(), *_host_figures(group, world)], dtype=torch.float64)
+        local = torch.tensor([_matmul_flops(), _copy_bandwidth(), _attention_flops(), *_host_figures(group, world)],
+                             dtype=torch.float64)
         # The first rank alone, the others waiting in a barrier: how much faster a rank runs
         # while its peers idle (ranks sharing cores, with each other or with other work).
         alone = torch.tensor([_matmul_flops() if dist.get_rank(group) == 0 else 0.0], dtype=torch.float64)
@@ -245,11 +261,11 @@ def calibrate(*, world: int = 2, group: dist.ProcessGroup | None = None, comm_by
         figures = _measure(group, comm_bytes)
     else:
         figures = _spawned(world, comm_bytes, timeout)
-    flops, hbm, op, dtensor_op, group_op, param_op, oversubscription, bandwidth, latency = figures
+    flops, hbm, attention, op, dtensor_op, group_op, param_op, oversubscription, bandwidth, latency = figures
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(name=name or f"calibrated: {world} CPU ranks", peak_flops=flops, hbm_bandwidth=hbm,
                     devices_per_node=world, intra_bandwidth=bandwidth, intra_latency=latency,
                     inter_bandwidth=bandwidth, inter_latency=latency, memory=max(1, ram // world),
                     flops_efficiency=1.0, bandwidth_efficiency=1.0, link_efficiency=1.0, op_overhead=op,
                     dtensor_op_overhead=dtensor_op, group_overhead=group_op, param_overhead=param_op,
-                    oversubscription=oversubscription)
+                    oversubscription=oversubscription, attention_flops=attention)

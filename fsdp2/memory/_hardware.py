@@ -18,7 +18,9 @@ from pathlib import Path
 __all__ = ["Hardware", "HARDWARE", "load_hardware"]
 
 _FLOATS = ("peak_flops", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency",
-           "op_overhead", "dtensor_op_overhead", "group_overhead", "param_overhead")
+           "op_overhead", "dtensor_op_overhead", "group_overhead", "param_overhead", "attention_flops")
+# Figures whose 0 means "derive it": from peak_flops with its efficiency.
+_DERIVED = ("attention_flops",)
 _FRACTIONS = ("flops_efficiency", "bandwidth_efficiency", "link_efficiency")
 
 
@@ -59,6 +61,9 @@ class Hardware:
             share cores (a CPU host with more ranks than cores, or other work on it; ``calibrate``
             measures it): the compute figures are what each rank gets with all of them busy, and
             a pipeline's bubble lends the idle ranks' cores to the busy ones. 1 on GPUs.
+        attention_flops: FLOP/s a fused attention reaches, forward and backward (as
+            ``model_costs`` counts them: the causal half); 0 (the presets): ``peak_flops x
+            flops_efficiency``. A CPU's flash kernel runs far below its matmuls; ``calibrate`` times it.
     """
 
     name: str
@@ -78,16 +83,18 @@ class Hardware:
     group_overhead: float = 0.0
     param_overhead: float = 0.0
     oversubscription: float = 1.0
+    attention_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"Hardware.name must be a non-empty str, got {self.name!r}")
         for field in _FLOATS:
             value = getattr(self, field)
-            latency = field.endswith("latency") or field.endswith("overhead")
+            latency = field.endswith("latency") or field.endswith("overhead") or field in _DERIVED
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (value == 0 and not latency):
-                need = "a finite number of seconds >= 0" if latency else "a finite number > 0"
+                need = ("a finite number >= 0 (0: derived)" if field in _DERIVED else
+                        "a finite number of seconds >= 0" if latency else "a finite number > 0")
                 raise ValueError(f"Hardware.{field} must be {need}, got {value!r}: give it in "
                                  f"{'seconds' if latency else 'units per second (e.g. 450e9 bytes/s)'}")
         for field in ("devices_per_node", "memory"):

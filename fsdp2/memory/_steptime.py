@@ -4,7 +4,8 @@ Arithmetic on ``ModelCosts`` (one sequence, unsharded) and a ``Hardware`` profil
 simulation: cheap enough to rank hundreds of layouts. Per rank and micro-batch:
 
 * compute: each op by the roofline, ``max(FLOPs / (peak x flops_efficiency), bytes /
-  (bandwidth x bandwidth_efficiency))``, its FLOPs and activation bytes times the micro-batch,
+  (bandwidth x bandwidth_efficiency))`` (a fused attention's FLOPs at ``attention_flops`` where
+  the profile gives it), its FLOPs and activation bytes times the micro-batch,
   all of it over ``tp`` (tensor parallelism splits every op), plus ``op_overhead`` per op (the
   host's dispatch, which tp does not split); activation checkpointing runs every block's
   forward once more in backward (selective checkpointing: the part it recomputes).
@@ -130,9 +131,11 @@ class _Links:
 
 def _compute(ops: tuple[OpCost, ...], batch: float, tp: int, hw: Hardware) -> float:
     flops_s, bytes_s = hw.peak_flops * hw.flops_efficiency * tp, hw.hbm_bandwidth * hw.bandwidth_efficiency * tp
-    roofline = sum(max(op.flops * batch / flops_s, (op.act_bytes * batch + op.weight_bytes) / bytes_s) for op in ops)
+    attention_s = hw.attention_flops * tp or flops_s  # (0: at the matmuls' rate)
+    total = sum(max(op.flops * batch / (attention_s if op.attention else flops_s),
+                    (op.act_bytes * batch + op.weight_bytes) / bytes_s) for op in ops)
     overhead = hw.dtensor_op_overhead if tp > 1 else hw.op_overhead  # tp's ops run on DTensors
-    return roofline + len(ops) * overhead  # each op's host time (eager dispatch), not split by tp
+    return total + len(ops) * overhead  # each op's host time (eager dispatch), not split by tp
 
 
 def _wire_itemsizes(layout: Layout, costs: ModelCosts) -> tuple[float, float, float]:

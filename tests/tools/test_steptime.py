@@ -192,6 +192,7 @@ def test_predict_is_cheap():
     ("op_overhead", -1e-6, r"op_overhead must be a finite number of seconds >= 0"),
     ("dtensor_op_overhead", float("inf"), r"dtensor_op_overhead must be a finite number of seconds >= 0"),
     ("oversubscription", 0.5, r"oversubscription must be a finite number >= 1"),
+    ("attention_flops", -1.0, r"attention_flops must be a finite number >= 0 \(0: derived\)"),
 ])
 def test_nonsensical_hardware_is_refused(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -257,6 +258,24 @@ def test_group_and_parameter_overheads_by_hand():
         pytest.approx((9 * SMALL.n_layers // 2 + 3) * 1e-4)
 
 
+def test_attention_flops_prices_the_fused_attention_alone():
+    builder = ModelBuilder.llama(SMALL)
+    layout = Layout(world=8, batch=2, seq=128)
+    costs = model_costs(layout, builder)
+    assert all(hw.attention_flops == 0 for hw in HARDWARE.values())  # 0: at the matmuls' rate
+    slow = dataclasses.replace(HAND, attention_flops=HAND.peak_flops * HAND.flops_efficiency / 10)
+    attention = [op for op in costs.block_forward + costs.block_backward if op.attention]
+    assert len(attention) == 2  # one fused op forward, one backward
+    # By hand: each block's two attention ops by the roofline with their FLOPs (per sequence, x
+    # batch 2) 10x slower; every other op unchanged.
+    rate, bandwidth = HAND.peak_flops * HAND.flops_efficiency, HAND.hbm_bandwidth * HAND.bandwidth_efficiency
+    extra = SMALL.n_layers * sum(max(op.flops * 2 * 10 / rate, op.act_bytes * 2 / bandwidth)
+                                 - max(op.flops * 2 / rate, op.act_bytes * 2 / bandwidth) for op in attention)
+    assert extra > 0
+    plain, with_attention = (predict_step_time(layout, costs, hw) for hw in (HAND, slow))
+    assert with_attention.compute - plain.compute == pytest.approx(extra)
+
+
 def test_layouts_the_costs_cannot_describe_are_refused():
     builder = ModelBuilder.llama(SMALL)
     layout = Layout(world=8, batch=2, seq=128)
@@ -284,7 +303,7 @@ def _calibrate_on_group() -> dict:
 
 def _check_measured(figures: dict) -> None:
     for name in ("peak_flops", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth",
-                 "op_overhead", "dtensor_op_overhead", "group_overhead", "param_overhead"):
+                 "op_overhead", "dtensor_op_overhead", "group_overhead", "param_overhead", "attention_flops"):
         assert math.isfinite(figures[name]) and figures[name] > 0, (name, figures)
     assert figures["flops_efficiency"] == figures["link_efficiency"] == 1.0
 
