@@ -3,6 +3,7 @@
     python benchmarks/plan_accuracy.py                 # 14 layouts on 2 and 4 CPU ranks, 2 rounds (~10 min)
     python benchmarks/plan_accuracy.py --quick         # 2 layouts, 3 steps, 1 round: the pipeline runs end to end
     python benchmarks/plan_accuracy.py --out rows.jsonl --steps 8 --warmup 2 --rounds 3
+    python benchmarks/plan_accuracy.py --device cuda --hardware h200   # 8 bf16 ~1B layouts, one GPU
 
 It calibrates this machine before each round (``fsdp2.memory.calibrate``: one profile per world
 size, its ranks spawned as training spawns them, so they share the cores as training's do; the
@@ -45,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # recipes/ next to fsdp2/
 
 from fsdp2 import plan  # noqa: E402
-from fsdp2.memory import Hardware, ModelBuilder, calibrate, model_costs, predict_step_time  # noqa: E402
+from fsdp2.memory import Hardware, ModelBuilder, calibrate, load_hardware, model_costs, predict_step_time  # noqa: E402
 from recipes.preflight import plan_argv  # noqa: E402
 from recipes.train import check_command  # noqa: E402
 
@@ -72,24 +73,48 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
 ]
 QUICK = [LAYOUTS[0], LAYOUTS[4]]
 
+# --device cuda: one rank on one GPU, bf16, Llamas of ~1B parameters at seq 2048 (the sizes where
+# a GPU's matmuls, not the host, should set the pace; the smallest batch shows where they do not).
+# What these check is the compute side of the model with a GPU preset (--hardware): matmuls,
+# attention, elementwise ops, recomputation, the optimizer; one rank has no collectives to time.
+_WIDE = ["--model.dim=2048", "--model.n_layers=16", "--model.n_heads=16", "--model.n_kv_heads=8"]
+_DEEP = ["--model.dim=4096", "--model.n_layers=4", "--model.n_heads=32", "--model.n_kv_heads=8"]
+_GPU = ["--model.vocab_size=32768", "--model.max_seq_len=2048", "--training.seq_len=2048",
+        "--training.mixed_precision=bf16"]
+GPU_LAYOUTS: list[tuple[str, int, list[str]]] = [
+    ("2048x16 b1", 1, [*_GPU, *_WIDE, "--training.batch_size=1"]),
+    ("2048x16 b2", 1, [*_GPU, *_WIDE, "--training.batch_size=2"]),
+    ("2048x16 b4", 1, [*_GPU, *_WIDE, "--training.batch_size=4"]),
+    ("2048x16 b4 ac", 1, [*_GPU, *_WIDE, "--training.batch_size=4", "--training.activation_checkpoint=true"]),
+    ("2048x16 b8 ac", 1, [*_GPU, *_WIDE, "--training.batch_size=8", "--training.activation_checkpoint=true"]),
+    ("4096x4 b1", 1, [*_GPU, *_DEEP, "--training.batch_size=1"]),
+    ("4096x4 b2", 1, [*_GPU, *_DEEP, "--training.batch_size=2"]),
+    ("4096x4 b4 ac", 1, [*_GPU, *_DEEP, "--training.batch_size=4", "--training.activation_checkpoint=true"]),
+]
+# --device cuda --quick, or the GPU layouts' pipeline checked on CPU (--device cpu --gpu-layouts):
+# the same flags at toy size.
+_TOY_GPU = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+            "--model.vocab_size=512", "--model.max_seq_len=64", "--training.seq_len=64"]
+
 
 def recipe_argv(flags: list[str], steps: int) -> list[str]:
-    return [*MODEL, *flags, "--steps", str(steps), "--metrics.log_every=1", "--metrics.sample_tokens=0",
+    model = [] if any(f.startswith("--model.dim=") for f in flags) else MODEL
+    return [*model, *flags, "--steps", str(steps), "--metrics.log_every=1", "--metrics.sample_tokens=0",
             "--training.warmup_steps=1", "--skip-memory-check"]
 
 
-def predict(flags: list[str], world: int, hardware: Hardware) -> float:
+def predict(flags: list[str], world: int, hardware: Hardware, device: str = "cpu") -> float:
     """The model's step time for the recipe run these flags launch on ``world`` ranks."""
     config, dims = check_command(recipe_argv(flags, 1), world)
-    args = plan._parse(plan._parser(), plan_argv(config, dims, "cpu", 2**34))
+    args = plan._parse(plan._parser(), plan_argv(config, dims, device, hardware.memory))
     _name, model, _notes = plan._model_args(args)
     layout = plan._layout(args)
     return predict_step_time(layout, model_costs(layout, ModelBuilder.llama(model)), hardware).seconds
 
 
 def measure(flags: list[str], world: int, *, steps: int, warmup: int, timeout: float,
-            failures: list[str]) -> tuple[list[float], int]:
-    """Launch the recipe on ``world`` CPU ranks: (each timed step's seconds after ``warmup`` steps,
+            failures: list[str], device: str = "cpu") -> tuple[list[float], int]:
+    """Launch the recipe on ``world`` ranks (CPU, or one GPU each): (each timed step's seconds after ``warmup`` steps,
     tokens per step over all ranks). A launch that fails is tried once more; its error's last
     lines go to ``failures`` (and into the JSON line: a failure is reported, not hidden)."""
     for attempt in range(2):
@@ -98,7 +123,7 @@ def measure(flags: list[str], world: int, *, steps: int, warmup: int, timeout: f
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    str(ROOT / "recipes" / "train.py"), *recipe_argv(flags, steps), "--metrics-file", str(metrics)]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+                   "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
             if done.returncode == 0:
                 records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -144,7 +169,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else 0.0
 
 
-def summary(rows: list[dict], profiles: dict[int, Hardware], wall: float, failures: list[str]) -> dict:
+def summary(rows: list[dict], profiles: dict[int, Hardware], wall: float, failures: list[str],
+            transport: str = "gloo (CPU)") -> dict:
     """The JSON line. ``best_gap`` compares what the search ranks by, tokens/s per rank (the
     layouts run different batches on different worlds: a step's seconds alone would rank the
     smallest batch first): the measured seconds per token per rank of the layout the model
@@ -160,7 +186,7 @@ def summary(rows: list[dict], profiles: dict[int, Hardware], wall: float, failur
             "model_first": rows[first]["layout"], "fastest": rows[cost_m.index(min(cost_m))]["layout"],
             "best_gap_step": round(measured[first_step] / min(measured) - 1, 4),
             "failed_launches": failures,
-            "transport": "gloo (CPU)", "torch": torch.__version__, "worlds": sorted(profiles),
+            "transport": transport, "torch": torch.__version__, "worlds": sorted(profiles),
             "cpus": os.cpu_count(), "wall_s": round(wall, 1),
             "profiles": {w: json.loads(h.to_json()) for w, h in profiles.items()}, "rows": rows}
 
@@ -175,43 +201,97 @@ def build_parser() -> argparse.ArgumentParser:
                              "a layout's measured step is the median of all its timed steps")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON line to this file")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the GPU layouts (one rank, bf16, ~1B parameters) on this machine's first GPU, "
+                             "predicted with --hardware's profile instead of a calibration")
+    parser.add_argument("--hardware", default="h200",
+                        help="with --device cuda: the profile to predict with (a preset name or a JSON file)")
+    parser.add_argument("--gpu-layouts", action="store_true",
+                        help="with --device cpu: the GPU layouts' flags at toy size (checks that pipeline on CPU)")
     return parser
+
+
+def gpu_matmul_flops(n: int = 8192, repeats: int = 20) -> float:
+    """bf16 FLOP/s of n x n matmuls on this process's GPU (what flops_efficiency x peak_flops stands for)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.mm(a, b)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    torch.cuda.synchronize()
+    flops = 2 * n**3 * repeats / (time.perf_counter() - start)
+    del a, b
+    torch.cuda.empty_cache()
+    return flops
+
+
+def _layouts(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
+    if args.device == "cpu" and not args.gpu_layouts:
+        return QUICK if args.quick else LAYOUTS
+    gpu = GPU_LAYOUTS[:2] if args.quick else GPU_LAYOUTS
+    if args.device == "cuda" and not args.quick:
+        return gpu
+    toy = []  # the same layouts, model flags swapped for a toy's, precision fp32 on CPU
+    for name, world, flags in gpu:
+        kept = [f for f in flags if not f.startswith(("--model.", "--training.seq_len="))]
+        if args.device == "cpu":
+            kept = [f for f in kept if f != "--training.mixed_precision=bf16"]
+        toy.append((f"toy {name}", world, [*_TOY_GPU, *kept]))
+    return toy
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    layouts = QUICK if args.quick else LAYOUTS
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("plan_accuracy.py: --device cuda but torch sees no GPU here")
+    layouts = _layouts(args)
     steps, warmup, rounds = (3, 1, 1) if args.quick else (args.steps, args.warmup, args.rounds)
     start = time.perf_counter()
     comm_bytes = 2**20 if args.quick else 16 * 2**20  # (the quick run checks the pipeline, not the figures)
     worlds = sorted({world for _, world, _ in layouts})
     measured_profiles: dict[int, list[Hardware]] = {w: [] for w in worlds}
+    extra: dict[str, object] = {}
+    if args.device == "cuda":  # a GPU's figures are its preset's; its measured matmul rate goes beside them
+        preset = load_hardware(args.hardware)
+        flops = gpu_matmul_flops()
+        extra = {"gpu": torch.cuda.get_device_name(0), "hardware": args.hardware,
+                 "measured_bf16_matmul_flops": round(flops), "preset_matmul_flops": preset.peak_flops *
+                 preset.flops_efficiency}
+        print(f"bf16 8192^3 matmuls: {flops / 1e12:.0f} TFLOP/s measured; the profile assumes "
+              f"{preset.peak_flops * preset.flops_efficiency / 1e12:.0f}", file=sys.stderr, flush=True)
     failures: list[str] = []
     timed: dict[int, list[float]] = {i: [] for i in range(len(layouts))}
     tokens: dict[int, int] = {}
     for r in range(rounds):  # alternating order: a drift in the machine's load hits every layout alike
-        for w in worlds:  # each round calibrated anew: the profile is the rounds' mean
-            measured_profiles[w].append(calibrate(world=w, comm_bytes=comm_bytes))
+        if args.device == "cpu":
+            for w in worlds:  # each round calibrated anew: the profile is the rounds' mean
+                # (one rank: the two-rank profile, the least calibrate times collectives over)
+                measured_profiles[w].append(calibrate(world=max(w, 2), comm_bytes=comm_bytes))
         order = range(len(layouts)) if r % 2 == 0 else reversed(range(len(layouts)))
         for i in order:
             _name, world, flags = layouts[i]
             seconds, tokens[i] = measure(flags, world, steps=steps, warmup=warmup, timeout=args.timeout,
-                                         failures=failures)
+                                         failures=failures, device=args.device)
             timed[i] += seconds
             print(f"round {r + 1}: {world} ranks: {_name}: {statistics.median(seconds):.3f} s a step", file=sys.stderr,
                   flush=True)
-    profiles = {w: mean_profile(measured_profiles[w]) for w in worlds}
+    profiles = ({w: mean_profile(measured_profiles[w]) for w in worlds} if args.device == "cpu" else
+                {w: preset for w in worlds})
     rows = []
     print(f"{'layout':<26} {'predicted s':>11} {'measured s':>10} {'error':>7}", flush=True)
     for i, (name, world, flags) in enumerate(layouts):
         measured = statistics.median(timed[i])
-        predicted = predict(flags, world, profiles[world])
+        predicted = predict(flags, world, profiles[world], args.device)
         rows.append({"layout": f"{world} ranks: {name}", "world": world, "flags": flags, "tokens": tokens[i],
                      "predicted_s": round(predicted, 4), "measured_s": round(measured, 4),
                      "error": round(predicted / measured - 1, 4), "steps_s": [round(s, 4) for s in timed[i]]})
         print(f"{rows[-1]['layout']:<26} {predicted:>11.3f} {measured:>10.3f} {predicted / measured - 1:>+7.1%}",
               flush=True)
-    line = json.dumps(summary(rows, profiles, time.perf_counter() - start, failures))
+    transport = "gloo (CPU)" if args.device == "cpu" else f"nccl, one rank on {extra['gpu']}"
+    line = json.dumps({**summary(rows, profiles, time.perf_counter() - start, failures, transport), **extra})
     if args.out:
         args.out.write_text(line + "\n")
     print(line)

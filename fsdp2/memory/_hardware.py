@@ -138,6 +138,12 @@ HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(name="H100 SXM 80GB (8 per node, NVLink 4, 8x400Gb/s IB)", peak_flops=989e12,
                      hbm_bandwidth=3.35e12, devices_per_node=8, intra_bandwidth=450e9, intra_latency=5e-6,
                      inter_bandwidth=50e9, inter_latency=10e-6, memory=80 * _GiB),
+    # NVIDIA H200 SXM 141GB datasheet: the H100 SXM's compute (989.4 TFLOP/s dense bf16) with
+    # 4.8 TB/s HBM3e; HGX H200: 8 GPUs per node on NVLink 4, one 400 Gb/s NIC per GPU. Memory: what
+    # the device reports (143,771 MiB, about 140 GiB), not the datasheet's 141 GB.
+    "h200": Hardware(name="H200 SXM 141GB (8 per node, NVLink 4, 8x400Gb/s IB)", peak_flops=989e12,
+                     hbm_bandwidth=4.8e12, devices_per_node=8, intra_bandwidth=450e9, intra_latency=5e-6,
+                     inter_bandwidth=50e9, inter_latency=10e-6, memory=140 * _GiB),
     # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s dense bf16, 2.039 TB/s HBM2e, NVLink 3 at
     # 600 GB/s both directions (300 one way); DGX A100: 8 GPUs per node, 8 ConnectX-6 200 Gb/s
     # (25 GB/s) HDR NICs for compute traffic, one per GPU.
@@ -156,7 +162,8 @@ HARDWARE: dict[str, Hardware] = {
 
 
 def load_hardware(spec: str | Path | Hardware) -> Hardware:
-    """A profile by preset name ("h100", "a100", "h100_96gb_500w"), or read from a JSON file ``calibrate`` saved."""
+    """A profile by preset name ("h100", "h200", "a100", "h100_96gb_500w"), or read from a JSON file
+    ``calibrate`` saved."""
     if isinstance(spec, Hardware):
         return spec
     if isinstance(spec, str) and spec.lower() in HARDWARE:

@@ -291,7 +291,7 @@ def test_search_errors_name_the_fix(capsys):
                      r"(none|full), micro-batch [12]\), needs [0-9.]+ MiB \([0-9.]+ MiB over\); add ranks", error(*one))
     assert "--world: expected a positive integer, got '0'" in error(*SEARCH[:4], "0", *SEARCH[5:])
     assert "--search needs --global-batch" in error(*SEARCH[:5], *SEARCH[7:])
-    assert re.search(r"hardware 'b200': not a preset \(a100, h100, h100_96gb_500w\) nor a JSON file",
+    assert re.search(r"hardware 'b200': not a preset \(a100, h100, h100_96gb_500w, h200\) nor a JSON file",
                      error(*SEARCH[:-1], "b200"))
     with pytest.raises(ValueError, match=r"world \(0\), global batch \(4\) and seq \(16\) must be at least 1"):
         enumerate_layouts(SMALL, world=0, global_batch=4, seq=16)
