@@ -54,6 +54,18 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _reshard(text: str) -> bool | int:
+    """``--reshard-after-forward``: true, false, or an int N >= 2 (reshard to N ranks: one node's GPUs)."""
+    if text.strip() in ("0", "1"):  # true/false before ints were taken: which was meant is unclear
+        raise argparse.ArgumentTypeError(f"{text!r} is ambiguous: write true or false (an int N >= 2 reshards "
+                                         "the blocks to groups of N ranks after forward, e.g. the GPUs of a node)")
+    try:
+        return _bool(text)
+    except argparse.ArgumentTypeError:
+        pass
+    return _number(text, int, lambda v: v >= 2, "true, false or an int N >= 2 (ranks to reshard to after forward)")
+
+
 def _ac(text: str) -> bool:
     if text.lower() == "selective":
         raise argparse.ArgumentTypeError("selective (per-op) activation checkpointing is not modeled; use full or none")

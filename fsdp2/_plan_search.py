@@ -56,7 +56,7 @@ def _name(layout: Layout) -> str:
 def _row(rank: int | str, e: Evaluated) -> tuple[str, ...]:
     lay, step = e.layout, e.step
     reshard = recipe_overrides(lay)["parallelism.reshard_after_forward"]
-    return (str(rank), _name(lay), "full" if lay.activation_checkpointing else "none", reshard,
+    return (str(rank), _name(lay), "full" if lay.activation_checkpointing else "none", str(reshard),
             "int8" if lay.comm_policy else "-", f"{lay.batch} x {lay.grad_accum}",
             f"{step.tokens_per_s_per_device:,.0f}", f"{100 * step.mfu:.1f}%",
             format_bytes(e.needed_bytes) if e.needed_bytes is not None else "-", step.limit)

@@ -35,7 +35,7 @@ import torch
 
 from ._api import QuantizedComm
 from ._plan_search import add_search_arguments, run_search
-from ._plan_args import SIZES, _ac, _bool, _count, _fraction, _positive, _size, parse_bytes
+from ._plan_args import SIZES, _ac, _bool, _count, _fraction, _positive, _reshard, _size, parse_bytes
 from .memory import Layout, MemoryEstimate, ModelBuilder, Reserve, estimate_memory
 from .memory import _time_cli
 from .memory._pipeline import SCHEDULES
@@ -105,8 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32", help="reduce-scatter dtype")
     run.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
                      help="nccl: GPUs; gloo: CPU ranks (fsdp2's CPU transport, and nothing reserved)")
-    run.add_argument("--reshard-after-forward", type=_bool, default=True,
-                     help="free each block's gathered parameters after its forward (with --pp: default false)")
+    run.add_argument("--reshard-after-forward", type=_reshard, default=True, metavar="{true,false,N}",
+                     help="free each block's gathered parameters after its forward (with --pp: default false); "
+                          "N: keep 1/N of them, so backward gathers over N ranks (e.g. 8: the GPUs of a node)")
     run.add_argument("--activation-checkpointing", type=_ac, default="none", metavar="{none,full}",
                      help="full: every block recomputes its forward in backward (true/false also accepted)")
     run.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd_momentum"],
@@ -146,6 +147,7 @@ RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
                     "quantize_gradient_axes": "shard"},
 }
 # recipe mixed_precision -> (--param-dtype, --reduce-dtype); reshard_after_forward -> (blocks, root)
+# (an int N: (N, False), the blocks resharded to N ranks, the root kept as "default" keeps it)
 _RECIPE_PRECISION = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "fp32")}
 _RECIPE_RESHARD = {"default": (True, False), "always": (True, True), "never": (False, False)}
 
@@ -175,11 +177,13 @@ def _apply_recipe_toml(args: argparse.Namespace, given: set[str]) -> None:
     args.recipe_model = data.get("model", {})
     t = {**RECIPE_DEFAULTS["training"], **data.get("training", {})}
     p = {**RECIPE_DEFAULTS["parallelism"], **data.get("parallelism", {})}
-    if t["mixed_precision"] not in _RECIPE_PRECISION or p["reshard_after_forward"] not in _RECIPE_RESHARD:
+    reshard = p["reshard_after_forward"]
+    per_node = isinstance(reshard, int) and not isinstance(reshard, bool) and reshard >= 1
+    if t["mixed_precision"] not in _RECIPE_PRECISION or not (per_node or reshard in _RECIPE_RESHARD):
         raise ValueError(f"--config {path}: training.mixed_precision must be fp32 or bf16 and "
-                         "parallelism.reshard_after_forward default, always or never")
+                         "parallelism.reshard_after_forward default, always, never or a positive int")
     param, reduce = _RECIPE_PRECISION[t["mixed_precision"]]
-    blocks, root = _RECIPE_RESHARD[p["reshard_after_forward"]]
+    blocks, root = (reshard, False) if per_node else _RECIPE_RESHARD[reshard]  # an int: the blocks, root kept
     args.recipe_reshard = p["reshard_after_forward"]  # "default" under --pp: no resharding (_parse)
     values = {"batch": t["batch_size"], "seq": t["seq_len"], "grad_accum": t["grad_accum"],
               "param_dtype": param, "reduce_dtype": reduce, "activation_checkpointing": t["activation_checkpoint"],
@@ -378,7 +382,7 @@ def _changes(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> list
     out: list[list[tuple[str, dict[str, Any]]]] = []
     if not layout.activation_checkpointing:
         out.append([("--activation-checkpointing full", {"activation_checkpointing": True})])
-    if not layout.reshard_after_forward:
+    if layout.reshard_after_forward is not True:  # (kept, or resharded to fewer ranks: an int)
         out.append([("--reshard-after-forward true", {"reshard_after_forward": True})])
     if layout.dp_replicate > 1:
         out.append([("--dp-replicate 1", {"dp_replicate": 1})])

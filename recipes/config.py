@@ -103,8 +103,10 @@ class ParallelismConfig:
     pp_microbatches: int = 0  # microbatches each training.batch_size is split into; 0: one per stage
     pp_layers_per_stage: int = 0  # blocks per stage (torchtitan's pipeline_parallel_layers_per_stage);
     # 0: n_layers / pp stages for GPipe and 1F1B, n_layers / (2 pp) for the multi-stage schedules
-    reshard_after_forward: Literal["default", "always", "never"] = "default"  # default: all but the root
-    # (with pp > 1: none, as torchtitan: every microbatch's forward would gather again)
+    reshard_after_forward: Literal["default", "always", "never"] | int = "default"  # default: all but the root
+    # (with pp > 1: none, as torchtitan: every microbatch's forward would gather again); an int N (e.g. 8,
+    # the GPUs of a node): each block keeps 1/N of its parameters after forward, so backward gathers them
+    # over N ranks only (N must divide dp_shard; not with tp, ep or quantize_weights), the root as default
     quantize_weights: Literal["", "int8", "int4"] = ""  # int8/int4: all-gather the parameters as 8- or
     # 4-bit values with one fp32 scale per quantize_block_size elements (fsdp2.QuantizedComm(weights=...));
     # "": in param_dtype
@@ -119,6 +121,10 @@ class ParallelismConfig:
     def __post_init__(self) -> None:
         _positive("parallelism", self, "quantize_block_size", "ep", "pp")
         _positive("parallelism", self, "pp_microbatches", "pp_layers_per_stage", allow_zero=True)
+        if isinstance(self.reshard_after_forward, int) and self.reshard_after_forward < 1:
+            raise ConfigError(f"parallelism.reshard_after_forward={self.reshard_after_forward}: an int is the ranks "
+                              "each block reshards to after forward (e.g. 8, the GPUs of a node) and must be > 0; "
+                              "or use default, always or never")
         if self.quantize_error_feedback and not self.quantize_gradients:
             raise ConfigError("parallelism.quantize_error_feedback needs parallelism.quantize_gradients=int8 or int4 "
                               "(it corrects the gradients' quantization error); set it or leave "

@@ -274,7 +274,7 @@ def build_pipeline(config: JobConfig, dims: ParallelDims, device: torch.device) 
     for stage in stages:
         for block in stage.layers.values():
             fully_shard(block, mesh=dp_mesh, **kwargs)
-        fully_shard(stage, mesh=dp_mesh, **kwargs)
+        fully_shard(stage, mesh=dp_mesh, **fsdp_kwargs(config, pipelined=True, root=True))
     for stage in stages:  # each stage's own call: fsdp2 adopts the new tensors of the modules it shards
         stage.to_empty(device=device)
     model.rope = torch.empty_like(model.rope, device=device)

@@ -203,8 +203,7 @@ def plan_argv(config: JobConfig, dims: ParallelDims, device_type: str, memory: i
             "--world", dims.world_size, "--dp-replicate", dims.dp_replicate, "--tp", dims.tp,
             "--batch", t.batch_size, "--seq", t.seq_len, "--grad-accum", t.grad_accum,
             "--param-dtype", t.mixed_precision, "--reduce-dtype", "fp32",
-            "--reshard-after-forward", str(p.reshard_after_forward == "always" or
-                                           (p.reshard_after_forward == "default" and p.pp == 1)).lower(),
+            "--reshard-after-forward", _plan_reshard(p.reshard_after_forward, p.pp, dims.dp_shard),
             "--activation-checkpointing", "full" if t.activation_checkpoint else "none",
             "--backend", "nccl" if device_type == "cuda" else "gloo", "--gpu-memory", f"{memory}B"]
     if a.moe_experts:  # a mixture of experts (the planner's routing: balanced)
@@ -222,10 +221,21 @@ def plan_argv(config: JobConfig, dims: ParallelDims, device_type: str, memory: i
     return [str(x) for x in argv]
 
 
+def _plan_reshard(choice: str | int, pp: int, dp_shard: int) -> str:
+    """The planner's --reshard-after-forward for the recipe's parallelism.reshard_after_forward (the
+    blocks'): true, false, or an int N that is neither (1 keeps the parameters; dp_shard reshards them)."""
+    if isinstance(choice, int) and 1 < choice < dp_shard:
+        return str(choice)
+    if isinstance(choice, int):
+        return str(choice == dp_shard).lower()
+    return str(choice == "always" or (choice == "default" and pp == 1)).lower()
+
+
 # The planner's suggestions, in the recipe's flags.
 _RECIPE_FLAGS = [
     (r"--activation-checkpointing full", "--training.activation_checkpoint=true"),
     (r"--reshard-after-forward true", "--parallelism.reshard_after_forward=default"),
+    (r"--reshard-after-forward (\d+)", r"--parallelism.reshard_after_forward=\1"),
     (r"--batch (\d+) --grad-accum (\d+)", r"--training.batch_size=\1 --training.grad_accum=\2"),
     (r"--world (\d+)", r"\1 ranks (torchrun --nnodes/--nproc-per-node)"),
 ]

@@ -51,8 +51,13 @@ class Layout:
             ranks the experts are divided among, tokens sent by all-to-all), as the recipe does.
         param_dtype, reduce_dtype: as ``MixedPrecisionPolicy`` (None: the parameters' dtype;
             ``reduce_dtype`` None: ``param_dtype``).
-        reshard_after_forward: for the blocks; ``root_reshard_after_forward`` for the root
-            (fsdp2's default keeps the root's parameters, backward needs them first).
+        reshard_after_forward: for the blocks: True frees their parameters after forward (backward
+            gathers them again over the shard axis), False keeps them, an int ``n`` (e.g. the GPUs of
+            one node) keeps each rank's 1/n of them, so backward gathers over ``n`` ranks only (as
+            ``fully_shard(reshard_after_forward=n)``): ``n`` must divide ``dp_shard``; ``dp_shard``
+            means True and 1 False (normalized, as ``fully_shard`` does); not with ``tp``/``ep`` > 1
+            or quantized weights. ``root_reshard_after_forward`` for the root (a bool; fsdp2's
+            default keeps the root's parameters, backward needs them first).
         root_early_release: the root frees its parameters a part at a time and reduces its final
             gradients early (``FSDPModule.set_early_release(True)``); by default it keeps them all
             from forward to the end of backward and reduces there, as torch's FSDP2.
@@ -92,7 +97,7 @@ class Layout:
     ep: int = 1
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True
     root_reshard_after_forward: bool = False
     root_early_release: bool = False
     activation_checkpointing: bool = False
@@ -133,8 +138,7 @@ class Layout:
                 raise TypeError(f"Layout.{name} must be a torch.dtype or None, got {value!r}; e.g. torch.bfloat16")
             if value is not None and not value.is_floating_point:
                 raise ValueError(f"Layout.{name} must be a floating-point dtype, got {value}")
-        for name in ("reshard_after_forward", "root_reshard_after_forward", "root_early_release",
-                     "activation_checkpointing", "cpu_reads"):
+        for name in ("root_reshard_after_forward", "root_early_release", "activation_checkpointing", "cpu_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Layout.{name} must be True or False, got {getattr(self, name)!r}")
         if self.selective_checkpointing not in SELECTIVE:
@@ -153,6 +157,30 @@ class Layout:
             raise ValueError(f"Layout.comm_policy quantizes the replicas' all-reduce (gradient_axes="
                              f"{self.comm_policy.gradient_axes!r}), which needs dp_replicate > 1; use "
                              "gradient_axes='shard' or set dp_replicate")
+        self._check_reshard()
+
+    def _check_reshard(self) -> None:
+        """``reshard_after_forward``: a bool, or an int resharding to that many ranks (normalized:
+        1 is False, ``dp_shard`` True, as ``fully_shard`` resolves it)."""
+        value = self.reshard_after_forward
+        if isinstance(value, bool):
+            return
+        if not isinstance(value, int):
+            raise TypeError(f"Layout.reshard_after_forward must be True, False or an int (ranks to reshard to "
+                            f"after forward, e.g. the GPUs of one node), got {value!r}")
+        shard = self.dp_shard
+        if value < 1 or shard % value:
+            divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+            raise ValueError(f"Layout.reshard_after_forward={value} must divide dp_shard ({shard}): the blocks "
+                             f"reshard to groups of that many ranks of the shard axis; use one of {divisors} or a bool")
+        if value in (1, shard):  # one rank keeping everything, or the whole shard axis
+            object.__setattr__(self, "reshard_after_forward", value == shard)
+            return
+        for what, on in (("tp > 1", self.tp > 1), ("ep > 1", self.ep > 1),
+                         ("comm_policy with quantized weights", bool(self.comm_policy and self.comm_policy.weights))):
+            if on:  # fully_shard refuses the first and the last; experts over efsdp are not planned with it
+                raise ValueError(f"Layout.reshard_after_forward={value} (an int) is not supported with {what}: "
+                                 "use True or False")
 
     @property
     def dp_shard(self) -> int:

@@ -224,8 +224,8 @@ def _moe_comm_bytes(sim: Simulation, layout: Layout) -> int:
         return 0
     efsdp, replicate, ep = layout.dp_shard // layout.ep, layout.dp_replicate, layout.ep
     gather, reduce, all_reduce = wire_bytes(sim.experts, layout.comm_policy, efsdp, replicate)
-    passes = 2 if layout.reshard_after_forward else 1
-    fsdp = ((gather * passes + reduce) * (efsdp - 1) / efsdp + all_reduce * (replicate - 1) / replicate)
+    fsdp = (gather + reduce) * (efsdp - 1) / efsdp + gather * _regather_share(layout, efsdp) + \
+        all_reduce * (replicate - 1) / replicate
     rows = layout.batch * layout.seq * sim.top_k * sim.model_dim * sim.param_dtype.itemsize
     exchanges = (6 if layout.activation_checkpointing else 4) * rows * (ep - 1) / ep
     return int(sim.n_blocks * (fsdp + exchanges))
@@ -263,18 +263,26 @@ def _optimizer_step(sim: Simulation, optimizer: str) -> dict[str, int]:
     return out
 
 
+def _regather_share(layout: Layout, shard: int) -> float:
+    """The share of a block's gathered bytes each rank receives again in backward: none kept
+    gathered, (n - 1) / n over the shard axis resharded fully, over the ``n`` ranks of an int."""
+    reshard = layout.reshard_after_forward
+    n = shard if reshard is True else (1 if reshard is False else reshard)
+    return (n - 1) / n
+
+
 def _comm_bytes(root: GroupSizes, block: GroupSizes, n_blocks: int, layout: Layout, model_dim: int,
                 act_itemsize: int) -> int:
     """Bytes each rank receives per step (ring collectives: (n - 1) / n of the full size)."""
     def frac(n: int) -> float:
         return (n - 1) / n
 
-    shard, replicate, tp, reshard = layout.dp_shard, layout.dp_replicate, layout.tp, layout.reshard_after_forward
+    shard, replicate, tp = layout.dp_shard, layout.dp_replicate, layout.tp
     ac, batch, seq = layout.activation_checkpointing, layout.batch, layout.seq
     # The root is gathered once; blocks again in backward when resharded after forward.
     (root_g, root_r, root_a), (block_g, block_r, block_a) = (
         wire_bytes(g, layout.comm_policy, shard, replicate) for g in (root, block))
-    all_gather = (root_g + block_g * n_blocks * (2 if reshard else 1)) * frac(shard)
+    all_gather = (root_g + block_g * n_blocks) * frac(shard) + block_g * n_blocks * _regather_share(layout, shard)
     reduce_scatter = (root_r + block_r * n_blocks) * frac(shard)
     all_reduce = frac(replicate) * (root_a + block_a * n_blocks)
     # Sequence-parallel TP: per block 2 all-gathers + 2 reduce-scatters of (batch, seq, dim) in

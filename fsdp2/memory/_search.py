@@ -82,18 +82,27 @@ def _pipelines(model: ModelArgs, world: int) -> list[tuple[int, str, int, int]]:
     return out
 
 
-def _policies(pp: int, shard: int, replicate: int) -> Iterable[tuple[bool, bool, bool, QuantizedComm | None]]:
+def _policies(pp: int, shard: int, replicate: int, tp: int, ep: int,
+              devices_per_node: int) -> Iterable[tuple[bool, bool | int, bool, QuantizedComm | None]]:
     """(activation checkpointing, reshard blocks, reshard root, quantized communication).
 
-    Resharding as the recipe names it: pp == 1 "default" (blocks, not the root) or "never";
-    pp > 1 "default" (none) or "always" (blocks and root). int8 weights and gradients only where
-    something is sharded or replicated."""
+    Resharding as the recipe names it: pp == 1 "default" (blocks, not the root), "never", and per
+    node (the recipe's int: the blocks resharded to one node's ``devices_per_node`` ranks, the
+    root kept) where the shard axis spans whole nodes (``dp_shard`` a multiple of
+    ``devices_per_node`` above it: elsewhere the int is True, or splits a node), without tp or ep
+    (which fully_shard and the planner do not combine with an int) and unquantized (quantized
+    weights refuse it); pp > 1 "default" (none) or "always" (blocks and root). int8 weights and
+    gradients only where something is sharded or replicated."""
     quantized = [None] + ([QuantizedComm(weights="int8", gradients="int8")] if shard * replicate > 1 else [])
-    reshards = [(True, False), (False, False)] if pp == 1 else [(False, False), (True, True)]
+    reshards: list[tuple[bool | int, bool]] = [(True, False), (False, False)] if pp == 1 else \
+        [(False, False), (True, True)]
+    per_node = pp == 1 and tp == 1 and ep == 1 and shard > devices_per_node and shard % devices_per_node == 0
     for ac in (False, True):
         for blocks, root in reshards:
             for comm in quantized:
                 yield ac, blocks, root, comm
+        if per_node:
+            yield ac, devices_per_node, False, None
 
 
 def enumerate_layouts(model: ModelArgs, *, world: int, global_batch: int, seq: int, devices_per_node: int = 8,
@@ -104,8 +113,8 @@ def enumerate_layouts(model: ModelArgs, *, world: int, global_batch: int, seq: i
 
     Data-parallel ranks are world / (pp x tp); each takes global_batch / dp sequences per step as
     micro-batches of ``batch`` times ``grad_accum``. HSDP shards over at least 2 ranks (shard 1
-    is DDP, not searched). ``reshard_after_forward`` as an int (per node) is not searched: the
-    recipe's parallelism.reshard_after_forward takes default, always or never only.
+    is DDP, not searched). ``reshard_after_forward`` per node (the int ``devices_per_node``) is
+    searched where it differs from True: see ``_policies``.
     """
     if world < 1 or global_batch < 1 or seq < 1:
         raise ValueError(f"world ({world}), global batch ({global_batch}) and seq ({seq}) must be at least 1")
@@ -122,7 +131,7 @@ def enumerate_layouts(model: ModelArgs, *, world: int, global_batch: int, seq: i
             shards = [d for d in _divisors(dp) if d > 1 or dp == 1]  # (1 of several: DDP, not searched)
             for shard, batch in itertools.product(shards, batches):
                 for ep in _expert_degrees(model, shard, pp):
-                    for ac, blocks, root, comm in _policies(pp, shard, dp // shard):
+                    for ac, blocks, root, comm in _policies(pp, shard, dp // shard, tp, ep, devices_per_node):
                         out.append(Layout(world=world, batch=batch, seq=seq, dp_replicate=dp // shard, tp=tp, ep=ep,
                                           param_dtype=param_dtype, reduce_dtype=torch.float32,
                                           reshard_after_forward=blocks, root_reshard_after_forward=root,
@@ -313,8 +322,15 @@ def search(layouts: list[Layout], *, score: Callable[[Layout], Any], memory: Fas
 
 
 # ---- the recipe's flags ------------------------------------------------------------------------
-def recipe_reshard(layout: Layout) -> str:
-    """The recipe's parallelism.reshard_after_forward for the layout's (blocks, root) resharding."""
+def recipe_reshard(layout: Layout) -> str | int:
+    """The recipe's parallelism.reshard_after_forward for the layout's (blocks, root) resharding:
+    an int where the blocks reshard to that many ranks (the root kept, as the recipe runs an int)."""
+    blocks = layout.reshard_after_forward
+    if not isinstance(blocks, bool):
+        if layout.root_reshard_after_forward:
+            raise ValueError(f"the recipe runs reshard_after_forward={blocks} (an int) with the root kept, not "
+                             "resharded: set root_reshard_after_forward=False")
+        return blocks
     if layout.reshard_after_forward and layout.root_reshard_after_forward:
         return "always"
     if layout.reshard_after_forward:

@@ -429,7 +429,7 @@ def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: 
     block0 = model.layers[0]
     groups0 = _groups(block0)  # the block's group, and its experts' (MoE)
     shard_bytes = sum(p.layout.local_numel * p.orig_dtype.itemsize for g in groups0 for p in g.params)
-    unsharded0 = sum(g._unsharded_bytes() for g in groups0)
+    kept0 = _kept_after_forward(groups0)  # what each block not built holds from its forward to its backward
     tracker = _PlanTracker(model, opt)
     hooks = _PointHooks(model, tracker)
     saved = _SavedInBlock(block0, groups0)
@@ -446,14 +446,14 @@ def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: 
         per_block[0] += tracker.by_category()["activations"]
         if extra_blocks:  # the blocks not built run here, after block 0, as copies of it
             tracker.add_bytes("activations", extra_blocks * per_block[0])
-            if layout.reshard_after_forward is False:
-                tracker.add_bytes("unsharded_params", extra_blocks * unsharded0)
+            for category, nbytes in kept0.items():
+                tracker.add_bytes(category, extra_blocks * nbytes)
 
     def block0_backward() -> None:  # their backward ran: sharded gradients left, the rest freed
         if extra_blocks:
             tracker.add_bytes("activations", -extra_blocks * per_block[0])
-            if layout.reshard_after_forward is False:
-                tracker.add_bytes("unsharded_params", -extra_blocks * unsharded0)
+            for category, nbytes in kept0.items():
+                tracker.add_bytes(category, -extra_blocks * nbytes)
             if layout.grad_accum == 1:  # (accumulating, they were there from the start)
                 tracker.add_bytes("gradients", extra_blocks * shard_bytes)
             if residuals and held is None:  # the tracker sees a residual once its reduction reads it
@@ -491,6 +491,21 @@ def _tracked_step(model: nn.Module, builder: ModelBuilder, layout: Layout, opt: 
                 points=dict(tracker._live.points), at_end=report.current_by_category,
                 shard_values=shard_values + extra_blocks * shard_bytes,
                 buffers=_storage_bytes(list(model.buffers())), saved_per_block=saved.total)
+
+
+def _kept_after_forward(groups: list[ParamGroup]) -> dict[str, int]:
+    """Bytes by category the groups keep from their forward to their backward: a group that does
+    not reshard its whole unsharded buffer; one resharding to a smaller group (an int
+    ``reshard_after_forward``) its rank's 1/n of the parameters, a communication buffer
+    (``ParamGroup.reshard_to_subgroup``); one that reshards, nothing."""
+    out = {"unsharded_params": 0, "communication": 0}
+    for g in groups:
+        policy = g.policy.reshard_after_forward
+        if policy is False:
+            out["unsharded_params"] += g._unsharded_bytes()
+        elif g.subgroup is not None and policy is not True:
+            out["communication"] += g._gather_format(g.subgroup.size).slice_bytes
+    return out
 
 
 class _PointHooks:

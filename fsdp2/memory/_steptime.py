@@ -16,7 +16,9 @@ simulation: cheap enough to rank hundreds of layouts. Per rank and micro-batch:
   a node when ``n x stride <= devices_per_node``).
 * overlap as fsdp2 schedules it: block i+1's all-gather runs during block i's forward; in
   backward the next block's all-gather and the previous block's reduce-scatter (and HSDP's
-  all-reduce) run during a block's backward. Exposed: the root's all-gather, the first
+  all-reduce) run during a block's backward (with an int ``reshard_after_forward`` ``n``, that
+  all-gather is over the ``n`` consecutive ranks of the shard axis a rank resharded with, on
+  the link they share: a node's when ``n x tp <= devices_per_node``). Exposed: the root's all-gather, the first
   block's, the last block's reduce-scatter and the root's (kept gathered from forward to
   backward, reduced at the end, unless ``root_early_release``). Tensor parallelism's
   collectives and expert parallelism's all-to-alls are on the critical path.
@@ -107,8 +109,11 @@ class _Links:
 
     def __init__(self, layout: Layout, hw: Hardware) -> None:
         tp, ep, shard, rep = layout.tp, layout.ep, layout.dp_shard, layout.dp_replicate
+        # An int reshard_after_forward's groups: that many consecutive ranks of the shard axis.
+        reshard = layout.reshard_after_forward
+        subgroup = shard if reshard is True else (1 if reshard is False else reshard)
         self.axes = {"tp": (tp, 1), "ep": (ep, tp), "efsdp": (shard // ep, tp * ep), "dp_shard": (shard, tp),
-                     "dp_replicate": (rep, tp * shard), "pp": (layout.pp, tp * shard * rep)}
+                     "reshard": (subgroup, tp), "dp_replicate": (rep, tp * shard), "pp": (layout.pp, tp * shard * rep)}
         self.hw = hw
 
     def crosses(self, axis: str) -> bool:
@@ -156,11 +161,13 @@ def _wire_itemsizes(layout: Layout, costs: ModelCosts) -> tuple[float, float, fl
 
 @dataclass(frozen=True)
 class _Comm:
-    """One group's collectives per micro-batch: all-gather, reduce-scatter, HSDP all-reduce (seconds)."""
+    """One group's collectives per micro-batch: all-gather, reduce-scatter, HSDP all-reduce, and
+    backward's all-gather again where the group reshards after forward (seconds)."""
 
     gather: float
     reduce: float
     all_reduce: float
+    regather: float
 
 
 def _fsdp(layout: Layout, costs: ModelCosts, links: _Links) -> tuple[_Comm, _Comm]:
@@ -169,12 +176,19 @@ def _fsdp(layout: Layout, costs: ModelCosts, links: _Links) -> tuple[_Comm, _Com
     tp, ep, shard = layout.tp, layout.ep, layout.dp_shard
     dense, experts = costs.block_params / tp, costs.expert_params / ep
 
-    def comm(dense_numel: float, expert_numel: float) -> _Comm:
-        return _Comm(links.ring("dp_shard", dense_numel * gather_b) + links.ring("efsdp", expert_numel * gather_b),
+    def comm(dense_numel: float, expert_numel: float, reshard: bool | int) -> _Comm:
+        gather = links.ring("dp_shard", dense_numel * gather_b) + links.ring("efsdp", expert_numel * gather_b)
+        if reshard is True or reshard is False:
+            regather = gather if reshard else 0.0
+        else:  # gathered again over the int's groups (ep is 1: the experts over them too)
+            regather = links.ring("reshard", (dense_numel + expert_numel) * gather_b)
+        return _Comm(gather,
                      links.ring("dp_shard", dense_numel * reduce_b) + links.ring("efsdp", expert_numel * reduce_b),
-                     2 * links.ring("dp_replicate", (dense_numel / shard + expert_numel / (shard // ep)) * rep_b))
+                     2 * links.ring("dp_replicate", (dense_numel / shard + expert_numel / (shard // ep)) * rep_b),
+                     regather)
 
-    return comm(dense, experts), comm(costs.rest_params / tp, 0.0)
+    return (comm(dense, experts, layout.reshard_after_forward),
+            comm(costs.rest_params / tp, 0.0, layout.root_reshard_after_forward))
 
 
 def _chain(n: int, compute: float, comm: float, first: float) -> float:
@@ -263,10 +277,8 @@ def _fsdp_step(layout: Layout, blocks: int, times: tuple[float, float, float, fl
     c_f = fb + crit_f
     c_b = bb + crit_b + rb
     forward = root.gather + _chain(blocks, c_f, block.gather, block.gather) + fr
-    regather = block.gather if layout.reshard_after_forward else 0.0
-    in_flight = regather + block.reduce + block.all_reduce  # during one block's backward
-    backward = (root.gather if layout.root_reshard_after_forward else 0.0) + br + \
-        _chain(blocks, c_b, in_flight, regather) + block.reduce + block.all_reduce
+    in_flight = block.regather + block.reduce + block.all_reduce  # during one block's backward
+    backward = root.regather + br + _chain(blocks, c_b, in_flight, block.regather) + block.reduce + block.all_reduce
     root_reduce = root.reduce + root.all_reduce
     if layout.root_early_release:  # reduced during the blocks' backward, where they leave room
         root_reduce = max(0.0, root_reduce - (blocks - 1) * max(0.0, c_b - in_flight))
@@ -288,10 +300,14 @@ def _pipeline(layout: Layout, links: _Links, hw: Hardware, costs: ModelCosts, m:
     # faster, so the step is the longer of the ranks' own work and the schedule run that fast.
     busy = m * (forward + backward)
     bubble = max(0.0, (busy + bubble) / hw.oversubscription - busy)
-    # FSDP inside the stage: gathered once per step (or per microbatch and pass when resharded),
-    # overlapped block by block; reduced once after the last backward, exposed.
-    passes = 2 * m if layout.reshard_after_forward else 1
-    gathers = passes * (block.gather + (blocks - 1) * max(0.0, block.gather - c_f)) + root.gather
+    # FSDP inside the stage: gathered once per step (or per microbatch and pass when resharded:
+    # backward's over an int's smaller groups), overlapped block by block; reduced once after the
+    # last backward, exposed.
+    def chain(gather: float) -> float:
+        return gather + (blocks - 1) * max(0.0, gather - c_f)
+
+    passes = m if layout.reshard_after_forward else 1
+    gathers = passes * (chain(block.gather) + chain(block.regather)) + root.gather
     reduces = blocks * (block.reduce + block.all_reduce) + root.reduce + root.all_reduce
     return busy + bubble + gathers + reduces, bubble * layout.grad_accum
 

@@ -25,8 +25,8 @@ from .moe import apply_expert_parallel, check_moe, shard_experts
 if TYPE_CHECKING:
     from ..config import JobConfig
 
-__all__ = ["ParallelDims", "parallelize", "check_layout", "tp_plan", "apply_activation_checkpointing", "apply_compile",
-           "apply_fsdp", "fsdp_kwargs", "comm_policy_of"]
+__all__ = ["ParallelDims", "parallelize", "check_layout", "check_reshard", "tp_plan", "apply_activation_checkpointing",
+           "apply_compile", "apply_fsdp", "fsdp_kwargs", "comm_policy_of"]
 
 # Mesh axis names, outermost first (torchtitan's order): pipeline stages (point-to-point only, the
 # least traffic), replicas, then the ranks that shard, then tensor parallel innermost so a TP
@@ -181,6 +181,7 @@ def check_layout(dims: ParallelDims, config: JobConfig) -> None:
     Call it before any collective, so a bad layout is one clear error, not a hang.
     """
     check_moe(dims, config)
+    check_reshard(dims, config)
     if dims.tp == 1:
         return
     check_tp(config.model, dims.tp)
@@ -191,6 +192,29 @@ def check_layout(dims: ParallelDims, config: JobConfig) -> None:
             f"sequence parallelism splits each sequence over the tp ranks: training.seq_len ({seq_len}) "
             f"must be divisible by tp ({dims.tp})"
         )
+
+
+def check_reshard(dims: ParallelDims, config: JobConfig) -> None:
+    """An int ``parallelism.reshard_after_forward``: groups of that many ranks of the shard axis,
+    in a layout fully_shard runs it in (and the memory planner plans)."""
+    p = config.parallelism
+    n = p.reshard_after_forward
+    if not isinstance(n, int):
+        return
+    if dims.dp_shard % n:
+        divisors = [d for d in range(1, dims.dp_shard + 1) if dims.dp_shard % d == 0]
+        raise ValueError(f"parallelism.reshard_after_forward={n} must divide dp_shard ({dims.dp_shard}): each block "
+                         f"reshards to groups of that many shard ranks after forward; use one of {divisors} (e.g. "
+                         "the GPUs of a node), or default, always or never")
+    # (1 and dp_shard are False and True to fully_shard, which runs them with anything; the experts'
+    # groups under ep > 1 shard over dp_shard / ep ranks, which an int for the whole shard axis does not fit)
+    unsupported = [what for what, on in (("tp > 1", dims.tp > 1 and 1 < n < dims.dp_shard),
+                                         ("ep > 1", dims.ep > 1 and n > 1),
+                                         ("quantize_weights", bool(p.quantize_weights) and 1 < n < dims.dp_shard))
+                   if on]
+    if unsupported:
+        raise ValueError(f"parallelism.reshard_after_forward={n} (an int) does not run with {unsupported[0]} yet: "
+                         "use default, always or never")
 
 
 def apply_activation_checkpointing(model: Transformer) -> None:
@@ -225,21 +249,25 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, config: JobConfig) -> No
         fully_shard(block, mesh=dp_mesh, **kwargs)
     # For the root, None keeps the parameters gathered after forward: backward needs the
     # output layer first, so gathering it again would be wasted.
-    fully_shard(model, mesh=dp_mesh, **kwargs)
+    fully_shard(model, mesh=dp_mesh, **fsdp_kwargs(config, root=True))
 
 
-def fsdp_kwargs(config: JobConfig, *, pipelined: bool = False) -> dict:
+def fsdp_kwargs(config: JobConfig, *, pipelined: bool = False, root: bool = False) -> dict:
     """``fully_shard``'s keywords for the job: precision, resharding and communication policy.
 
     ``pipelined``: "default" resharding keeps every group's parameters after forward, as
     torchtitan does under pipeline parallelism: each stage runs several microbatches' forwards
     before their backwards, and resharding would gather the stage again for each of them.
+    An int N reshards the blocks to N ranks after forward; ``root`` (the model's or a stage's
+    own group) then reshards as "default" does.
     """
     param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config.training.mixed_precision]
     # Gradients are always reduced in fp32: summing many bf16 gradients loses their low bits.
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    reshard = {"default": False if pipelined else None, "always": True,
-               "never": False}[config.parallelism.reshard_after_forward]
+    choice = config.parallelism.reshard_after_forward
+    if isinstance(choice, int):
+        choice = "default" if root else choice
+    reshard = {"default": False if pipelined else None, "always": True, "never": False}.get(choice, choice)
     return dict(mp_policy=mp_policy, reshard_after_forward=reshard, comm_policy=comm_policy_of(config))
 
 

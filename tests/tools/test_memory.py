@@ -145,6 +145,28 @@ def test_planner_matches_tracker_byte_for_byte_on_each_cpu_transport(transport, 
     assert rows["communication"]["tracker"] > 0
 
 
+@pytest.mark.parametrize("transport", ["flat", "exchange"])
+@pytest.mark.slow
+def test_planner_matches_tracker_byte_for_byte_resharding_to_a_smaller_group(transport):
+    # reshard_after_forward=2 on 4 ranks: after forward each rank keeps its half of every block's
+    # parameters (a communication buffer) and backward gathers them over its pair of ranks only.
+    # The planner builds every block here; test_int_reshard_blocks_not_built extrapolates them.
+    from benchmarks.memory import compare, plan
+    from recipes.llama.model import ModelArgs
+
+    case = {"layout": "fsdp", "param_dtype": "fp32", "reshard_after_forward": 2, "activation_checkpointing": False}
+    measured = run_on_ranks(_track_recipe_on, 4, transport, case)[0]
+    with environ(CPU_COLLECTIVES_ENV, transport):
+        est = plan(ModelArgs(**_RECIPE), case, 4, _RECIPE_BATCH, _RECIPE_SEQ)
+    rows = compare(measured, est)
+    assert {k: (r["tracker"], r["planner"]) for k, r in rows.items() if r["tracker"] != r["planner"]} == {}
+    if transport == "flat":  # block 0's kept half is there at the peak (block 1's backward), besides what True holds
+        with environ(CPU_COLLECTIVES_ENV, transport):
+            full = plan(ModelArgs(**_RECIPE), {**case, "reshard_after_forward": True}, 4, _RECIPE_BATCH, _RECIPE_SEQ)
+        assert est.peak_point == full.peak_point == "backward, layers.1"
+        assert est.peak_by_category["communication"] > full.peak_by_category["communication"]
+
+
 @pytest.mark.parametrize("world,layout,param_dtype,reshard,ac", [
     (2, "fsdp", "bf16", True, True), (4, "fsdp", "fp32", False, False),
     (4, "hsdp", "fp32", True, True), (4, "tp", "fp32", False, False), (4, "tp", "bf16", True, False),
@@ -334,3 +356,25 @@ def test_blocks_not_built_count_as_built_ones(grad_accum):
     assert two.peak_bytes == six.peak_bytes
     for point in ("end of backward", "optimizer step"):
         assert two.points[point] == six.points[point], point
+
+
+def test_int_reshard_blocks_not_built():
+    # reshard_after_forward=2 on 4 ranks: the 4 blocks not built keep their half of the parameters
+    # from their forward to their backward, as the built ones do: 2 built and 6 built agree, and
+    # each block kept counts half its unsharded parameters (over 2 ranks instead of 4).
+    from fsdp2.models.llama import ModelArgs, Transformer
+
+    args = ModelArgs(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=1024, max_seq_len=64)
+    layouts = {r: Layout(world=4, batch=2, seq=64, reshard_after_forward=r) for r in (True, 2)}
+    est = {(r, n): estimate_memory(lay, ModelBuilder.llama(args, built_blocks=n)) for r, lay in layouts.items()
+           for n in (2, 6)}
+    assert est[2, 2].peak_bytes == est[2, 6].peak_bytes
+    assert est[2, 2].peak_by_category == est[2, 6].peak_by_category
+    with torch.device("meta"):
+        params = list(Transformer(replace(args, n_layers=1)).layers[0].parameters())
+    block = sum(p.numel() * p.element_size() for p in params)  # one block's unsharded bytes
+    # The peak is in the last block's backward (layers.1 built, the 4 others simulated after
+    # block 0): the 5 blocks before it keep their halves.
+    assert est[2, 2].peak_point == est[True, 2].peak_point == "backward, layers.1"
+    extra = est[2, 2].peak_by_category["communication"] - est[True, 2].peak_by_category["communication"]
+    assert 0 <= extra - 5 * block / 2 <= 5 * 64 * len(params), (extra, block)  # (each entry padded, aligned)

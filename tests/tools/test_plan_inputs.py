@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fsdp2 import QuantizedComm
 from fsdp2.memory import Layout, ModelBuilder, estimate_memory
 from fsdp2.models import llama
 from fsdp2.models.llama import LLAMA3, ModelArgs, Transformer
@@ -32,7 +33,14 @@ BASE = dict(world=8, batch=1, seq=16)
     (dict(param_dtype="bf16"), TypeError, r"Layout.param_dtype must be a torch.dtype or None, got 'bf16'; "
                                           r"e.g. torch.bfloat16"),
     (dict(reduce_dtype=torch.int32), ValueError, r"Layout.reduce_dtype must be a floating-point dtype"),
-    (dict(reshard_after_forward=None), TypeError, r"Layout.reshard_after_forward must be True or False"),
+    (dict(reshard_after_forward=None), TypeError, r"Layout.reshard_after_forward must be True, False or an int"),
+    (dict(reshard_after_forward=3), ValueError, r"reshard_after_forward=3 must divide dp_shard \(8\).*one of "
+                                                r"\[1, 2, 4, 8\] or a bool"),
+    (dict(reshard_after_forward=0), ValueError, r"reshard_after_forward=0 must divide dp_shard"),
+    (dict(reshard_after_forward=2, tp=2), ValueError, r"reshard_after_forward=2 \(an int\) is not supported with "
+                                                      r"tp > 1: use True or False"),
+    (dict(reshard_after_forward=2, comm_policy=QuantizedComm(weights="int8")), ValueError,
+     r"not supported with comm_policy with quantized weights"),
     (dict(cpu_reads=1), TypeError, r"Layout.cpu_reads must be True or False, got 1"),
     (dict(optimizer="lion"), ValueError, r"optimizer must be one of \['adam', 'adamw', 'sgd', 'sgd_momentum'\]"),
     (dict(backend="mpi"), ValueError, r"backend must be 'nccl' or 'gloo', got 'mpi'"),
@@ -40,6 +48,17 @@ BASE = dict(world=8, batch=1, seq=16)
 def test_layout_refuses_bad_fields_naming_the_fix(fields, error, match):
     with pytest.raises(error, match=match):
         Layout(**{**BASE, **fields})
+
+
+def test_layout_int_reshard_is_normalized_as_fully_shard_resolves_it():
+    # 1 rank keeps everything (False); the whole shard axis is True; between, the int stays.
+    assert Layout(**BASE, reshard_after_forward=1).reshard_after_forward is False
+    assert Layout(**BASE, reshard_after_forward=8).reshard_after_forward is True
+    assert Layout(**BASE, reshard_after_forward=4).reshard_after_forward == 4
+    assert Layout(**BASE, reshard_after_forward=2, comm_policy=QuantizedComm(gradients="int8")).reshard_after_forward \
+        == 2  # quantized gradients alone: fully_shard runs it
+    # With dp_replicate 2, the shard axis is 4 (and 4 is True).
+    assert Layout(**BASE, dp_replicate=2, reshard_after_forward=4).reshard_after_forward is True
 
 
 def test_layout_is_keyword_only_frozen_and_checked_again_on_replace():

@@ -30,6 +30,7 @@ from fsdp2.memory._search import PIPELINE_MIN_TORCH, FastMemory, _torch_version,
 from fsdp2.models.llama import LLAMA3, ModelArgs
 from fsdp2.plan import main
 from recipes.config import ConfigError
+from recipes.llama.parallelize import fsdp_kwargs
 from recipes.train import check_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,10 +50,11 @@ class ToyStep:
 
 def toy_step(layout: Layout) -> ToyStep:
     """Compute split over tp x pp (recomputed a third more under AC), communication shrinking with
-    quantization and growing with resharding and accumulation, a pipeline bubble."""
+    quantization and growing with resharding (less to fewer ranks) and accumulation, a pipeline bubble."""
     tokens = layout.batch * layout.grad_accum * layout.seq
     compute = tokens / (layout.tp * layout.pp) * (4 / 3 if layout.activation_checkpointing else 1)
-    comm = layout.grad_accum * (2 if layout.reshard_after_forward else 1) * (0.5 if layout.comm_policy else 1) \
+    reshard = {True: 2, False: 1}.get(layout.reshard_after_forward, 1.5)  # (an int: 1.5)
+    comm = layout.grad_accum * reshard * (0.5 if layout.comm_policy else 1) \
         * (layout.dp_shard - 1) / layout.dp_shard * 40 + 30 * (layout.tp - 1) + 5 * (layout.dp_replicate - 1)
     bubble = compute * (layout.pp - 1) / max(1, layout.pp_microbatches)
     seconds = compute + comm + bubble
@@ -82,6 +84,20 @@ def test_enumeration_counted_by_hand():
     # pp > 1 reshards as the recipe's "default" (nothing) or "always" (blocks and root)
     assert {(lay.reshard_after_forward, lay.root_reshard_after_forward) for lay in layouts if lay.pp > 1} == \
         {(False, False), (True, True)}
+    # A node of 4 holds every shard axis here (dp_shard <= 4): resharding per node would be True
+    # (dp_shard 4) or split a node (2), so it is not enumerated.
+    assert not [lay for lay in layouts if not isinstance(lay.reshard_after_forward, bool)]
+    # Nodes of 2: only FSDP 4 (pp1 tp1, dp_shard 4 = 2 nodes of 2) spans several whole nodes, and
+    # takes per-node resharding (reshard_after_forward=2, unquantized: quantized weights refuse an
+    # int) once per AC setting and micro-batch (1): 2 more than the 48 above. Nothing else changes
+    # (tp still 1 or 2, which divide both node sizes).
+    per_node = enumerate_layouts(SMALL, world=4, global_batch=4, seq=16, devices_per_node=2)
+    assert len(per_node) == 48 + 2
+    ints = [lay for lay in per_node if not isinstance(lay.reshard_after_forward, bool)]
+    assert {(lay.dp_shard, lay.tp, lay.pp, lay.reshard_after_forward, lay.root_reshard_after_forward,
+             lay.comm_policy) for lay in ints} == {(4, 1, 1, 2, False, None)}
+    assert {lay.activation_checkpointing for lay in ints} == {False, True}
+    assert {repr(lay) for lay in per_node} - {repr(lay) for lay in ints} == {repr(lay) for lay in layouts}
 
 
 def _accepted(model_flags: list[str], lay: Layout) -> None:
@@ -92,6 +108,10 @@ def _accepted(model_flags: list[str], lay: Layout) -> None:
     assert (t.batch_size, t.grad_accum, t.seq_len, t.activation_checkpoint) == \
         (lay.batch, lay.grad_accum, lay.seq, lay.activation_checkpointing)
     assert bool(p.quantize_weights) == bool(p.quantize_gradients) == (lay.comm_policy is not None)
+    # What the recipe hands fully_shard for the blocks and the root (None: True for them, False for it).
+    blocks, root = (fsdp_kwargs(config, pipelined=lay.pp > 1, root=r)["reshard_after_forward"] for r in (False, True))
+    assert (True if blocks is None else blocks, bool(root)) == \
+        (lay.reshard_after_forward, lay.root_reshard_after_forward)
 
 
 def test_every_layout_is_accepted_by_the_recipe():
@@ -99,6 +119,17 @@ def test_every_layout_is_accepted_by_the_recipe():
                                 param_dtype=torch.float32)
     assert {lay.pp for lay in layouts} == ({1, 2, 4} if _torch_version() >= PIPELINE_MIN_TORCH else {1})
     for lay in layouts:
+        _accepted(["--config", TINY_TOML], lay)
+
+
+def test_per_node_layouts_are_accepted_by_the_recipe():
+    # 8 ranks in nodes of 2: FSDP 8 and 4 (HSDP 2x4) span whole nodes and reshard per node (2).
+    layouts = enumerate_layouts(TINY, world=8, global_batch=16, seq=128, devices_per_node=2,
+                                param_dtype=torch.float32)
+    ints = [lay for lay in layouts if not isinstance(lay.reshard_after_forward, bool)]
+    assert {(lay.dp_replicate, lay.dp_shard) for lay in ints} == {(1, 8), (2, 4)}
+    assert {lay.reshard_after_forward for lay in ints} == {2}
+    for lay in ints:
         _accepted(["--config", TINY_TOML], lay)
 
 
@@ -191,7 +222,8 @@ def test_shared_memory_simulates_two_shard_counts_and_fits_the_rest():
 
 @pytest.mark.slow
 def test_pruning_agrees_with_exhaustive_evaluation(monkeypatch):
-    layouts = enumerate_layouts(SMALL, world=4, global_batch=4, seq=16, devices_per_node=4)
+    # Nodes of 2: the per-node layouts (FSDP 4 resharding to 2 ranks) are among them.
+    layouts = enumerate_layouts(SMALL, world=4, global_batch=4, seq=16, devices_per_node=2)
     builder = ModelBuilder.llama(SMALL)
     simulate = _simulate_once(monkeypatch)  # (the searches' simulations of these layouts: read back)
     needed = {repr(lay): simulate(lay, builder, reserve=Reserve.none()).needed_bytes for lay in layouts}
@@ -254,6 +286,12 @@ def test_hardware_file_reaches_the_scorer_and_the_enumeration(capsys, tmp_path):
     saved = json.loads(plan.read_text())
     assert saved["hardware"] == "node2" and saved["gpu_memory"] == 8 * 2**30
     assert max(e["layout"]["tp"] for e in saved["layouts"]) == 2
+    # Two nodes of 2: FSDP 4 reshards per node too, and --layout-from hands the recipe the int.
+    k, entry = next((k, e) for k, e in enumerate(saved["layouts"]) if e["layout"]["reshard_after_forward"] == 2)
+    assert entry["layout"]["dp_shard"] == 4 and entry["recipe"]["parallelism.reshard_after_forward"] == 2
+    config, dims = check_command(["--config", TINY_TOML, "--layout-from", f"{plan}:{k}"], 4)
+    assert config.parallelism.reshard_after_forward == 2 and dims.dp_shard == 4
+    assert fsdp_kwargs(config)["reshard_after_forward"] == 2
 
 
 def test_layout_from_refuses_another_world_or_model_or_entry(tmp_path):

@@ -335,3 +335,40 @@ def test_cli_hardware_h100_prints_tokens_per_second_and_mfu(capsys):
     with pytest.raises(SystemExit):
         main(["--config", "llama3_8b", "--world", "64", "--hardware", "tpu"])
     assert "not a preset" in capsys.readouterr().err
+
+
+def test_reshard_per_node_regathers_over_the_node_links():
+    # 16 ranks on 2 nodes of 8, dp_shard 16. reshard_after_forward=8: after forward each rank keeps
+    # 1/8 of a block's parameters, and backward gathers them again over its node's 8 ranks (ranks
+    # 0-7, 8-15: consecutive on the shard axis), a ring on the intra-node links: 7/8 of the block's
+    # fp32 bytes at 100 GB/s plus 7 x 1 us. Forward's gather stays over all 16, across the nodes.
+    per_node = Layout(world=16, batch=1, seq=32, reshard_after_forward=8)
+    costs = model_costs(per_node, _linears())
+    links = _Links(per_node, HAND)
+    assert links.axes["reshard"] == (8, 1) and not links.crosses("reshard") and links.crosses("dp_shard")
+    block, root = _fsdp(per_node, costs, links)
+    nbytes = costs.block_params * 4
+    assert block.regather == pytest.approx(7 / 8 * nbytes / 100e9 + 7 * 1e-6)
+    assert block.gather == pytest.approx(15 / 16 * nbytes / 10e9 + 15 * 1e-5)
+    assert root.regather == 0  # the root keeps its parameters (root_reshard_after_forward False)
+    full = dataclasses.replace(per_node, reshard_after_forward=True)
+    block_full, _ = _fsdp(full, costs, _Links(full, HAND))
+    assert block_full.regather == block.gather
+    # The blocks are tiny: every backward collective is exposed. With 2 blocks, backward waits for
+    # the first block's re-gather and then for the second block's (with the first's reduce-scatter
+    # in flight): the step saves twice the difference between the two gathers.
+    steps = {r: predict_step_time(dataclasses.replace(per_node, reshard_after_forward=r), costs, HAND)
+             for r in (True, 8, False)}
+    assert steps[True].seconds - steps[8].seconds == pytest.approx(2 * (block.gather - block.regather))
+    assert steps[False].seconds < steps[8].seconds < steps[True].seconds
+    # Per node over 4 nodes of 8 (32 ranks) is the same ring; resharding to 16 ranks leaves the node.
+    assert _Links(dataclasses.replace(per_node, world=32), HAND).link("reshard") == (100e9, 1e-6)
+    assert _Links(dataclasses.replace(per_node, world=32, reshard_after_forward=16), HAND).crosses("reshard")
+    # Pipelined (pp 2 x dp_shard 16 on 4 nodes, one block per stage, 2 microbatches): each
+    # microbatch's backward gathers the stage's block again, over 8 ranks instead of 16.
+    pipe = dataclasses.replace(per_node, world=32, batch=2, pp=2)
+    pipe_block, _ = _fsdp(pipe, costs, _Links(pipe, HAND))
+    assert pipe_block.regather == block.regather and pipe_block.gather == block.gather
+    pipe_steps = {r: predict_step_time(dataclasses.replace(pipe, reshard_after_forward=r), costs, HAND)
+                  for r in (True, 8)}
+    assert pipe_steps[True].seconds - pipe_steps[8].seconds == pytest.approx(2 * (block.gather - block.regather))
