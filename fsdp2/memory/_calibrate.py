@@ -1,7 +1,8 @@
 """``calibrate``: this machine measured as a ``Hardware`` profile for the step-time model.
 
-Every figure is timed on all ranks at once, one thread each, each loop timed as a whole, so
-ranks sharing cores (more ranks than cores, or other work) get what each gets in training:
+Every figure is timed on all ranks at once, one thread each, each loop timed as a whole (the
+median of three loops), so ranks sharing cores (more ranks than cores, or other work) get what
+each gets in training:
 
 * compute: fp32 1024x1024 matmuls (``peak_flops``), a 64 MiB copy (``hbm_bandwidth``), a causal
   fused attention forward and backward (``attention_flops``); the matmuls again on the first
@@ -52,14 +53,20 @@ def _median(fn: Callable[[], object], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _loop(fn: Callable[[], object], repeats: int) -> float:
+def _loop(fn: Callable[[], object], repeats: int, windows: int = 3) -> float:
     """Seconds per run of ``repeats`` back-to-back runs, timed as a whole: with every rank running
-    its loop at once, a rank sharing its core with others gets its share of it, waits included."""
+    its loop at once, a rank sharing its core with others gets its share of it, waits included.
+    The median of ``windows`` such loops: a burst of other work during one of them (a process
+    exiting, the kernel's housekeeping) moves a single loop's figure by a quarter on a busy
+    2-core host, and every prediction with it."""
     fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
+    per_run = []
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        per_run.append((time.perf_counter() - start) / repeats)
+    return sorted(per_run)[len(per_run) // 2]
 
 
 def _matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32) -> float:
