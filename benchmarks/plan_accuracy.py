@@ -23,10 +23,7 @@ It prints a table (layout, predicted s, measured s, error) and ends with one JSO
 fraction), ``best_gap`` (the layout the model ranks first, as the search ranks: by time per token
 per rank; its measured time per token per rank over the least measured, minus 1; ``best_gap_step``
 the same on raw step times), the transport, torch version, world sizes, the profiles and the
-per-layout rows. On CPU each row also has ``drift``: a one-thread matmul probe of this process
-after the calibrations over the same probe before the layout's launches (the machine's speed
-when calibrated against its speed then); ``drift_adjusted`` holds the three figures with each
-prediction multiplied by its drift.
+per-layout rows.
 Issue #39's targets: spearman >= 0.9, median_abs_error <= 0.15, best_gap <= 0.05.
 """
 
@@ -141,28 +138,6 @@ def measure(flags: list[str], world: int, *, steps: int, warmup: int, timeout: f
     raise RuntimeError(f"{' '.join(cmd)} failed twice ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
-def speed_probe(n: int = 1024, repeats: int = 4) -> float:
-    """This process's one-thread fp32 matmul rate (FLOP/s, the median of three loops): how fast the
-    machine runs at this moment, no rank running. Taken after each calibration and before each
-    launch, it shows how far the machine's speed drifted between the two (a shared VM's neighbours:
-    steps of one layout ran 1.5x apart in one launch); the JSON line reports the errors with the
-    predictions scaled by that drift beside the plain ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)
-        rates = []
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(repeats):
-                torch.mm(a, b)
-            rates.append(2 * n**3 * repeats / (time.perf_counter() - start))
-        return sorted(rates)[1]
-    finally:
-        torch.set_num_threads(threads)
-
-
 def mean_profile(profiles: list[Hardware]) -> Hardware:
     """The profiles' mean, figure by figure (calibrations of one world at different times)."""
     fields = {f.name: getattr(profiles[0], f.name) for f in dataclasses.fields(Hardware)}
@@ -205,15 +180,6 @@ def summary(rows: list[dict], profiles: dict[int, Hardware], wall: float, failur
     cost_p = [k * r["predicted_s"] for k, r in per_token]
     cost_m = [k * r["measured_s"] for k, r in per_token]
     first, first_step = (min(range(len(rows)), key=v.__getitem__) for v in (cost_p, predicted))
-    drifted = {}
-    if all("drift" in r for r in rows):  # the same figures with each prediction scaled by its drift
-        adjusted = [r["predicted_s"] * r["drift"] for r in rows]
-        cost_a = [k * a for (k, _), a in zip(per_token, adjusted)]
-        first_a = min(range(len(rows)), key=cost_a.__getitem__)
-        drifted = {"drift_adjusted": {
-            "spearman": round(spearman(adjusted, measured), 4),
-            "median_abs_error": round(statistics.median(abs(a / m - 1) for a, m in zip(adjusted, measured)), 4),
-            "best_gap": round(cost_m[first_a] / min(cost_m) - 1, 4)}}
     return {"spearman": round(spearman(predicted, measured), 4),
             "median_abs_error": round(statistics.median(abs(r["error"]) for r in rows), 4),
             "best_gap": round(cost_m[first] / min(cost_m) - 1, 4),
@@ -222,7 +188,7 @@ def summary(rows: list[dict], profiles: dict[int, Hardware], wall: float, failur
             "failed_launches": failures,
             "transport": transport, "torch": torch.__version__, "worlds": sorted(profiles),
             "cpus": os.cpu_count(), "wall_s": round(wall, 1),
-            "profiles": {w: json.loads(h.to_json()) for w, h in profiles.items()}, **drifted, "rows": rows}
+            "profiles": {w: json.loads(h.to_json()) for w, h in profiles.items()}, "rows": rows}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,19 +265,14 @@ def main(argv: list[str] | None = None) -> None:
     failures: list[str] = []
     timed: dict[int, list[float]] = {i: [] for i in range(len(layouts))}
     tokens: dict[int, int] = {}
-    probes: dict[int, list[float]] = {i: [] for i in range(len(layouts))}  # the machine's speed at each launch
-    calibration_probes: list[float] = []
     for r in range(rounds):  # alternating order: a drift in the machine's load hits every layout alike
         if args.device == "cpu":
             for w in worlds:  # each round calibrated anew: the profile is the rounds' mean
                 # (one rank: the two-rank profile, the least calibrate times collectives over)
                 measured_profiles[w].append(calibrate(world=max(w, 2), comm_bytes=comm_bytes))
-                calibration_probes.append(speed_probe())
         order = range(len(layouts)) if r % 2 == 0 else reversed(range(len(layouts)))
         for i in order:
             _name, world, flags = layouts[i]
-            if args.device == "cpu":
-                probes[i].append(speed_probe())
             seconds, tokens[i] = measure(flags, world, steps=steps, warmup=warmup, timeout=args.timeout,
                                          failures=failures, device=args.device)
             timed[i] += seconds
@@ -320,18 +281,14 @@ def main(argv: list[str] | None = None) -> None:
     profiles = ({w: mean_profile(measured_profiles[w]) for w in worlds} if args.device == "cpu" else
                 {w: preset for w in worlds})
     rows = []
-    print(f"{'layout':<26} {'predicted s':>11} {'measured s':>10} {'error':>7}"
-          + (f" {'drift':>6}" if args.device == "cpu" else ""), flush=True)
+    print(f"{'layout':<26} {'predicted s':>11} {'measured s':>10} {'error':>7}", flush=True)
     for i, (name, world, flags) in enumerate(layouts):
         measured = statistics.median(timed[i])
         predicted = predict(flags, world, profiles[world], args.device)
         rows.append({"layout": f"{world} ranks: {name}", "world": world, "flags": flags, "tokens": tokens[i],
                      "predicted_s": round(predicted, 4), "measured_s": round(measured, 4),
                      "error": round(predicted / measured - 1, 4), "steps_s": [round(s, 4) for s in timed[i]]})
-        if probes[i]:  # calibrated at one speed, launched at another: the prediction x their ratio
-            rows[-1]["drift"] = round(statistics.fmean(calibration_probes) / statistics.fmean(probes[i]), 4)
-        drift = f" {rows[-1]['drift']:>6.2f}" if "drift" in rows[-1] else ""
-        print(f"{rows[-1]['layout']:<26} {predicted:>11.3f} {measured:>10.3f} {predicted / measured - 1:>+7.1%}{drift}",
+        print(f"{rows[-1]['layout']:<26} {predicted:>11.3f} {measured:>10.3f} {predicted / measured - 1:>+7.1%}",
               flush=True)
     transport = "gloo (CPU)" if args.device == "cpu" else f"nccl, one rank on {extra['gpu']}"
     line = json.dumps({**summary(rows, profiles, time.perf_counter() - start, failures, transport), **extra})

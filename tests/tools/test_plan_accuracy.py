@@ -33,9 +33,8 @@ def test_quick_run_ends_with_the_json_line(tmp_path):
     for key in ("spearman", "median_abs_error", "best_gap", "transport", "torch", "worlds", "rows"):
         assert key in result, key
     assert len(result["rows"]) == 2 and result["worlds"] == [2]
-    assert set(result["drift_adjusted"]) == {"spearman", "median_abs_error", "best_gap"}
     for row in result["rows"]:
-        assert {"layout", "predicted_s", "measured_s", "error", "drift"} <= set(row) and row["drift"] > 0
+        assert {"layout", "predicted_s", "measured_s", "error"} <= set(row)
         assert row["layout"] in done.stdout.split(lines[-1])[0]  # the table lists every row
 
 
