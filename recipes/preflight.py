@@ -241,7 +241,11 @@ _RECIPE_FLAGS = [
 ]
 
 
-def recipe_flags(plan_flags: str) -> str:
+def recipe_flags(plan_flags: str, *, pipelined: bool = False) -> str:
+    """The planner's flags in the recipe's. ``pipelined``: the run has pp > 1, where the recipe's
+    "default" keeps the blocks' parameters, so the planner's resharding is "always" there."""
+    if pipelined:
+        plan_flags = plan_flags.replace("--reshard-after-forward true", "--parallelism.reshard_after_forward=always")
     for pattern, replacement in _RECIPE_FLAGS:
         plan_flags = re.sub(pattern, replacement, plan_flags)
     return plan_flags
@@ -287,7 +291,9 @@ def _verdict(argv: list[str], memory: int, source: str) -> MemoryCheck:
                    f"{100 * est.needed_bytes / memory:.1f}% of the device's {device}")
         return MemoryCheck(True, summary, est.table(), argv)
     if fit.fitting:
-        layouts = "; ".join(f"{recipe_flags(flags)} ({_size(e.needed_bytes)})" for flags, e in fit.fitting)
+        pipelined = "--pp" in argv
+        layouts = "; ".join(f"{recipe_flags(flags, pipelined=pipelined)} ({_size(e.needed_bytes)})"
+                            for flags, e in fit.fitting)
         layouts = f"these layouts fit: {layouts}"
     else:
         layouts = NOTHING_FITS.replace("--tp", "tp").replace("the GPUs", "the ranks")

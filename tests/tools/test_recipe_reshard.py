@@ -126,4 +126,9 @@ def test_preflight_passes_the_int_to_the_planner_and_back():
     assert flags("default", ParallelDims(1, 16, 1, 16)) == "true"
     assert preflight.recipe_flags("--reshard-after-forward 8") == "--parallelism.reshard_after_forward=8"
     assert preflight.recipe_flags("--reshard-after-forward true") == "--parallelism.reshard_after_forward=default"
+    # under a pipeline the recipe's "default" keeps the blocks' parameters: resharding is "always" there
+    assert preflight.recipe_flags("--reshard-after-forward true", pipelined=True) == \
+        "--parallelism.reshard_after_forward=always"
+    assert preflight.recipe_flags("--reshard-after-forward 8", pipelined=True) == \
+        "--parallelism.reshard_after_forward=8"
 
