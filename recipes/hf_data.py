@@ -63,6 +63,12 @@ class HFTokenizer:
     def decode(self, tokens: list[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=False)
 
+    def __eq__(self, other: object) -> bool:  # the packed stream's cache: same file and EOS, same tokens
+        return isinstance(other, HFTokenizer) and (self.source, self.eos_id) == (other.source, other.eos_id)
+
+    def __hash__(self) -> int:
+        return hash((self.source, self.eos_id))
+
     def __repr__(self) -> str:
         return f"{self.source} (vocabulary {self.vocab_size:,}, EOS id {self.eos_id})"
 

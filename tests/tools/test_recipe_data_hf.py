@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from recipes.config import ConfigError
-from recipes.data import get_batch, load_corpus, load_tokenizer, split_corpus, tokenizer_vocab_size
+from recipes.data import get_batch, load_corpus, load_data, load_tokenizer, split_corpus, tokenizer_vocab_size
 from recipes.train import check_command
 from tests.tools.test_recipe import REPO, SMALL_MODEL, TRAIN, _records
 
@@ -113,6 +113,8 @@ def test_model_vocab_follows_the_tokenizer(data):
     args = [*SHORT, "--tokenizer", str(tok), "--data", str(root / "docs.jsonl")]
     config, _dims = check_command(args, 1)
     assert config.model.vocab_size == len(WORDS)
+    # The pre-flight check tokenized the data; training gets that stream, not a second pass.
+    assert load_data(config.data) is load_data(config.data) and load_data(config.data).tolist() == EXPECTED
     config, _dims = check_command([*args, "--model.vocab_size=64"], 1)  # larger: padding, kept
     assert config.model.vocab_size == 64
     with pytest.raises(ConfigError, match=r"model.vocab_size=10 is smaller than the 12 token ids of --tokenizer "):
@@ -191,26 +193,34 @@ def _dataset_dict(tmp_path: Path) -> Path:
 
 
 _WITHOUT = """
-import sys
-sys.modules[sys.argv[1]] = None  # the import fails as if the package were not installed
+import json, sys
+for name in ("tokenizers", "pyarrow"):
+    sys.modules[name] = None  # the import fails as if the package were not installed
 from recipes.train import check_command
-try:
-    check_command(sys.argv[2:], 1)
-except ValueError as e:
-    print(e)
+errors = []
+for args in json.loads(sys.argv[1]):
+    try:
+        check_command(args, 1)
+    except ValueError as e:
+        errors.append(str(e))
+print(json.dumps(errors))
 """
 
 
-@pytest.mark.parametrize("module,what", [("tokenizers", "--tokenizer"), ("pyarrow", "--data")])
-def test_a_missing_extra_is_named(data, module, what):
+def test_a_missing_extra_is_named(data):
     root, tok = data
-    data_path = root / ("docs.jsonl" if module == "tokenizers" else "docs.parquet")
-    args = [*SHORT, "--tokenizer", str(tok), "--data", str(data_path)]
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT, module, *args], capture_output=True, text=True,
+    runs = [[*SHORT, "--tokenizer", str(tok), "--data", str(root / "docs.jsonl")],
+            [*SHORT, "--data", str(root / "docs.parquet")], [*SHORT, "--data", str(root / "saved")],
+            [*SHORT, "--data", str(root / "docs.jsonl")]]  # JSON Lines needs neither
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT, json.dumps(runs)], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(what) and proc.stdout.strip().endswith(
-        f"needs the {module} package: pip install 'fsdp2[hf]' (in a checkout: pip install -e '.[hf]')"), proc.stdout
+    install = "pip install 'fsdp2[hf]' (in a checkout: pip install -e '.[hf]')"
+    assert json.loads(proc.stdout) == [
+        f"--tokenizer needs the tokenizers package: {install}",
+        f"--data {root / 'docs.parquet'} (.parquet files) needs the pyarrow package: {install}",
+        f"--data {root / 'saved'} (a datasets folder) needs the pyarrow package: {install}",
+    ]
 
 
 def test_no_op_data_settings_are_warned_about(data):
