@@ -138,7 +138,7 @@ def corpus_size(path: str | None = None) -> int:
 
 
 def split_corpus(corpus: torch.Tensor, held_out: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training part, held-out part): the last ``held_out`` fraction of the bytes is held out.
+    """(training part, held-out part): the last ``held_out`` fraction of the tokens is held out.
 
     The tail, not random windows: a window drawn from one part never overlaps the other.
     """
