@@ -141,7 +141,15 @@ class ParallelismConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = None  # a text file or a directory of them; None: the Python standard library's sources
+    path: str | None = None  # a text file or a directory of them; .jsonl or .parquet files (or a directory of
+    # them) or a folder written by datasets' save_to_disk, one document per row; None: the Python standard
+    # library's sources
+    tokenizer: str | None = None  # --tokenizer: a Hugging Face tokenizer.json or a model folder holding one
+    # (pip install 'fsdp2[hf]'); model.vocab_size follows it unless the command line sets it (not smaller);
+    # None: bytes, vocabulary 256
+    text_field: str = "text"  # the field of each .jsonl, .parquet or datasets row that holds its document
+    eos_token: str | None = None  # the token between documents (e.g. "</s>"); None: the tokenizer's own (its
+    # folder's tokenizer_config.json or config.json, or a usual name); bytes: a newline
 
 
 @dataclass
@@ -253,6 +261,7 @@ ALIASES = {
     "--pp": "parallelism.pp",
     "--steps": "training.steps",
     "--data": "data.path",
+    "--tokenizer": "data.tokenizer",
     "--checkpoint-dir": "checkpoint.dir",
     "--checkpoint-every": "checkpoint.every",
     "--metrics-file": "metrics.file",

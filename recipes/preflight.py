@@ -19,6 +19,7 @@ it, and the planner's peak is per rank.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import os
 import re
@@ -30,11 +31,11 @@ import torch.distributed as dist
 from fsdp2.plan import NOTHING_FITS, check_fit
 
 from .config import ConfigError, JobConfig
-from .data import corpus_files, corpus_size
+from .data import corpus_files, corpus_length, corpus_unit, data_format, load_tokenizer
 from .llama.parallelize import ParallelDims
 
-__all__ = ["check_paths", "no_op_warnings", "check_settings", "device_memory", "plan_argv", "check_memory",
-           "MemoryCheck"]
+__all__ = ["apply_tokenizer", "check_paths", "no_op_warnings", "check_settings", "device_memory", "plan_argv",
+           "check_memory", "MemoryCheck"]
 
 _GiB = 2**30
 
@@ -65,16 +66,16 @@ def check_paths(config: JobConfig) -> None:
     flag = f"--data {config.data.path}"
     try:
         files = corpus_files(config.data.path)
-        size = corpus_size(config.data.path)
     except FileNotFoundError as e:
         raise ValueError(str(e)) from None
     unreadable = [f for f in files if not os.access(f, os.R_OK)]
     if unreadable:
         raise ValueError(f"{flag}: cannot read {unreadable[0]}" + (f" and {len(unreadable) - 1} more files"
                                                                      if len(unreadable) > 1 else ""))
+    size = corpus_length(config.data)  # with a tokenizer or rows: tokenized here, kept for training
     if size < t.seq_len + 2:
-        raise ValueError(f"{flag}: {size} bytes, fewer than training.seq_len + 2 = {t.seq_len + 2}; "
-                         "give more data or shorten training.seq_len")
+        raise ValueError(f"{flag}: {size} {corpus_unit(config.data)}, fewer than training.seq_len + 2 = "
+                         f"{t.seq_len + 2}; give more data or shorten training.seq_len")
     if c.dir:
         _creatable_dir(c.dir, f"checkpoint.dir={c.dir}")
     for key, path in (("checkpoint.export", c.export), ("metrics.file", m.file)):
@@ -89,6 +90,22 @@ def check_paths(config: JobConfig) -> None:
                               (p.memory_snapshot_steps, "memory_snapshot", "profiling.memory_snapshot_steps")):
         if enabled:
             _creatable_dir(dump / sub, f"job.dump_folder={dump} (for {why})")
+
+
+# ---- the tokenizer's vocabulary ----------------------------------------------------------------
+def apply_tokenizer(config: JobConfig, given: set[str] = frozenset()) -> None:
+    """Set ``model.vocab_size`` to ``--tokenizer``'s vocabulary, unless the command line (``given``) set
+    it; raise ConfigError when the model's vocabulary is smaller than the tokenizer's (or ValueError for
+    a tokenizer that cannot be read)."""
+    d = config.data
+    needed = load_tokenizer(d.tokenizer, eos_token=d.eos_token).vocab_size
+    have = config.model.vocab_size
+    if d.tokenizer is not None and "model.vocab_size" not in given:
+        config.model = dataclasses.replace(config.model, vocab_size=needed)
+    elif have < needed:
+        tokenizer = f"--tokenizer {d.tokenizer}" if d.tokenizer else "the byte tokenizer"
+        raise ConfigError(f"model.vocab_size={have} is smaller than the {needed:,} token ids of {tokenizer}; "
+                          f"leave model.vocab_size out (it follows --tokenizer) or give {needed} or more")
 
 
 # ---- settings that would do nothing -----------------------------------------------------------
@@ -151,6 +168,13 @@ def no_op_warnings(config: JobConfig, given: set[str] = frozenset()) -> list[str
     if q.pp == 1 and (changed := _given(config, given, "parallelism", "pp_schedule", "pp_microbatches",
                                         "pp_layers_per_stage")):
         out.append(f"{', '.join(changed)}: no effect without parallelism.pp > 1 (--pp N)")
+    d = config.data
+    if d.tokenizer is None and (changed := _given(config, given, "data", "eos_token")):
+        out.append(f"{changed[0]}: no effect without data.tokenizer (--tokenizer; bytes separate documents by a "
+                   "newline)")
+    if "data.text_field" in given and data_format(d.path) == "text":
+        out.append(f"data.text_field={d.text_field}: no effect on text files (only .jsonl, .parquet or a datasets "
+                   "folder have fields)")
     if not f.nan_loss_at_steps and "faults.nan_loss_rank" in given and f.nan_loss_rank != -1:
         out.append(f"faults.nan_loss_rank={f.nan_loss_rank}: no effect without faults.nan_loss_at_steps")
     return out

@@ -5,7 +5,8 @@
 With no arguments it trains the tiny config (recipes/configs/tiny.toml) on the Python
 standard library's own source files, on 2 CPU ranks (gloo) or on GPUs (NCCL) when CUDA
 is available. Short flags: --dp-shard N, --dp-replicate N, --tp N (-1 = infer from the
-world size), --steps N, --data PATH, --checkpoint-dir DIR, --checkpoint-every N,
+world size), --steps N, --data PATH (text, .jsonl, .parquet, a datasets folder), --tokenizer
+PATH (a Hugging Face tokenizer.json or model folder), --checkpoint-dir DIR, --checkpoint-every N,
 --metrics-file PATH, --dry-run, --skip-memory-check, --layout-from FILE[:K] (the layout
 `python -m fsdp2.plan --search --search-json FILE` chose: docs/planning.md). A run given a
 checkpoint directory that holds a complete checkpoint resumes from it (the newest one that
@@ -67,7 +68,10 @@ from recipes.checkpoint import (
 from recipes.config import (
     ConfigError, JobConfig, TrainingConfig, check_layout_world, command_line_keys, describe, parse_args,
 )
-from recipes.data import ByteTokenizer, corpus_files, corpus_size, get_batch, load_corpus, split_corpus
+from recipes.data import (
+    ByteTokenizer, HFTokenizer, corpus_length, corpus_unit, describe_data, get_batch, load_data, load_tokenizer,
+    split_corpus,
+)
 from recipes.llama.model import Transformer
 from recipes.llama.moe import active_params, register_load_balancing
 from recipes.llama.parallelize import ParallelDims, check_layout, parallelize
@@ -77,7 +81,9 @@ from recipes.metrics import (
     MetricsWriter, TensorBoardWriter, check_tensorboard, flops_per_token, format_duration, gather_memory_mb,
     plot_loss,
 )
-from recipes.preflight import MemoryCheck, check_memory, check_paths, check_settings, no_op_warnings
+from recipes.preflight import (
+    MemoryCheck, apply_tokenizer, check_memory, check_paths, check_settings, no_op_warnings,
+)
 from recipes.profiling import Profiler
 
 
@@ -156,6 +162,7 @@ def check_command(argv: list[str], world_size: int) -> tuple[JobConfig, Parallel
     values, the layout on ``world_size`` ranks, and what training will need (``check_run``).
     Raises ConfigError or ValueError (tests/tools/test_doc_commands.py runs the docs' commands through it)."""
     config = parse_args(argv)
+    apply_tokenizer(config, command_line_keys(argv))  # model.vocab_size from --tokenizer
     check_layout_world(argv, world_size)
     p = config.parallelism
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, pp=p.pp)
@@ -178,9 +185,10 @@ def check_run(config: JobConfig, world_size: int = 1) -> None:
     if config.metrics.enable_tensorboard:
         check_tensorboard()
     v, t = config.validation, config.training
-    if v.enable and (held_out := int(corpus_size(config.data.path) * v.split)) < t.seq_len + 2:
-        raise ValueError(f"validation.split={v.split} holds out {held_out} bytes of the data, fewer than "
-                         f"training.seq_len + 2 = {t.seq_len + 2}; raise validation.split or use more data")
+    if v.enable and (held_out := int(corpus_length(config.data) * v.split)) < t.seq_len + 2:
+        raise ValueError(f"validation.split={v.split} holds out {held_out} {corpus_unit(config.data)} of "
+                         f"the data, fewer than training.seq_len + 2 = {t.seq_len + 2}; raise validation.split or use "
+                         "more data")
 
 
 def fail(message: str, rank0: bool) -> NoReturn:
@@ -465,7 +473,7 @@ class Progress:
                 f"{speed['tflops_per_rank']:.3g} TFLOPS per rank{mfu}")
 
 
-def log_setup(config: JobConfig, dims: ParallelDims, n_params: int, corpus_bytes: int) -> int:
+def log_setup(config: JobConfig, dims: ParallelDims, n_params: int, corpus_tokens: int) -> int:
     """Print what is about to run; returns the tokens per optimizer step."""
     t, args, mesh = config.training, config.model, dims.mesh
     tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * dims.dp_size
@@ -475,9 +483,7 @@ def log_setup(config: JobConfig, dims: ParallelDims, n_params: int, corpus_bytes
     log(f"model: {n_params / 1e6:.2f}M parameters, {args.n_layers} layers, "
         f"dim {args.dim}, {args.n_heads} heads ({args.kv_heads} kv), vocab {args.vocab_size}"
         + (f", {args.moe_experts} experts (top {args.moe_top_k}) per block" if args.moe_experts else ""))
-    n_files = len(corpus_files(config.data.path))
-    log(f"data: {n_files} file{'s' * (n_files != 1)}, {corpus_bytes:,} bytes from "
-        f"{config.data.path or 'the Python standard library'}")
+    log(describe_data(config.data, corpus_tokens))
     log(f"tokens/step = {t.batch_size} batch x {t.seq_len} seq x {t.grad_accum} accum x {dims.dp_size} dp ranks "
         f"= {tokens_per_step:,}; chance loss ln({args.vocab_size}) = {math.log(args.vocab_size):.3f}")
     if dims.pp > 1:
@@ -502,7 +508,7 @@ def model_flops_per_token(model: Transformer | None, config: JobConfig) -> int:
 def dry_run(config: JobConfig, dims: ParallelDims, device: torch.device, memory: MemoryCheck | None) -> None:
     """Collective: everything a run does before its first step except allocating the model; prints the plan."""
     dims.build_mesh(device.type)
-    log_setup(config, dims, full_parameter_count(config)[0], corpus_size(config.data.path))
+    log_setup(config, dims, full_parameter_count(config)[0], corpus_length(config.data))
     if config.validation.enable:
         log(f"validation: {config.validation.split:.0%} of the data held out, {config.validation.steps} batches "
             f"every {config.validation.freq} steps")
@@ -538,13 +544,14 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     optimizer = build_optimizer(model, t)
     register_load_balancing(optimizer, model)  # MoE: the routing biases move before each step
     scheduler = lr_schedule(optimizer, t)
-    corpus = load_corpus(config.data.path)
+    corpus = load_data(config.data)  # (tokenized by the pre-flight check already: kept)
     tokens_per_step = log_setup(config, dims, full_parameter_count(config)[0], corpus.numel())
     held_out = None
     if config.validation.enable:  # training never sees the held-out bytes
         corpus, held_out = split_corpus(corpus, config.validation.split)
-        log(f"validation: the last {held_out.numel():,} bytes of the data ({config.validation.split:.0%}) held out, "
-            f"{config.validation.steps} batches every {config.validation.freq} steps")
+        log(f"validation: the last {held_out.numel():,} {corpus_unit(config.data)} of the data "
+            f"({config.validation.split:.0%}) held out, {config.validation.steps} batches every "
+            f"{config.validation.freq} steps")
 
     guard = SkipGuard(t.max_skipped_steps)
     start = resume(checkpointer, model, optimizer, scheduler, guard)
@@ -592,7 +599,9 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
         export_model(model, ckpt.export)
         log(f"exported the full model to {ckpt.export}")
     if config.metrics.sample_tokens and pipeline is None:  # (pipelined: no_op_warnings says so)
-        sample = generate(model, "def ", config.metrics.sample_tokens, device, seed=t.seed, multiple_of=dims.tp)
+        tokenizer = load_tokenizer(config.data.tokenizer, eos_token=config.data.eos_token)
+        sample = generate(model, "def ", config.metrics.sample_tokens, device, seed=t.seed, multiple_of=dims.tp,
+                          tokenizer=tokenizer)
         log('sample (temperature 0.8, after the prompt "def "):\n' + sample)
     if progress.writer is not None and config.metrics.plot:
         png = plot_loss(progress.writer.path)
@@ -633,14 +642,15 @@ def resume(checkpointer: Checkpointer | None, model: Transformer, optimizer: tor
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: str, n_tokens: int, device: torch.device, *,
-             temperature: float = 0.8, seed: int = 0, multiple_of: int = 1) -> str:
+             temperature: float = 0.8, seed: int = 0, multiple_of: int = 1,
+             tokenizer: ByteTokenizer | HFTokenizer | None = None) -> str:
     """Sample a continuation of ``prompt``; collective (every rank runs the same forwards).
 
     ``multiple_of``: inputs are right-padded to a multiple of it (the TP degree: sequence
     parallelism needs even sequence shards). Attention is causal, so padding after the
     last real token never changes its logits.
     """
-    tokenizer = ByteTokenizer()
+    tokenizer = tokenizer or load_tokenizer()  # (None: bytes)
     gen = torch.Generator().manual_seed(seed)  # the same draws on every rank
     tokens = torch.tensor([tokenizer.encode(prompt)], device=device)  # (1, seq)
     window = model.args.max_seq_len // multiple_of * multiple_of

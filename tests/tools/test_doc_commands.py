@@ -191,10 +191,38 @@ LLAMA_3_8B_HF = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_he
                  "tie_word_embeddings": False, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
 
 
+def _user_tokenizer_and_data(args: list[str]) -> None:
+    """What a ``--tokenizer`` command names, as a user would have it: a model folder's tokenizer.json
+    (with ``</s>``) and ``--data`` as JSON Lines, Parquet or a ``datasets`` folder with the text field."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "</s>", "the", "cat", "sat", "on", "a", "mat"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder = Path(args[args.index("--tokenizer") + 1].removesuffix("tokenizer.json") or ".")
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    field = next((a.partition("=")[2] for a in args if a.startswith("--data.text_field=")), "text")
+    docs, data = ["the cat sat on a mat"] * 40, Path(args[args.index("--data") + 1])
+    if data.suffix == ".jsonl":
+        data.write_text("".join(json.dumps({field: d}) + "\n" for d in docs))
+    elif data.suffix == ".parquet":
+        import pyarrow
+        import pyarrow.parquet
+
+        pyarrow.parquet.write_table(pyarrow.table({field: docs}), data)
+    else:
+        import datasets
+
+        datasets.Dataset.from_dict({field: docs}).save_to_disk(data)
+
+
 def check_recipe(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     world, script, args = _script(cmd)
     assert script == "recipes/train.py"
     monkeypatch.chdir(_in_a_checkout_copy(tmp_path))
+    if "--tokenizer" in args:
+        _user_tokenizer_and_data(args)
     if "--help" in args:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
