@@ -67,6 +67,7 @@ from recipes.checkpoint import (
 from recipes.config import (
     ConfigError, JobConfig, TrainingConfig, check_layout_world, command_line_keys, describe, parse_args,
 )
+from recipes.hf import check_hf_run, export_hf_model
 from recipes.data import ByteTokenizer, corpus_files, corpus_size, get_batch, load_corpus, split_corpus
 from recipes.llama.model import Transformer
 from recipes.llama.moe import active_params, register_load_balancing
@@ -175,6 +176,7 @@ def check_run(config: JobConfig, world_size: int = 1) -> None:
         check_export(config.checkpoint.export)
     if config.checkpoint.initial_load_path:
         check_initial_load(config.checkpoint.initial_load_path)
+    check_hf_run(config)  # a Hugging Face model in (its tensors, the tokenizer's vocabulary) or out
     if config.metrics.enable_tensorboard:
         check_tensorboard()
     v, t = config.validation, config.training
@@ -591,6 +593,9 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     if ckpt.export:
         export_model(model, ckpt.export)
         log(f"exported the full model to {ckpt.export}")
+    if ckpt.export_hf:
+        export_hf_model(model, config)
+        log(f"exported the model as a Hugging Face folder ({ckpt.export_hf_dtype}) to {ckpt.export_hf}")
     if config.metrics.sample_tokens and pipeline is None:  # (pipelined: no_op_warnings says so)
         sample = generate(model, "def ", config.metrics.sample_tokens, device, seed=t.seed, multiple_of=dims.tp)
         log('sample (temperature 0.8, after the prompt "def "):\n' + sample)

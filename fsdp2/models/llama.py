@@ -49,6 +49,8 @@ class ModelArgs:
     vocab_size: int = 256  # rows of the embedding table and the output layer (256: bytes)
     multiple_of: int = 32  # the SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None  # scales the SwiGLU hidden size (8/3 x dim) before rounding
+    ffn_hidden_size: int | None = None  # the SwiGLU hidden size exactly (Hugging Face's intermediate_size);
+    # None: derived from dim, ffn_dim_multiplier and multiple_of
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     rope_theta: float = 10000.0  # base of the rotary embeddings' frequencies
     max_seq_len: int = 256  # length of the rotary table; sequences may be shorter
@@ -86,6 +88,9 @@ class ModelArgs:
             )
 
     def _check_moe(self) -> None:
+        if self.ffn_hidden_size is not None and (not isinstance(self.ffn_hidden_size, int)
+                                                 or isinstance(self.ffn_hidden_size, bool) or self.ffn_hidden_size < 1):
+            raise ValueError(f"model.ffn_hidden_size must be a positive int or None, got {self.ffn_hidden_size!r}")
         for name in ("moe_experts", "moe_hidden", "moe_shared_experts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -114,7 +119,10 @@ class ModelArgs:
 
     @property
     def ffn_hidden(self) -> int:
-        """Llama's SwiGLU width: 2/3 of 4 * dim (same parameter count as a 4x GELU MLP), rounded up."""
+        """Llama's SwiGLU width: ``ffn_hidden_size`` when set, else 2/3 of 4 * dim (same parameter
+        count as a 4x GELU MLP), scaled by ``ffn_dim_multiplier`` and rounded up to ``multiple_of``."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

@@ -1,0 +1,202 @@
+"""Hugging Face Llama models in and out of the recipe, on CPU, with nothing downloaded.
+
+A random-weight ``LlamaForCausalLM`` (tiny, grouped-query attention, tied and untied) is saved
+with ``save_pretrained``; the recipe builds its model from that ``config.json`` and loads the
+weights on 2 gloo ranks, under FSDP and under FSDP x TP (dp_shard 1 x tp 2):
+
+- at step 0 its logits equal transformers' on the same tokens (fp32 tolerance);
+- it fine-tunes a few steps on a small text file (byte tokens; the model's vocabulary is 320)
+  and exports with ``checkpoint.export_hf`` (and its own ``checkpoint.export``):
+  ``LlamaForCausalLM.from_pretrained`` loads the export, its logits equal the recipe's final
+  model's (rebuilt from ``checkpoint.export``), and ``generate`` runs;
+- ``python -m fsdp2.checkpoint export-hf`` writes the same model from the run's DCP checkpoint,
+  sharded with an index;
+- bad inputs stop in one line before anything is allocated: another architecture, rope
+  scaling, a missing tensor, a tokenizer larger than the model's vocabulary, a command-line
+  shape that contradicts config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import torch.distributed as dist  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from fsdp2.checkpoint import load_full  # noqa: E402
+from fsdp2.checkpoint.__main__ import main as checkpoint_main  # noqa: E402
+from fsdp2.models.llama import Transformer  # noqa: E402
+from recipes import train  # noqa: E402
+from recipes.checkpoint import load_initial  # noqa: E402
+from recipes.config import ConfigError, parse_args  # noqa: E402
+from recipes.llama.parallelize import ParallelDims, check_layout  # noqa: E402
+from tests._dist import run_on_ranks  # noqa: E402
+from tests.tools.test_recipe import _train_on_ranks  # noqa: E402
+
+VOCAB = 320  # byte tokens (< 256) fit; 320 splits evenly over 2 ranks
+SEQ = 16
+RUN = ["--model.max_seq_len=32", f"--training.seq_len={SEQ}", "--training.batch_size=2", "--training.warmup_steps=1",
+       "--training.lr=1e-2", "--metrics.log_every=1", "--metrics.sample_tokens=0", "--metrics.plot=false"]
+LAYOUTS = {"fsdp": ["--dp-shard", "2", "--tp", "1"], "fsdp_tp": ["--dp-shard", "1", "--tp", "2"]}
+TOKENS = torch.arange(2 * SEQ).reshape(2, SEQ) * 7 % 256  # (batch, seq): byte ids
+
+
+def _hf_config(tied: bool, **changes) -> LlamaConfig:
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaConfig(**{**fields, **changes})
+
+
+def _save(folder: Path, tied: bool, seed: int = 0, **changes) -> Path:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(_hf_config(tied, **changes))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {"untied": _save(root / "untied", tied=False), "tied": _save(root / "tied", tied=True, seed=1)}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("def add(a, b):\n    return a + b\n\n" * 40)
+    return path
+
+
+def _hf_logits(folder: Path, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    model = LlamaForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _step0_logits(argv: list[str]) -> torch.Tensor:
+    """On every rank: the recipe's model built and loaded as a run does, its logits on TOKENS."""
+    config = parse_args(argv)
+    p = config.parallelism
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, dist.get_world_size())
+    check_layout(dims, config)
+    dims.build_mesh("cpu")
+    model = train.build_model(config, dims, torch.device("cpu"))
+    load_initial(config.checkpoint.initial_load_path, model)
+    with torch.no_grad():
+        return model(TOKENS).detach().clone()
+
+
+@pytest.mark.parametrize("kind,layout", [("untied", "fsdp"), ("tied", "fsdp"), ("untied", "fsdp_tp")])
+def test_step0_logits_equal_transformers(hf_models, kind, layout):
+    folder = hf_models[kind]
+    argv = [*RUN, *LAYOUTS[layout], f"--checkpoint.initial_load_path={folder}"]
+    config = parse_args(argv)
+    assert (config.model.dim, config.model.n_kv_heads, config.model.vocab_size, config.model.ffn_hidden,
+            config.model.tie_embeddings, config.model.rope_theta) == (32, 2, VOCAB, 72, kind == "tied", 5000.0)
+    expected = _hf_logits(folder)
+    for logits in run_on_ranks(_step0_logits, 2, argv, timeout=120.0):
+        torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+
+
+def _final_model(export: Path, folder: Path) -> Transformer:
+    """The recipe's final model, unsharded, from its own checkpoint.export file."""
+    config = parse_args([*RUN, f"--checkpoint.initial_load_path={folder}"])
+    model = Transformer(config.model)
+    load_full(export, model)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind,layout", [("untied", "fsdp"), ("tied", "fsdp"), ("untied", "fsdp_tp")])
+def test_finetune_export_and_from_pretrained(hf_models, text, tmp_path, kind, layout):
+    folder = hf_models[kind]
+    out, ckpt = tmp_path / "hf_out", tmp_path / "ckpt"
+    run_on_ranks(_train_on_ranks, 2, [*RUN, *LAYOUTS[layout], "--training.steps=3", f"--data={text}",
+                                      f"--checkpoint.initial_load_path={folder}", f"--checkpoint.export_hf={out}",
+                                      f"--checkpoint.export={tmp_path / 'final.safetensors'}",
+                                      f"--checkpoint-dir={ckpt}"], timeout=240.0)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["tie_word_embeddings"], config["intermediate_size"]) == \
+        (["LlamaForCausalLM"], kind == "tied", 72)
+    final = _final_model(tmp_path / "final.safetensors", folder)
+    with torch.no_grad():
+        ours = final(TOKENS)
+    exported = LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = exported(TOKENS).logits
+    torch.testing.assert_close(theirs, ours, atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(theirs, _hf_logits(folder), atol=1e-3), "fine-tuning changed nothing"
+    generated = exported.generate(TOKENS[:1, :4], max_new_tokens=6, do_sample=False)
+    assert generated.shape == (1, 10) and torch.equal(generated[0, :4], TOKENS[0, :4])
+
+    # Offline, from the run's DCP checkpoint: sharded with an index, in bfloat16.
+    offline = tmp_path / "offline"
+    assert checkpoint_main(["export-hf", str(ckpt), str(offline), "--hf-config", str(folder / "config.json"),
+                            "--max-shard-size", "20KB", "--dtype", "bfloat16"]) == 0
+    index = json.loads((offline / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert ("lm_head.weight" in index["weight_map"]) == (kind == "untied")
+    reloaded = LlamaForCausalLM.from_pretrained(offline, dtype=torch.float32).eval()
+    for name, param in exported.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], param.to(torch.bfloat16).float(), atol=0, rtol=0)
+
+
+# ---- bad inputs: one line, before anything is allocated ------------------------------------------
+def _refused(argv: list[str]) -> str:
+    with pytest.raises((ConfigError, ValueError)) as info:
+        train.check_command([*RUN, *argv], 2)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_another_architecture_is_refused(tmp_path, hf_models):
+    folder = tmp_path / "gpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**_hf_config(False).to_dict(), "model_type": "mistral",
+                                                    "architectures": ["MistralForCausalLM"]}))
+    assert "model_type 'mistral' is not supported" in _refused([f"--checkpoint.initial_load_path={folder}"])
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}}, "rope_scaling of type 'llama3' is not supported"),
+    ({"attention_bias": True}, "attention_bias=true is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+])
+def test_what_the_model_cannot_express_is_refused(tmp_path, change, expected):
+    folder = _save(tmp_path / "m", tied=False, **change)
+    assert expected in _refused([f"--checkpoint.initial_load_path={folder}"])
+
+
+def test_a_missing_tensor_is_refused(tmp_path, hf_models):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    (folder / "config.json").write_text((hf_models["untied"] / "config.json").read_text())
+    tensors = load_file(hf_models["untied"] / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    message = _refused([f"--checkpoint.initial_load_path={folder}"])
+    assert "tensor model.layers.1.mlp.up_proj.weight is missing" in message, message
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    folder = _save(tmp_path / "small_vocab", tied=False, vocab_size=200)
+    message = _refused([f"--checkpoint.initial_load_path={folder}"])
+    assert "the tokenizer has 256 tokens but" in message and "vocab_size 200" in message, message
+
+
+def test_a_contradicting_shape_and_tied_tp_are_refused(hf_models):
+    assert "--model.dim=64 contradicts" in _refused([f"--checkpoint.initial_load_path={hf_models['untied']}",
+                                                     "--model.dim=64"])
+    assert "tie_embeddings" in _refused([f"--checkpoint.initial_load_path={hf_models['tied']}", *LAYOUTS["fsdp_tp"]])
