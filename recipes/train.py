@@ -652,7 +652,8 @@ def generate(model: Transformer, prompt: str, n_tokens: int, device: torch.devic
     for _ in range(n_tokens):
         context = tokens[:, -window:]
         padded = F.pad(context, (0, -context.shape[1] % multiple_of))  # (1, seq rounded up)
-        logits = model(padded)[0, context.shape[1] - 1].float().cpu()  # (vocab,)
+        # (the tokenizer's ids only: a Hugging Face model's vocabulary may be larger)
+        logits = model(padded)[0, context.shape[1] - 1, :tokenizer.vocab_size].float().cpu()  # (tokenizer vocab,)
         probs = torch.softmax(logits / temperature, dim=-1)
         next_token = torch.multinomial(probs, 1, generator=gen).to(device)
         tokens = torch.cat([tokens, next_token[None]], dim=1)
