@@ -377,7 +377,7 @@ def check_initial_load(path: str | Path) -> None:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{where} does not exist")
-    if _is_safetensors(path):
+    if _is_safetensors(path) or ckpt.is_hf_folder(path):  # (a Hugging Face folder's tensors: recipes/hf.py)
         if importlib.util.find_spec("safetensors") is None:
             raise ValueError(f"{where}: reading safetensors needs the 'safetensors' package "
                              "(pip install -e '.[checkpoint]')")

@@ -323,11 +323,12 @@ class HFWriter:
 
 def to_hf(name: str, tensor: torch.Tensor, args: ModelArgs, dtype: torch.dtype) -> torch.Tensor:
     """fsdp2 tensor ``name`` as Hugging Face stores it: q/k rows in ``rotate_half`` order, cast to ``dtype``."""
-    orders = _row_orders(args)
-    if name in orders:
-        inverse = torch.empty_like(orders[name])
-        inverse[orders[name]] = torch.arange(orders[name].numel())
-        tensor = tensor[inverse.to(tensor.device)]
+    heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.kv_heads}.get(name.split(".", 2)[-1])
+    if heads is not None:
+        order = hf_row_order(heads, args.head_dim)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        tensor = tensor[inverse.to(tensor.device)]  # (rows in Hugging Face's order, dim)
     return tensor.to(dtype)
 
 

@@ -55,18 +55,19 @@ def _hf_config(tied: bool, **changes) -> LlamaConfig:
     return LlamaConfig(**{**fields, **changes})
 
 
-def _save(folder: Path, tied: bool, seed: int = 0, **changes) -> Path:
+def _save(folder: Path, tied: bool, seed: int = 0, shard: str | None = None, **changes) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(_hf_config(tied, **changes))
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return folder
 
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {"untied": _save(root / "untied", tied=False), "tied": _save(root / "tied", tied=True, seed=1)}
+    return {"untied": _save(root / "untied", tied=False), "tied": _save(root / "tied", tied=True, seed=1),
+            "sharded": _save(root / "sharded", tied=False, seed=2, shard="20KB")}
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +96,17 @@ def _step0_logits(argv: list[str]) -> torch.Tensor:
         return model(TOKENS).detach().clone()
 
 
-@pytest.mark.parametrize("kind,layout", [("untied", "fsdp"), ("tied", "fsdp"), ("untied", "fsdp_tp")])
+@pytest.mark.parametrize("kind,layout", [("untied", "fsdp"), ("tied", "fsdp"), ("untied", "fsdp_tp"),
+                                         ("sharded", "fsdp_tp")])
 def test_step0_logits_equal_transformers(hf_models, kind, layout):
     folder = hf_models[kind]
+    if kind == "sharded":  # save_pretrained split it: the recipe reads the index
+        assert (folder / "model.safetensors.index.json").is_file()
     argv = [*RUN, *LAYOUTS[layout], f"--checkpoint.initial_load_path={folder}"]
     config = parse_args(argv)
     assert (config.model.dim, config.model.n_kv_heads, config.model.vocab_size, config.model.ffn_hidden,
-            config.model.tie_embeddings, config.model.rope_theta) == (32, 2, VOCAB, 72, kind == "tied", 5000.0)
+            config.model.tie_embeddings, config.model.rope_theta, config.model.norm_eps) == \
+        (32, 2, VOCAB, 72, kind == "tied", 5000.0, 1e-5)
     expected = _hf_logits(folder)
     for logits in run_on_ranks(_step0_logits, 2, argv, timeout=120.0):
         torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
@@ -149,6 +154,37 @@ def test_finetune_export_and_from_pretrained(hf_models, text, tmp_path, kind, la
         torch.testing.assert_close(reloaded.state_dict()[name], param.to(torch.bfloat16).float(), atol=0, rtol=0)
 
 
+def test_a_rank_reads_only_the_span_its_permuted_rows_come_from(hf_models):
+    """The q/k row order makes a rank's rows non-contiguous in the file: it reads their span, no more."""
+    from safetensors import safe_open
+
+    from fsdp2.checkpoint._full import _Reordered
+    from fsdp2.checkpoint._hf import hf_row_order
+
+    head_dim, heads = 8, 4
+    order = hf_row_order(heads, head_dim)
+    assert sorted(order.tolist()) == list(range(heads * head_dim))
+    assert order[:4].tolist() == [0, 4, 1, 5]  # rows 2i, 2i+1 of a head are rows i, i + head_dim/2 in the file
+
+    class Recorded:  # a real safetensors slice that records what is read from it
+        def __init__(self, source):
+            self.source, self.read = source, []
+
+        def __getitem__(self, index):
+            self.read.append(index)
+            return self.source[index]
+
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with safe_open(hf_models["untied"] / "model.safetensors", framework="pt") as f:
+        full = f.get_tensor(name)
+        source = Recorded(f.get_slice(name))
+        rows = _Reordered(source, order)[slice(9, 13), slice(4, 20)]  # rank-like box: rows 9..12, columns 4..19
+    torch.testing.assert_close(rows, full[order[9:13]][:, 4:20], atol=0, rtol=0)
+    (index,) = source.read
+    assert (index[0].start, index[0].stop) == (order[9:13].min().item(), order[9:13].max().item() + 1)
+    assert index[0].stop - index[0].start <= 4 + head_dim and index[1] == slice(4, 20)
+
+
 # ---- bad inputs: one line, before anything is allocated ------------------------------------------
 def _refused(argv: list[str]) -> str:
     with pytest.raises((ConfigError, ValueError)) as info:
@@ -194,6 +230,14 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     folder = _save(tmp_path / "small_vocab", tied=False, vocab_size=200)
     message = _refused([f"--checkpoint.initial_load_path={folder}"])
     assert "the tokenizer has 256 tokens but" in message and "vocab_size 200" in message, message
+
+
+def test_a_folder_without_weights_is_refused(tmp_path, hf_models):
+    folder = tmp_path / "config_only"
+    folder.mkdir()
+    (folder / "config.json").write_text((hf_models["untied"] / "config.json").read_text())
+    assert "holds neither model.safetensors.index.json nor model.safetensors" in \
+        _refused([f"--checkpoint.initial_load_path={folder}"])
 
 
 def test_a_contradicting_shape_and_tied_tp_are_refused(hf_models):
