@@ -34,7 +34,10 @@ __all__ = ["hf_model_values", "check_hf_run", "tokenizer_vocab_size", "check_tok
 _HF_KEY = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
            "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_hidden_size": "intermediate_size",
            "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "tie_embeddings": "tie_word_embeddings",
-           "moe_experts": "model_type"}
+           "moe_experts": "model_type", "rope_scaling_factor": "rope_scaling.factor",
+           "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+           "rope_high_freq_factor": "rope_scaling.high_freq_factor",
+           "rope_original_max_seq_len": "rope_scaling.original_max_position_embeddings"}
 
 
 def hf_model_values(path: str, model: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:

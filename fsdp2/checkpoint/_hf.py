@@ -65,20 +65,35 @@ def _read_config(path: str | os.PathLike) -> tuple[dict[str, Any], str]:
         raise ValueError(f"{file}: not JSON ({e})") from None
 
 
-def _rope(config: dict[str, Any], where: str) -> float:
-    """rope_theta, refusing any rotary scaling (transformers 5's ``rope_parameters`` or the older keys)."""
-    params = config.get("rope_parameters") or {}
+_LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor",
+                "original_max_position_embeddings": "rope_original_max_seq_len"}
+
+
+def _rope(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The rotary fields: ``rope_theta``, and Llama 3.1's scaling (``rope_type`` "llama3"); any other
+    scaling is refused. Reads transformers 5's ``rope_parameters`` or the older ``rope_scaling``."""
+    params = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict):
+        params.update(scaling)
+    elif scaling:
+        raise ValueError(f"{where}: rope_scaling {scaling!r} is not supported: give null or a llama3 scaling")
     kind = params.get("rope_type", params.get("type", "default"))
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
-    if kind != "default":
-        raise ValueError(f"{where}: rope_scaling of type {kind!r} is not supported (the model's rotary embeddings "
-                         "are unscaled); use a model whose rope_scaling is null")
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"{where}: rope_scaling of type {kind!r} is not supported (the model implements no "
+                         "scaling and Llama 3.1's 'llama3'); use a model whose rope_scaling is null or llama3")
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise ValueError(f"{where}: rope_theta must be a positive number, got {theta!r}")
-    return float(theta)
+    if kind == "default":
+        return {"rope_theta": float(theta), "rope_scaling_factor": 1.0}
+    missing = [k for k in _LLAMA3_KEYS if not isinstance(params.get(k), (int, float))]
+    if missing:
+        raise ValueError(f"{where}: the llama3 rope scaling has no {missing[0]}")
+    fields = {ours: float(params[theirs]) for theirs, ours in _LLAMA3_KEYS.items()}
+    fields["rope_original_max_seq_len"] = int(params["original_max_position_embeddings"])
+    return {"rope_theta": float(theta), **fields}
 
 
 def _refuse_unsupported(config: dict[str, Any], where: str) -> None:
@@ -134,7 +149,7 @@ def hf_fields(path: str | os.PathLike) -> dict[str, Any]:
     return {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"],
             "n_heads": config["num_attention_heads"], "n_kv_heads": kv if kv is not None else None,
             "vocab_size": config["vocab_size"], "ffn_hidden_size": config["intermediate_size"],
-            "norm_eps": float(config.get("rms_norm_eps", 1e-6)), "rope_theta": _rope(config, where),
+            "norm_eps": float(config.get("rms_norm_eps", 1e-6)), **_rope(config, where),
             "tie_embeddings": bool(config.get("tie_word_embeddings", False)), "moe_experts": 0}
 
 
@@ -143,12 +158,16 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, 
     if args.moe_experts:
         raise ValueError("hf_config: a mixture-of-experts model has no LlamaForCausalLM equivalent")
     dtype_name = next(name for name, d in DTYPE_NAMES.items() if d == dtype)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling_factor > 1.0:
+        rope = {"rope_type": "llama3", "rope_theta": args.rope_theta,
+                **{theirs: getattr(args, ours) for theirs, ours in _LLAMA3_KEYS.items()}}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
             "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
             "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate_size": args.ffn_hidden,
             "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len, "hidden_act": "silu",
             "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+            "rope_parameters": rope,
             "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False,
             "initializer_range": args.init_std, "torch_dtype": dtype_name, "dtype": dtype_name,
             "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}

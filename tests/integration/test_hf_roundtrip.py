@@ -11,13 +11,15 @@ weights on 2 gloo ranks, under FSDP and under FSDP x TP (dp_shard 1 x tp 2):
   model's (rebuilt from ``checkpoint.export``), and ``generate`` runs;
 - ``python -m fsdp2.checkpoint export-hf`` writes the same model from the run's DCP checkpoint,
   sharded with an index;
-- bad inputs stop in one line before anything is allocated: another architecture, rope
+- Llama 3.1's rotary scaling (``rope_type`` "llama3") loads with the same logits;
+- bad inputs stop in one line before anything is allocated: another architecture, another rope
   scaling, a missing tensor, a tokenizer larger than the model's vocabulary, a command-line
   shape that contradicts config.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -30,7 +32,7 @@ pytest.importorskip("safetensors")
 import torch.distributed as dist  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from fsdp2.checkpoint import load_full  # noqa: E402
+from fsdp2.checkpoint import load_full, load_hf  # noqa: E402
 from fsdp2.checkpoint.__main__ import main as checkpoint_main  # noqa: E402
 from fsdp2.models.llama import Transformer  # noqa: E402
 from recipes import train  # noqa: E402
@@ -45,6 +47,9 @@ SEQ = 16
 RUN = ["--model.max_seq_len=32", f"--training.seq_len={SEQ}", "--training.batch_size=2", "--training.warmup_steps=1",
        "--training.lr=1e-2", "--metrics.log_every=1", "--metrics.sample_tokens=0", "--metrics.plot=false"]
 LAYOUTS = {"fsdp": ["--dp-shard", "2", "--tp", "1"], "fsdp_tp": ["--dp-shard", "1", "--tp", "2"]}
+# Llama 3.1's rotary scaling, with an original context short enough to scale this model's frequencies.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
 TOKENS = torch.arange(2 * SEQ).reshape(2, SEQ) * 7 % 256  # (batch, seq): byte ids
 
 
@@ -67,7 +72,8 @@ def _save(folder: Path, tied: bool, seed: int = 0, shard: str | None = None, **c
 def hf_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {"untied": _save(root / "untied", tied=False), "tied": _save(root / "tied", tied=True, seed=1),
-            "sharded": _save(root / "sharded", tied=False, seed=2, shard="20KB")}
+            "sharded": _save(root / "sharded", tied=False, seed=2, shard="20KB"),
+            "llama3": _save(root / "llama3", tied=False, seed=3, initializer_range=0.2, rope_scaling=LLAMA3_ROPE)}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +103,7 @@ def _step0_logits(argv: list[str]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind,layout", [("untied", "fsdp"), ("tied", "fsdp"), ("untied", "fsdp_tp"),
-                                         ("sharded", "fsdp_tp")])
+                                         ("sharded", "fsdp_tp"), ("llama3", "fsdp")])
 def test_step0_logits_equal_transformers(hf_models, kind, layout):
     folder = hf_models[kind]
     if kind == "sharded":  # save_pretrained split it: the recipe reads the index
@@ -108,6 +114,12 @@ def test_step0_logits_equal_transformers(hf_models, kind, layout):
             config.model.tie_embeddings, config.model.rope_theta, config.model.norm_eps) == \
         (32, 2, VOCAB, 72, kind == "tied", 5000.0, 1e-5)
     expected = _hf_logits(folder)
+    if kind == "llama3":  # the scaling is read, and it matters: unscaled rotations give other logits
+        assert (config.model.rope_scaling_factor, config.model.rope_original_max_seq_len) == (8.0, 16)
+        unscaled = Transformer(dataclasses.replace(config.model, rope_scaling_factor=1.0))
+        load_hf(folder, unscaled)
+        with torch.no_grad():
+            assert (unscaled(TOKENS) - expected).abs().max() > 1e-3
     for logits in run_on_ranks(_step0_logits, 2, argv, timeout=120.0):
         torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
 
@@ -152,6 +164,19 @@ def test_finetune_export_and_from_pretrained(hf_models, text, tmp_path, kind, la
     reloaded = LlamaForCausalLM.from_pretrained(offline, dtype=torch.float32).eval()
     for name, param in exported.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[name], param.to(torch.bfloat16).float(), atol=0, rtol=0)
+
+
+def test_llama3_scaling_round_trips_in_one_process(hf_models, tmp_path):
+    """export_hf without a process group: the llama3 rope parameters and the weights come back."""
+    from fsdp2.checkpoint import export_hf, model_args_from_hf
+
+    model = Transformer(model_args_from_hf(hf_models["llama3"])).eval()
+    load_hf(hf_models["llama3"], model)
+    export_hf(tmp_path / "out", model)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 5000.0}
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_logits(tmp_path / "out"), model(TOKENS), atol=2e-5, rtol=1e-5)
 
 
 def test_a_rank_reads_only_the_span_its_permuted_rows_come_from(hf_models):
@@ -203,8 +228,8 @@ def test_another_architecture_is_refused(tmp_path, hf_models):
 
 
 @pytest.mark.parametrize("change,expected", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                       "original_max_position_embeddings": 8192}}, "rope_scaling of type 'llama3' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+     "rope_scaling of type 'yarn' is not supported"),
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
 ])
