@@ -377,7 +377,7 @@ def check_initial_load(path: str | Path) -> None:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{where} does not exist")
-    if _is_safetensors(path):
+    if _is_safetensors(path) or ckpt.is_hf_folder(path):  # (a Hugging Face folder's tensors: recipes/hf.py)
         if importlib.util.find_spec("safetensors") is None:
             raise ValueError(f"{where}: reading safetensors needs the 'safetensors' package "
                              "(pip install -e '.[checkpoint]')")
@@ -395,13 +395,17 @@ def check_initial_load(path: str | Path) -> None:
 def load_initial(path: str | Path, model: nn.Module) -> None:
     """Collective: the model's weights from ``path`` (checked by :func:`check_initial_load`), nothing else.
 
-    A .safetensors file (or directory) goes through :func:`fsdp2.checkpoint.load_full`: each rank
-    memory-maps it and reads its own rows. A DCP checkpoint, a step directory or a run's
-    checkpoint directory (its newest sound checkpoint), through :func:`fsdp2.checkpoint.load`
-    with no optimizer: its model only. Either works at any world size and layout.
+    A Hugging Face folder (``config.json`` and safetensors) goes through :func:`fsdp2.checkpoint.load_hf`
+    (names mapped, rotary rows permuted); a .safetensors file (or directory) through
+    :func:`fsdp2.checkpoint.load_full`: each rank memory-maps it and reads its own rows. A DCP
+    checkpoint, a step directory or a run's checkpoint directory (its newest sound checkpoint),
+    through :func:`fsdp2.checkpoint.load` with no optimizer: its model only. Either works at any world size and layout.
     """
     path = Path(path)
-    if _is_safetensors(path):
+    if ckpt.is_hf_folder(path):  # its config.json built the model (recipes/hf.py)
+        ckpt.load_hf(path, model)
+        source = f"{path} (Hugging Face model)"
+    elif _is_safetensors(path):
         ckpt.load_full(path, model)
         source = f"{path} (safetensors)"
     else:

@@ -175,7 +175,10 @@ class CheckpointConfig:
     start_fresh_if_unusable: bool = False  # dir holds only unusable checkpoints: start from step 0, not stop
     export: str | None = None  # write the final full model here: .safetensors (streamed), else torch.save
     initial_load_path: str | None = None  # a run that does not resume starts from these weights (model only):
-    # a .safetensors file (or a directory of them) or a DCP checkpoint (a step directory or a run's dir)
+    # a .safetensors file (or a directory of them), a DCP checkpoint (a step directory or a run's dir), or a
+    # Hugging Face Llama folder (config.json + safetensors: its config.json sets the model's shape)
+    export_hf: str | None = None  # write the final model here as a Hugging Face folder (config.json + safetensors)
+    export_hf_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the dtype export_hf stores
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every", "keep", allow_zero=True)
@@ -376,9 +379,14 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     if path is not None:
         _apply_toml(values, Path(path))
+    given: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for key, raw, source in _split_overrides(overrides):
         section, name, tp = _lookup(key, source)
-        values[section][name] = _convert(raw, tp, key, source, from_cli=True)
+        values[section][name] = given[section][name] = _convert(raw, tp, key, source, from_cli=True)
+    if values["checkpoint"].get("initial_load_path"):  # a Hugging Face folder's config.json sets the model's shape
+        from .hf import hf_model_values
+
+        values["model"] = hf_model_values(values["checkpoint"]["initial_load_path"], values["model"], given["model"])
     try:
         return JobConfig(**{name: SECTIONS[name](**kv) for name, kv in values.items()})
     except ConfigError:

@@ -98,7 +98,8 @@ def pipeline_layout(config: JobConfig) -> PipelineLayout:
         raise ConfigError(f"parallelism.pp={pp} with model.tie_embeddings=true: the first stage's embedding and the "
                           "last stage's output cannot share one weight; set model.tie_embeddings=false or pp=1")
     for key, on in (("validation.enable", config.validation.enable), ("checkpoint.export", config.checkpoint.export),
-                    ("checkpoint.initial_load_path", config.checkpoint.initial_load_path)):
+                    ("checkpoint.initial_load_path", config.checkpoint.initial_load_path),
+                    ("checkpoint.export_hf", config.checkpoint.export_hf)):
         if on:
             raise ConfigError(f"{key} is not supported with parallelism.pp > 1 yet (each rank holds only its "
                               f"stages); unset {key} or run with parallelism.pp=1")

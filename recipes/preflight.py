@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from fsdp2.checkpoint import is_hf_folder
 from fsdp2.plan import NOTHING_FITS, check_fit
 
 from .config import ConfigError, JobConfig
@@ -98,6 +99,8 @@ def apply_tokenizer(config: JobConfig, given: set[str] = frozenset()) -> None:
     it; raise ConfigError when the model's vocabulary is smaller than the tokenizer's (or ValueError for
     a tokenizer that cannot be read)."""
     d = config.data
+    if config.checkpoint.initial_load_path and is_hf_folder(config.checkpoint.initial_load_path):
+        return  # the vocabulary is the model folder's config.json (recipes.hf.check_hf_run checks the tokenizer's)
     needed = load_tokenizer(d.tokenizer, eos_token=d.eos_token).vocab_size
     have = config.model.vocab_size
     if d.tokenizer is not None and "model.vocab_size" not in given:

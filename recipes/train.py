@@ -72,6 +72,7 @@ from recipes.data import (
     ByteTokenizer, HFTokenizer, corpus_length, corpus_unit, describe_data, get_batch, load_data, load_tokenizer,
     split_corpus,
 )
+from recipes.hf import check_hf_run, export_hf_model
 from recipes.llama.model import Transformer
 from recipes.llama.moe import active_params, register_load_balancing
 from recipes.llama.parallelize import ParallelDims, check_layout, parallelize
@@ -182,6 +183,7 @@ def check_run(config: JobConfig, world_size: int = 1) -> None:
         check_export(config.checkpoint.export)
     if config.checkpoint.initial_load_path:
         check_initial_load(config.checkpoint.initial_load_path)
+    check_hf_run(config)  # a Hugging Face model in (its tensors, the tokenizer's vocabulary) or out
     if config.metrics.enable_tensorboard:
         check_tensorboard()
     v, t = config.validation, config.training
@@ -598,6 +600,9 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     if ckpt.export:
         export_model(model, ckpt.export)
         log(f"exported the full model to {ckpt.export}")
+    if ckpt.export_hf:
+        export_hf_model(model, config)
+        log(f"exported the model as a Hugging Face folder ({ckpt.export_hf_dtype}) to {ckpt.export_hf}")
     if config.metrics.sample_tokens and pipeline is None:  # (pipelined: no_op_warnings says so)
         tokenizer = load_tokenizer(config.data.tokenizer, eos_token=config.data.eos_token)
         sample = generate(model, "def ", config.metrics.sample_tokens, device, seed=t.seed, multiple_of=dims.tp,
@@ -657,7 +662,8 @@ def generate(model: Transformer, prompt: str, n_tokens: int, device: torch.devic
     for _ in range(n_tokens):
         context = tokens[:, -window:]
         padded = F.pad(context, (0, -context.shape[1] % multiple_of))  # (1, seq rounded up)
-        logits = model(padded)[0, context.shape[1] - 1].float().cpu()  # (vocab,)
+        # (the tokenizer's ids only: a Hugging Face model's vocabulary may be larger)
+        logits = model(padded)[0, context.shape[1] - 1, :tokenizer.vocab_size].float().cpu()  # (tokenizer vocab,)
         probs = torch.softmax(logits / temperature, dim=-1)
         next_token = torch.multinomial(probs, 1, generator=gen).to(device)
         tokens = torch.cat([tokens, next_token[None]], dim=1)

@@ -11,8 +11,12 @@
   model for inference tools, gathered one parameter at a time.
 - :func:`load_full`: start from full pretrained weights (safetensors, single
   file or Hugging Face shards): each rank memory-maps and reads only its rows.
+- :func:`load_hf` / :func:`export_hf`: a Hugging Face Llama folder (``config.json`` and
+  safetensors) into fsdp2's Llama, each rank reading its own rows, and back out, streamed
+  into shards; :func:`model_args_from_hf` builds the model's shape from ``config.json``.
 - ``python -m fsdp2.checkpoint export DCP_DIR OUT.safetensors``: consolidate a
-  DCP checkpoint offline, without a process group; ``... verify DIR``: check a
+  DCP checkpoint offline, without a process group; ``... export-hf CHECKPOINT DIR``: the same
+  as a Hugging Face folder; ``... verify DIR``: check a
   checkpoint, or every checkpoint of a run's directory, offline.
 
 See docs/checkpointing.md.
@@ -20,5 +24,7 @@ See docs/checkpointing.md.
 
 from ._dcp import CorruptCheckpointError, load, save, verify, verify_on_ranks
 from ._full import export_full, load_full
+from ._hf import check_hf_weights, export_hf, hf_config, is_hf_folder, load_hf, model_args_from_hf
 
-__all__ = ["save", "load", "verify", "verify_on_ranks", "CorruptCheckpointError", "export_full", "load_full"]
+__all__ = ["save", "load", "verify", "verify_on_ranks", "CorruptCheckpointError", "export_full", "load_full",
+           "model_args_from_hf", "hf_config", "check_hf_weights", "load_hf", "export_hf", "is_hf_folder"]

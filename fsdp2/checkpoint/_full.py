@@ -125,7 +125,8 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("cpu", copy=True)
 
 
-def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None = None) -> None:
+def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None = None, *,
+              row_orders: Mapping[str, torch.Tensor] | None = None) -> None:
     """Load full weights from safetensors into a sharded ``model``; each rank reads only its rows.
 
     ``path`` is a ``.safetensors`` file, or a directory holding
@@ -143,6 +144,9 @@ def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None 
         model: the (sharded or plain) model to fill; every rank calls this.
         key_map: renames checkpoint keys to model keys: a mapping, or a
             callable returning the model key or ``None`` to skip the tensor.
+        row_orders: model key -> int64 row order: row ``r`` of the model's tensor is row
+            ``order[r]`` of the file's (Hugging Face's rotary layout, ``_hf.py``). A rank
+            reads the span of file rows its own rows come from, never the whole tensor.
 
     Raises:
         ValueError: listing every model key the file lacks (a tied parameter
@@ -170,7 +174,28 @@ def load_full(path: str | os.PathLike, model: nn.Module, key_map: KeyMap | None 
             with safetensors.safe_open(file, framework="pt") as f:
                 for model_key, file_key in keys:
                     target = state[model_key]
-                    _copy_owned(target, managed.get(id(target)), f.get_slice(file_key), model_key)
+                    source = f.get_slice(file_key)
+                    if row_orders and model_key in row_orders:
+                        source = _Reordered(source, row_orders[model_key])
+                    _copy_owned(target, managed.get(id(target)), source, model_key)
+
+
+class _Reordered:
+    """A safetensors slice whose rows are read in ``order``: indexing it reads only the span of
+    file rows the requested rows come from."""
+
+    def __init__(self, source: Any, order: torch.Tensor) -> None:
+        self.source, self.order = source, order
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if not isinstance(index, tuple):
+            index = (index,)
+        rows = self.order[index[0]] if index else self.order
+        if rows.numel() == 0:
+            return self.source[(slice(0, 0), *index[1:])]
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        block = self.source[(slice(lo, hi), *index[1:])]  # (rows lo..hi, the other dims' box)
+        return block[rows - lo]
 
 
 def _resolve_files(path: Path) -> dict[str, list[str]]:

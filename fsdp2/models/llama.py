@@ -49,8 +49,16 @@ class ModelArgs:
     vocab_size: int = 256  # rows of the embedding table and the output layer (256: bytes)
     multiple_of: int = 32  # the SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None  # scales the SwiGLU hidden size (8/3 x dim) before rounding
+    ffn_hidden_size: int | None = None  # the SwiGLU hidden size exactly (Hugging Face's intermediate_size);
+    # None: derived from dim, ffn_dim_multiplier and multiple_of
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     rope_theta: float = 10000.0  # base of the rotary embeddings' frequencies
+    rope_scaling_factor: float = 1.0  # Llama 3.1's rotary scaling (Hugging Face rope_type "llama3"): frequencies
+    # whose wavelength exceeds rope_original_max_seq_len / rope_low_freq_factor are divided by this, those
+    # shorter than rope_original_max_seq_len / rope_high_freq_factor kept, those between blended; 1: no scaling
+    rope_low_freq_factor: float = 1.0  # (with rope_scaling_factor) see above
+    rope_high_freq_factor: float = 4.0  # (with rope_scaling_factor) see above
+    rope_original_max_seq_len: int = 8192  # (with rope_scaling_factor) the context the model was first trained at
     max_seq_len: int = 256  # length of the rotary table; sequences may be shorter
     tie_embeddings: bool = False  # the output projection reuses tok_embeddings.weight
     init_std: float = 0.02  # standard deviation of the initial weights
@@ -77,6 +85,7 @@ class ModelArgs:
                 f"model.dim / model.n_heads = {self.head_dim} must be even: rotary embeddings "
                 "rotate pairs of channels"
             )
+        self._check_rope_scaling()
         self._check_moe()
         kv = self.kv_heads
         if not isinstance(kv, int) or kv < 1 or self.n_heads % kv:
@@ -85,7 +94,20 @@ class ModelArgs:
                 f"model.n_heads ({self.n_heads})"
             )
 
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling_factor < 1.0:
+            raise ValueError(f"model.rope_scaling_factor must be >= 1 (1: no scaling), "
+                             f"got {self.rope_scaling_factor!r}")
+        if self.rope_scaling_factor > 1.0 and not (0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+                                                   and self.rope_original_max_seq_len > 0):
+            raise ValueError(f"model.rope_low_freq_factor ({self.rope_low_freq_factor}) must be > 0 and below "
+                             f"model.rope_high_freq_factor ({self.rope_high_freq_factor}), and "
+                             f"model.rope_original_max_seq_len > 0 ({self.rope_original_max_seq_len})")
+
     def _check_moe(self) -> None:
+        if self.ffn_hidden_size is not None and (not isinstance(self.ffn_hidden_size, int)
+                                                 or isinstance(self.ffn_hidden_size, bool) or self.ffn_hidden_size < 1):
+            raise ValueError(f"model.ffn_hidden_size must be a positive int or None, got {self.ffn_hidden_size!r}")
         for name in ("moe_experts", "moe_hidden", "moe_shared_experts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -114,7 +136,10 @@ class ModelArgs:
 
     @property
     def ffn_hidden(self) -> int:
-        """Llama's SwiGLU width: 2/3 of 4 * dim (same parameter count as a 4x GELU MLP), rounded up."""
+        """Llama's SwiGLU width: ``ffn_hidden_size`` when set, else 2/3 of 4 * dim (same parameter
+        count as a 4x GELU MLP), scaled by ``ffn_dim_multiplier`` and rounded up to ``multiple_of``."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -134,15 +159,34 @@ LLAMA3 = {
 
 
 # ---- rotary position embeddings -----------------------------------------------------------
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float, *, scaling: ModelArgs | None = None
+                    ) -> torch.Tensor:
     """Rotations e^(i * pos * theta^(-2k / head_dim)) as complex64, shape (max_seq_len, head_dim // 2).
 
     Complex (not float) on purpose: mixed precision casts floating-point inputs of
     sharded modules to bf16, which would round these angles; complex tensors are left alone.
+    ``scaling``: the model's shape, whose ``rope_scaling_factor`` (when above 1) stretches the
+    long wavelengths as Llama 3.1 does (:func:`scale_frequencies`).
     """
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is not None and scaling.rope_scaling_factor > 1.0:
+        freqs = scale_frequencies(freqs, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
     return torch.polar(torch.ones_like(angles), angles)
+
+
+def scale_frequencies(freqs: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: a rotation slower than the original context (wavelength
+    2 pi / freq above ``rope_original_max_seq_len / rope_low_freq_factor``) is slowed by
+    ``rope_scaling_factor``; one faster than ``rope_original_max_seq_len / rope_high_freq_factor``
+    is kept; in between, the two are mixed in proportion to how many times the wavelength fits
+    in the original context."""
+    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    context = args.rope_original_max_seq_len
+    wavelength = 2 * math.pi / freqs
+    fits = context / wavelength  # how many wavelengths the original context holds
+    keep = ((fits - low) / (high - low)).clamp(0.0, 1.0)  # 1: short wavelengths, 0: long ones
+    return keep * freqs + (1.0 - keep) * freqs / factor
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -226,7 +270,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from args, recomputed by init_weights, never checkpointed.
         self.register_buffer(
-            "rope", precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
+            "rope", precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta, scaling=args), persistent=False
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -273,7 +317,8 @@ class Transformer(nn.Module):
             self.norm.reset_parameters()
         if not self.args.tie_embeddings and self.output is not None:
             init.normal_(self.output.weight, std / math.sqrt(self.args.dim))  # logits start near 0
-        self.rope.copy_(precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
+        self.rope.copy_(precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
+                                        scaling=self.args))
 
 
 # ---- tensor parallelism -------------------------------------------------------------------

@@ -17,7 +17,11 @@ new command in the docs needs a check here. What each rule does:
   world (keys, values, the layout, packages, paths, the data). ``--help`` runs for real. The
   training runs themselves are tests/tools/test_recipe*.py's and CI's Quickstart.
 - ``python -m fsdp2.checkpoint export``: runs for real on a checkpoint made here at the path
-  the command names; ``... verify``: runs for real on a run's directory made there;
+  the command names; ``... export-hf``: runs for real on a checkpoint of the recipe's model made
+  there (its ``--hf-config`` folder made by ``examples/tiny_hf_llama.py``); ``... verify``: runs
+  for real on a run's directory made there;
+- ``python examples/tiny_hf_llama.py``: runs for real (it needs transformers); a recipe command
+  whose ``--checkpoint.initial_load_path`` names a ``tiny-llama`` folder gets one made by it;
   ``python -m fsdp2.plan``: runs for real.
 - the benchmarks: their own parsers read and validate the arguments (the measurements take
   minutes to hours); ``benchmarks/gpu_check.sh`` without a GPU is run by
@@ -229,6 +233,9 @@ def check_recipe(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
             train.main(args)
         assert "--training.steps" in out.getvalue()
         return
+    for arg in args:  # docs/hf-finetune.md: a Hugging Face model folder its first command makes
+        if arg.startswith("--checkpoint.initial_load_path=") and Path(arg.partition("=")[2]).name == "tiny-llama":
+            _tiny_hf_llama(Path(arg.partition("=")[2]))
     try:
         config, dims = train.check_command(args, world)
     except (ConfigError, ValueError) as e:
@@ -236,6 +243,37 @@ def check_recipe(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
             return  # pipelining's documented refusal on older torch (docs/recipes.md says so)
         pytest.fail(f"{cmd.where}: `{cmd}` fails the recipe's checks on {world} ranks: {e}")
     assert dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp == world
+
+
+def _tiny_hf_llama(folder: Path) -> None:
+    """A random-weight Hugging Face Llama folder, as docs/hf-finetune.md's first command makes it."""
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("_doc_tiny_hf_llama", REPO / "examples" / "tiny_hf_llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.write(str(folder))
+
+
+def check_hf_example(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    words = list(cmd.words)
+    monkeypatch.chdir(tmp_path)
+    _tiny_hf_llama(Path(words[2]))
+    assert fsdp2.checkpoint.is_hf_folder(words[2]) and (Path(words[2]) / "model.safetensors").is_file()
+
+
+def check_export_hf(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = list(cmd.words[cmd.words.index("export-hf"):])
+    monkeypatch.chdir(tmp_path)
+    source = Path(args[args.index("--hf-config") + 1]).parent
+    _tiny_hf_llama(source)
+    from fsdp2.models.llama import Transformer
+
+    model = Transformer(fsdp2.checkpoint.model_args_from_hf(source))
+    fsdp2.checkpoint.save(Path(args[1]) / "step-00000020", model)  # CHECKPOINT: a run's directory
+    assert checkpoint_main(args) == 0
+    config = json.loads((Path(args[2]) / "config.json").read_text())
+    dtype = args[args.index("--dtype") + 1] if "--dtype" in args else "float32"
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == dtype
 
 
 def check_export(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -335,6 +373,8 @@ RULES: dict[str, tuple[Callable[[Command], bool], Callable[..., None]]] = {
     "pytest": (_is("python", "-m", "pytest"), check_pytest),
     "recipe": (_runs("recipes/train.py"), check_recipe),
     "export": (_is("python", "-m", "fsdp2.checkpoint", "export"), check_export),
+    "export_hf": (_is("python", "-m", "fsdp2.checkpoint", "export-hf"), check_export_hf),
+    "hf_example": (_runs("examples/tiny_hf_llama.py"), check_hf_example),
     "verify": (_is("python", "-m", "fsdp2.checkpoint", "verify"), check_verify),
     "plan": (_is("python", "-m", "fsdp2.plan"), check_plan),
     "gpu_check": (_is("bash", "benchmarks/gpu_check.sh"), check_gpu_check),
