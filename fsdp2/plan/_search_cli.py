@@ -134,8 +134,8 @@ def search_report(args: argparse.Namespace, *, name: str, model: ModelArgs, para
                          f"{closest.layout.batch}), needs {'at least ' * floor}{format_bytes(needed)} "
                          f"({'its reserve alone; ' * floor}{format_bytes(needed - gpu_memory)} over); add ranks "
                          "(--world), shorten --seq, lower --global-batch or give more --gpu-memory")
-    best = result.ranked[0].layout
     nodes = max(1, args.world // hw.devices_per_node)
+    recipe = " ".join(_model_flags(args, model) + recipe_flags(result.ranked[0].layout))
     lines = [f"{name}: world {args.world}, {args.global_batch} sequences x {args.seq} tokens per step, "
              f"{format_bytes(gpu_memory)} per device, scored by {scorer}",
              format_table([_row(i + 1, e) for i, e in enumerate(result.ranked)], HEADER),
@@ -143,8 +143,7 @@ def search_report(args: argparse.Namespace, *, name: str, model: ModelArgs, para
              f"rest derived from them), {sum(bool(e.fits) for e in result.checked)} of those fit; {elapsed:.1f} s "
              f"({time.process_time() - cpu:.1f} s of CPU)",
              f"the fastest, with the recipe:\n  torchrun --nnodes {nodes} --nproc-per-node "
-             f"{min(args.world, hw.devices_per_node)} recipes/train.py " + " ".join(_model_flags(args, model)
-                                                                              + recipe_flags(best))]
+             f"{min(args.world, hw.devices_per_node)} recipes/train.py {recipe}"]
     if args.search_json is not None:
         lines.append(f"every layout and its scores: {args.search_json} (recipes/train.py --layout-from "
                      f"{args.search_json})")
