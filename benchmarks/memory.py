@@ -31,7 +31,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/ next to fsdp2/
 
 from fsdp2 import MixedPrecisionPolicy, QuantizedComm, fully_shard  # noqa: E402
-from fsdp2.memory import CATEGORIES, Layout, MemoryTracker, ModelBuilder, estimate_memory  # noqa: E402
+from fsdp2.memory import CATEGORIES, MemoryTracker  # noqa: E402
+from fsdp2.plan import Layout, ModelBuilder, estimate_memory  # noqa: E402
 from fsdp2.memory._tracker import format_bytes, format_table  # noqa: E402
 from recipes.llama.model import ModelArgs, Transformer  # noqa: E402
 from recipes.llama.parallelize import ParallelDims, apply_activation_checkpointing, tp_plan  # noqa: E402

@@ -1,11 +1,11 @@
-"""The step-time model (``fsdp2.memory.predict_step_time``) against measured steps of the recipe.
+"""The step-time model (``fsdp2.plan.predict_step_time``) against measured steps of the recipe.
 
     python benchmarks/plan_accuracy.py                 # 14 layouts on 2 and 4 CPU ranks, 2 rounds (~10 min)
     python benchmarks/plan_accuracy.py --quick         # 2 layouts, 3 steps, 1 round: the pipeline runs end to end
     python benchmarks/plan_accuracy.py --out rows.jsonl --steps 8 --warmup 2 --rounds 3
     python benchmarks/plan_accuracy.py --device cuda --hardware h200   # 8 bf16 ~1B layouts, one GPU
 
-It calibrates this machine before each round (``fsdp2.memory.calibrate``: one profile per world
+It calibrates this machine before each round (``fsdp2.plan.calibrate``: one profile per world
 size, its ranks spawned as training spawns them, so they share the cores as training's do; the
 prediction uses the rounds' mean), and launches
 ``recipes/train.py`` under torchrun (``--standalone``, gloo on CPU) ``--rounds`` times per layout
@@ -45,8 +45,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # recipes/ next to fsdp2/
 
-from fsdp2 import plan  # noqa: E402
-from fsdp2.memory import Hardware, ModelBuilder, calibrate, load_hardware, model_costs, predict_step_time  # noqa: E402
+from fsdp2.plan import _cli  # noqa: E402
+from fsdp2.plan import Hardware, ModelBuilder, calibrate, load_hardware, model_costs, predict_step_time  # noqa: E402
 from recipes.preflight import plan_argv  # noqa: E402
 from recipes.train import check_command  # noqa: E402
 
@@ -106,9 +106,9 @@ def recipe_argv(flags: list[str], steps: int) -> list[str]:
 def predict(flags: list[str], world: int, hardware: Hardware, device: str = "cpu") -> float:
     """The model's step time for the recipe run these flags launch on ``world`` ranks."""
     config, dims = check_command(recipe_argv(flags, 1), world)
-    args = plan._parse(plan._parser(), plan_argv(config, dims, device, hardware.memory))
-    _name, model, _notes = plan._model_args(args)
-    layout = plan._layout(args)
+    args = _cli._parse(_cli._parser(), plan_argv(config, dims, device, hardware.memory))
+    _name, model, _notes = _cli._model_args(args)
+    layout = _cli._layout(args)
     return predict_step_time(layout, model_costs(layout, ModelBuilder.llama(model)), hardware).seconds
 
 

@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp2.memory import HARDWARE, Layout, ModelBuilder, Reserve, estimate_memory, model_costs  # noqa: E402
-from fsdp2.memory import predict_step_time  # noqa: E402
+from fsdp2.plan import HARDWARE, Layout, ModelBuilder, Reserve, estimate_memory, model_costs  # noqa: E402
+from fsdp2.plan import predict_step_time  # noqa: E402
 from fsdp2.models.llama import LLAMA3, ModelArgs  # noqa: E402
 
 H100_DOC = "https://github.com/pytorch/torchtitan/blob/eaea6f6a2fa940f03a10906be1df3489cf30af85/docs/performance.md"

@@ -48,7 +48,7 @@ __version__ = "0.1.0.dev0"
 
 # Loaded on first use, not by `import fsdp2`: the memory tools (the planner builds models on
 # the meta device), the Llama model with its tensor-parallel styles, the checkpoint helpers.
-_ON_FIRST_USE = {"MemoryTracker": "memory", "estimate_memory": "memory"}
+_ON_FIRST_USE = {"MemoryTracker": "memory", "estimate_memory": "plan"}
 _SUBPACKAGES = ("memory", "models", "checkpoint", "plan")
 
 

@@ -544,7 +544,7 @@ def cpu_picks_flash_attention(query: torch.Tensor, key: torch.Tensor, value: tor
 
     The memory planner runs on the meta device, where the math kernel is always taken; it asks
     the CPU's choice (``aten._fused_sdp_choice``, which has no public equivalent) to allocate
-    what a CPU run allocates (``memory/_meta_attention.py``).
+    what a CPU run allocates (``plan/_meta_attention.py``).
     """
     from torch.nn.attention import SDPBackend
 

@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
-from fsdp2.memory import Layout, MemoryTracker, ModelBuilder, estimate_memory
+from fsdp2.memory import MemoryTracker
+from fsdp2.plan import Layout, ModelBuilder, estimate_memory
 from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from fsdp2 import QuantizedComm
-from fsdp2.memory import Layout, estimate_memory
+from fsdp2.plan import Layout, estimate_memory
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES
 from tests._dist import environ, run_on_ranks
 from tests.tools.test_memory import _RECIPE, _RECIPE_BATCH, _RECIPE_SEQ, TESTS_TRANSFORMER, _track_recipe_on

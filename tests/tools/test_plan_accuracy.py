@@ -61,7 +61,7 @@ def test_gpu_layouts_are_predicted_from_a_preset():
     """Each GPU layout's recipe flags become a planner layout the h200 preset prices: a larger
     batch of one model takes longer, checkpointing adds its recomputation."""
     from benchmarks.plan_accuracy import GPU_LAYOUTS, predict
-    from fsdp2.memory import load_hardware
+    from fsdp2.plan import load_hardware
     h200 = load_hardware("h200")
     seconds = {name: predict(flags, world, h200, "cuda") for name, world, flags in GPU_LAYOUTS}
     assert seconds["2048x16 b1"] < seconds["2048x16 b2"] < seconds["2048x16 b4"] < seconds["2048x16 b4 ac"]

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp2.memory import Layout, ModelBuilder, Reserve, estimate_memory
+from fsdp2.plan import Layout, ModelBuilder, Reserve, estimate_memory
 from fsdp2.models.llama import LLAMA3, ModelArgs
 from fsdp2.plan import RESERVE_DEFAULTS, main, parse_bytes
 

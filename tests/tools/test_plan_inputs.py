@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2 import QuantizedComm
-from fsdp2.memory import Layout, ModelBuilder, estimate_memory
+from fsdp2.plan import Layout, ModelBuilder, estimate_memory
 from fsdp2.models import llama
 from fsdp2.models.llama import LLAMA3, ModelArgs, Transformer
 
@@ -91,7 +91,7 @@ def test_model_builder_refuses_bad_fields():
 
 
 def test_estimate_memory_refuses_bad_arguments():
-    with pytest.raises(TypeError, match=r"layout must be a fsdp2.memory.Layout, got dict; e.g. Layout\(world=8"):
+    with pytest.raises(TypeError, match=r"layout must be a fsdp2.plan.Layout, got dict; e.g. Layout\(world=8"):
         estimate_memory(dict(BASE), ModelBuilder.llama(SMALL))
     with pytest.raises(ValueError, match=r"estimate_memory.gpu_memory must be at least 1, got -1"):
         estimate_memory(Layout(**BASE), ModelBuilder.llama(SMALL), gpu_memory=-1)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fsdp2.memory._meta_attention import CpuAttention
+from fsdp2.plan._meta_attention import CpuAttention
 
 
 class _Ops(TorchDispatchMode):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdp2 import MemoryTracker
-from fsdp2.memory import Layout, ModelBuilder, estimate_memory
+from fsdp2.plan import Layout, ModelBuilder, estimate_memory
 from fsdp2.models.llama import ModelArgs, Transformer
 from fsdp2.plan import main as plan_main
 from tests._dist import run_on_ranks
@@ -98,7 +98,7 @@ def test_experts_sharded_over_fewer_ranks_cost_more_memory():
 
 
 def test_pipelined_expert_parallel_layout_is_refused():
-    from fsdp2.memory import Layout
+    from fsdp2.plan import Layout
 
     with pytest.raises(ValueError, match=r"pp \(2\) with ep \(2\) is not planned yet"):
         Layout(world=8, batch=1, seq=16, pp=2, ep=2)

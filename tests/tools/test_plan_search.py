@@ -25,8 +25,8 @@ from typing import Callable
 import pytest
 import torch
 
-from fsdp2.memory import Layout, MemoryEstimate, ModelBuilder, Reserve, estimate_memory
-from fsdp2.memory._search import PIPELINE_MIN_TORCH, FastMemory, _torch_version, enumerate_layouts, recipe_flags, search
+from fsdp2.plan import Layout, MemoryEstimate, ModelBuilder, Reserve, estimate_memory
+from fsdp2.plan._search import PIPELINE_MIN_TORCH, FastMemory, _torch_version, enumerate_layouts, recipe_flags, search
 from fsdp2.models.llama import LLAMA3, ModelArgs
 from fsdp2.plan import main
 from recipes.config import ConfigError
@@ -156,7 +156,7 @@ def _simulate_once(monkeypatch: pytest.MonkeyPatch) -> Callable[..., MemoryEstim
             done[key] = estimate_memory(lay, builder, reserve=reserve)
         return done[key]
 
-    monkeypatch.setattr("fsdp2.memory._search.estimate_memory", simulate)
+    monkeypatch.setattr("fsdp2.plan._search.estimate_memory", simulate)
     return simulate
 
 

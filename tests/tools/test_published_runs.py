@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp2.memory import HARDWARE, Layout, ModelBuilder, Reserve, estimate_memory, model_costs, predict_step_time
-from fsdp2.memory._steptime import _compute
+from fsdp2.plan import HARDWARE, Layout, ModelBuilder, Reserve, estimate_memory, model_costs, predict_step_time
+from fsdp2.plan._steptime import _compute
 from fsdp2.models.llama import ModelArgs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,7 +161,7 @@ def _track_selective_op():
 
     from benchmarks.memory import build, train_step
     from fsdp2.memory import MemoryTracker
-    from fsdp2.memory._selective import op_level_contexts
+    from fsdp2.plan._selective import op_level_contexts
     from recipes.llama.model import ModelArgs
     from tests._dist import environ
 
@@ -182,7 +182,7 @@ def _track_selective_op():
 _PLAN_SELECTIVE_OP = """
 import pickle, sys, torch
 from benchmarks.memory import _inputs
-from fsdp2.memory import Layout, ModelBuilder, estimate_memory
+from fsdp2.plan import Layout, ModelBuilder, estimate_memory
 from recipes.llama.model import ModelArgs, Transformer
 from tests.tools.test_published_runs import _RECIPE
 layout = Layout(world=2, batch=2, seq=64, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,

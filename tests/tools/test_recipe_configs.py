@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp2.memory import Layout, ModelBuilder, estimate_memory
+from fsdp2.plan import Layout, ModelBuilder, estimate_memory
 from fsdp2.models.llama import LLAMA3
 from recipes.config import SECTIONS, field_help, parse_args
 from recipes.llama.parallelize import ParallelDims

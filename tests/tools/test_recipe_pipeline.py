@@ -183,7 +183,7 @@ def test_planner_predicts_the_heaviest_stage(tmp_path, schedule):
 
 
 def test_planner_pipeline_layouts():
-    from fsdp2.memory import Layout, ModelBuilder, estimate_memory
+    from fsdp2.plan import Layout, ModelBuilder, estimate_memory
     from fsdp2.models.llama import ModelArgs
 
     with pytest.raises(ValueError, match=r"Layout.pp_schedule='Zigzag' is not a schedule torch ships"):

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from fsdp2 import plan
+from fsdp2.plan import _cli
 from recipes import preflight
 from recipes.config import ConfigError, JobConfig, command_line_keys, parse_args
 from recipes.llama.parallelize import ParallelDims
@@ -57,7 +58,7 @@ def test_plan_reads_a_recipe_toml_as_the_equivalent_flags(capsys):
 
 def test_plan_fills_a_toml_with_the_recipes_defaults(tmp_path):
     config = JobConfig()
-    for section, defaults in plan.RECIPE_DEFAULTS.items():
+    for section, defaults in _cli.RECIPE_DEFAULTS.items():
         for key, value in defaults.items():
             assert getattr(getattr(config, section), key) == value, f"{section}.{key}"
     # tiny.toml as the recipe runs it: fp32, batch 8 x seq 128, its model (4 blocks).
@@ -197,7 +198,7 @@ def test_plan_argv_is_the_resolved_config():
     assert flags["--batch"] == "2" and flags["--tp"] == "2" and flags["--world"] == "8"
     assert flags["--ffn-hidden"] == "14336" and flags["--backend"] == "nccl"
     assert preflight.recipe_flags("--batch 1 --grad-accum 2") == "--training.batch_size=1 --training.grad_accum=2"
-    simulated = plan._model_args(plan._parse(plan._parser(), argv))[1]
+    simulated = _cli._model_args(_cli._parse(_cli._parser(), argv))[1]
     shape = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden", "max_seq_len", "tie_embeddings")
     assert [getattr(simulated, k) for k in shape] == [getattr(config.model, k) for k in shape], \
         "the planner simulates the recipe's model, at its shape"

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2 import plan
+from fsdp2.plan import _cli
 from fsdp2.runtime._state import get_state
 from recipes import preflight
 from recipes.config import ConfigError, parse_args
@@ -110,7 +111,7 @@ def test_planner_command_line_takes_an_int(tmp_path, capsys):
     toml = tmp_path / "per_node.toml"
     toml.write_text("[parallelism]\nreshard_after_forward = 2\n[model]\ndim = 64\nn_layers = 2\nn_heads = 4\n"
                     "vocab_size = 256\n[training]\nseq_len = 32\nbatch_size = 1\n")
-    args = plan._parse(plan._parser(), ["--config", str(toml), "--world", "8"])
+    args = _cli._parse(_cli._parser(), ["--config", str(toml), "--world", "8"])
     assert (args.reshard_after_forward, args.root_reshard_after_forward) == (2, False)
 
 

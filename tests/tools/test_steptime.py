@@ -23,9 +23,9 @@ import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp2.memory import (HARDWARE, Hardware, Layout, ModelBuilder, StepTime, calibrate, load_hardware, model_costs,
-                          predict_step_time, ring_time)
-from fsdp2.memory._steptime import _compute, _fsdp, _Links
+from fsdp2.plan import (HARDWARE, Hardware, Layout, ModelBuilder, StepTime, calibrate, load_hardware, model_costs,
+                       predict_step_time, ring_time)
+from fsdp2.plan._steptime import _compute, _fsdp, _Links
 from fsdp2.models.llama import LLAMA3, ModelArgs, Transformer
 from fsdp2.plan import main
 from tests._dist import run_on_ranks
@@ -291,9 +291,9 @@ def test_layouts_the_costs_cannot_describe_are_refused():
     pp = Layout(world=4, batch=4, seq=128, pp=4)
     with pytest.raises(ValueError, match="6 blocks cannot be split into pp 4"):
         predict_step_time(pp, model_costs(pp, three), HAND)
-    with pytest.raises(TypeError, match="hardware must be a fsdp2.memory.Hardware"):
+    with pytest.raises(TypeError, match="hardware must be a fsdp2.plan.Hardware"):
         predict_step_time(layout, costs, "h100")
-    with pytest.raises(TypeError, match="builder must be a fsdp2.memory.ModelBuilder"):
+    with pytest.raises(TypeError, match="builder must be a fsdp2.plan.ModelBuilder"):
         model_costs(layout, Transformer)
 
 

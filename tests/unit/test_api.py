@@ -176,6 +176,29 @@ else:
     assert out.returncode == 0, out.stderr
 
 
+def test_the_planners_names_live_in_fsdp2_plan_and_still_answer_in_fsdp2_memory():
+    """One home each: fsdp2.plan defines them; fsdp2.memory forwards the same objects, warning."""
+    import warnings
+
+    import fsdp2.memory
+    import fsdp2.plan
+
+    moved = sorted(fsdp2.memory._MOVED_TO_PLAN)
+    assert set(moved) <= set(fsdp2.plan.__all__) and not set(moved) & set(fsdp2.memory.__all__)
+    for name in moved:
+        assert name == "HARDWARE" or getattr(fsdp2.plan, name).__module__.startswith("fsdp2.plan."), name
+        with pytest.warns(DeprecationWarning, match=rf"fsdp2.memory.{name} moved to fsdp2.plan: use `from "
+                                                    rf"fsdp2.plan import {name}`"):
+            assert getattr(fsdp2.memory, name) is getattr(fsdp2.plan, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fsdp2.estimate_memory is fsdp2.plan.estimate_memory
+        from fsdp2.memory import MemoryTracker  # the tracker's own names: no warning
+    assert MemoryTracker is fsdp2.MemoryTracker
+    with pytest.raises(AttributeError, match="module 'fsdp2.memory' has no attribute 'check_fit'"):
+        fsdp2.memory.check_fit  # noqa: B018
+
+
 # ---- behaviour on a live world -------------------------------------------------------------
 def _module_identity(impl_name):
     impl = importlib.import_module(impl_name)

@@ -36,9 +36,9 @@ from ..runtime._fully_shard import fully_shard
 from .._api import MixedPrecisionPolicy
 from ._layout import Layout, ModelBuilder
 from ._meta_attention import CpuAttention
-from ._live import LiveStorages, plain_tensors, storage_key
+from ..memory._live import LiveStorages, plain_tensors, storage_key
 from ._standin import group_bytes, planned_transport
-from ._tracker import CATEGORIES, MemoryTracker
+from ..memory._tracker import CATEGORIES, MemoryTracker
 
 if TYPE_CHECKING:
     from .._format import Chunking

@@ -1,7 +1,7 @@
 """The step-time part of ``python -m fsdp2.plan``: ``--hardware``, ``--calibrate``, and the "time:" lines.
 
     python -m fsdp2.plan --config llama3_8b --world 64 --hardware h100
-    python -m fsdp2.plan --calibrate this_machine.json     # measure, print, save
+    python -m fsdp2.plan --calibrate this_machine.json     # measure, show, save
     python -m fsdp2.plan --config llama3_8b --world 8 --hardware this_machine.json
 """
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..models.llama import ModelArgs
     from ._layout import Layout
 
-__all__ = ["add_flags", "calibrate_command", "print_time"]
+__all__ = ["add_flags", "calibrate_command", "time_report"]
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -37,17 +37,17 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calibrate-world", type=int, default=2, help="ranks --calibrate spawns to time collectives")
 
 
-def calibrate_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int | None:
-    """Run ``--calibrate`` when asked (0), else None: the planner goes on."""
+def calibrate_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> str | None:
+    """Run ``--calibrate`` when asked (the profile, and where it was saved, as text), else None: the
+    planner goes on."""
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
     if args.calibrate is None:
         return None
     hardware = calibrate(world=args.calibrate_world)
-    print(describe(hardware))
-    if args.calibrate:
-        Path(args.calibrate).write_text(hardware.to_json() + "\n")
-        print(f"saved to {args.calibrate} (--hardware {args.calibrate} reads it)")
-    return 0
+    if not args.calibrate:
+        return describe(hardware)
+    Path(args.calibrate).write_text(hardware.to_json() + "\n")
+    return f"{describe(hardware)}\nsaved to {args.calibrate} (--hardware {args.calibrate} reads it)"
 
 
 def describe(hw: Hardware) -> str:
@@ -64,11 +64,11 @@ def describe(hw: Hardware) -> str:
                if hw.op_overhead or hw.dtensor_op_overhead else ""))
 
 
-def print_time(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> None:
-    """The "time:" section when ``--hardware`` is given (ValueError for a profile it cannot read)."""
+def time_report(args: argparse.Namespace, model: ModelArgs, layout: Layout) -> str | None:
+    """The "time:" section when ``--hardware`` is given, else None (ValueError for a profile it cannot read)."""
     if args.hardware is None:
-        return
+        return None
     hardware = load_hardware(args.hardware)
     step = predict_step_time(layout, model_costs(layout, ModelBuilder.llama(model)), hardware)
-    print(f"time: on {hardware.name}, {layout.world} devices")
-    print("\n".join(f"  {line}" for line in step.summary().splitlines()))
+    return "\n".join([f"time: on {hardware.name}, {layout.world} devices",
+                      *(f"  {line}" for line in step.summary().splitlines())])

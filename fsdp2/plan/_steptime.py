@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from ._costs import ModelCosts, OpCost
 from ._hardware import Hardware
 from ._layout import Layout
-from ._pipeline import _microbatches, _stages_per_rank
+from ._layout import microbatches, stages_per_rank
 
 __all__ = ["StepTime", "predict_step_time", "ring_time"]
 
@@ -199,11 +199,11 @@ def _chain(n: int, compute: float, comm: float, first: float) -> float:
 
 def _check(layout: Layout, costs: ModelCosts, hardware: Hardware) -> None:
     if not isinstance(layout, Layout):
-        raise TypeError(f"predict_step_time: layout must be a fsdp2.memory.Layout, got {type(layout).__name__}")
+        raise TypeError(f"predict_step_time: layout must be a fsdp2.plan.Layout, got {type(layout).__name__}")
     if not isinstance(costs, ModelCosts):
         raise TypeError(f"predict_step_time: costs must be model_costs(layout, builder)'s, got {type(costs).__name__}")
     if not isinstance(hardware, Hardware):
-        raise TypeError(f"predict_step_time: hardware must be a fsdp2.memory.Hardware (e.g. HARDWARE['h100']), "
+        raise TypeError(f"predict_step_time: hardware must be a fsdp2.plan.Hardware (e.g. HARDWARE['h100']), "
                         f"got {type(hardware).__name__}")
     dtype = layout.param_dtype or costs.param_dtype
     if costs.seq != layout.seq or costs.compute_dtype != dtype:
@@ -212,9 +212,9 @@ def _check(layout: Layout, costs: ModelCosts, hardware: Hardware) -> None:
     if layout.tp > 1 and not costs.boundary_bytes:
         raise ValueError("tensor parallelism's collectives need the blocks' output size: the model's blocks return "
                          "no tensor model_costs could measure; use tp=1")
-    if layout.pp > 1 and costs.n_blocks % (layout.pp * _stages_per_rank(layout)):
+    if layout.pp > 1 and costs.n_blocks % (layout.pp * stages_per_rank(layout)):
         raise ValueError(f"{costs.n_blocks} blocks cannot be split into pp {layout.pp} x "
-                         f"{_stages_per_rank(layout)} equal stages: change pp or pp_stages_per_rank")
+                         f"{stages_per_rank(layout)} equal stages: change pp or pp_stages_per_rank")
 
 
 def predict_step_time(layout: Layout, costs: ModelCosts, hardware: Hardware) -> StepTime:
@@ -231,8 +231,8 @@ def predict_step_time(layout: Layout, costs: ModelCosts, hardware: Hardware) -> 
     _check(layout, costs, hardware)
     links = _Links(layout, hardware)
     pipelined = layout.pp > 1
-    m = _microbatches(layout) if pipelined else 1
-    v = _stages_per_rank(layout) if pipelined else 1
+    m = microbatches(layout) if pipelined else 1
+    v = stages_per_rank(layout) if pipelined else 1
     batch = layout.batch / m
     blocks = costs.n_blocks // layout.pp
     tp = layout.tp

@@ -10,7 +10,7 @@ Builds two blocks of the recipe's Llama (``fsdp2.models.llama``) on the meta dev
 memory), runs fsdp2 on them over a fake process group of the layout's world size (a warm-up
 step, then one counted by a ``MemoryTracker``) and extrapolates to the model's blocks, then
 adds what a GPU process holds besides (CUDA context, NCCL buffers, allocator fragmentation:
-``fsdp2.memory.Reserve``). When the layout does not fit, it tries the nearest changes
+``fsdp2.plan.Reserve``). When the layout does not fit, it tries the nearest changes
 (activation checkpointing, resharding, FSDP instead of HSDP, a smaller micro-batch, tensor
 parallelism, more GPUs) and prints those that fit. See docs/memory.md.
 
@@ -33,14 +33,14 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from ._api import QuantizedComm
-from ._plan_search import add_search_arguments, run_search
-from ._plan_args import SIZES, _ac, _bool, _count, _fraction, _positive, _reshard, _size, parse_bytes
-from .memory import Layout, MemoryEstimate, ModelBuilder, Reserve, estimate_memory
-from .memory import _time_cli
-from .memory._pipeline import SCHEDULES
-from .memory._tracker import format_bytes, format_table
-from .models.llama import LLAMA3, ModelArgs
+from .._api import QuantizedComm
+from ._search_cli import add_search_arguments, search_report
+from ._cli_args import SIZES, _ac, _bool, _count, _fraction, _positive, _reshard, _size, parse_bytes
+from . import _time_cli
+from ._layout import SCHEDULES, Layout, ModelBuilder
+from ._planner import MemoryEstimate, Reserve, estimate_memory
+from ..memory._tracker import format_bytes, format_table
+from ..models.llama import LLAMA3, ModelArgs
 
 __all__ = ["main", "parse_bytes", "check_fit", "FitCheck"]
 
@@ -476,13 +476,15 @@ def check_fit(argv: Sequence[str], *, suggest: bool = True) -> FitCheck:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
-        if (done := _time_cli.calibrate_command(parser, argv)) is not None:
-            return done
+        if (profile := _time_cli.calibrate_command(parser, argv)) is not None:
+            print(profile)
+            return 0
         args = _parse(parser, argv)
         name, model, notes = _model_args(args)
         if args.search:
-            return run_search(args, name=name, model=model, param_dtype=DTYPES[args.param_dtype],
-                              reserve=_reserve(args))
+            print(search_report(args, name=name, model=model, param_dtype=DTYPES[args.param_dtype],
+                                reserve=_reserve(args)))
+            return 0
         layout = _layout(args)
         if args.compare:
             print(f"{name}, world {args.world}, batch {args.batch} x seq {args.seq}, "
@@ -497,11 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {note}")
         if est.fits is False:
             print("\n".join(_suggest(args, model, layout)))
-        _time_cli.print_time(args, model, layout)
+        if (timed := _time_cli.time_report(args, model, layout)) is not None:
+            print(timed)
     except ValueError as e:
         parser.error(str(e))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,63 +24,29 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from ._layout import V_SCHEDULES, ZERO_BUBBLE, Layout, ModelBuilder, microbatches, stages_per_rank
+
 if TYPE_CHECKING:
-    from ._layout import Layout, ModelBuilder
     from ._simulate import Simulation
 
-__all__ = ["SCHEDULES", "check_pipeline_layout", "PipelinePlan"]
-
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-_SINGLE = ("GPipe", "1F1B")
-_V = ("ZBVZeroBubble", "DualPipeV")
-_ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def _stages_per_rank(layout: Layout) -> int:
-    return layout.pp_stages_per_rank or (1 if layout.pp_schedule in _SINGLE else 2)
-
-
-def _microbatches(layout: Layout) -> int:
-    return layout.pp_microbatches or layout.pp * _stages_per_rank(layout)
-
-
-def check_pipeline_layout(layout: Layout) -> None:
-    """Raise ValueError for a pipeline ``Layout`` its schedule cannot run (called when ``pp > 1``)."""
-    name = layout.pp_schedule
-    if name not in SCHEDULES:
-        raise ValueError(f"Layout.pp_schedule={name!r} is not a schedule torch ships; choose one of "
-                         f"{', '.join(SCHEDULES)}")
-    for field in ("pp_microbatches", "pp_stages_per_rank"):
-        value = getattr(layout, field)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"Layout.{field} must be an int >= 0 (0: the default), got {value!r}")
-    per_rank = _stages_per_rank(layout)
-    if name in _SINGLE and per_rank != 1:
-        raise ValueError(f"{name} runs one stage per pipeline rank, got pp_stages_per_rank={per_rank}; use 1 (or 0)")
-    if name in _V and per_rank != 2:
-        raise ValueError(f"{name} runs exactly 2 stages per pipeline rank, got pp_stages_per_rank={per_rank}")
-    if name not in _SINGLE and per_rank < 2:
-        raise ValueError(f"{name} runs several stages per pipeline rank, got pp_stages_per_rank={per_rank}; use 2+")
-    if layout.batch % _microbatches(layout):
-        raise ValueError(f"batch ({layout.batch}) must be divisible by the {_microbatches(layout)} pipeline "
-                         "microbatches (pp_microbatches; 0: one per stage): change batch or pp_microbatches")
+__all__ = ["PipelinePlan", "in_flight"]
 
 
 def in_flight(layout: Layout) -> int:
     """Stage-microbatches whose activations the first pipeline rank holds at once, at most."""
-    pp, per_rank, m, name = layout.pp, _stages_per_rank(layout), _microbatches(layout), layout.pp_schedule
+    pp, per_rank, m, name = layout.pp, stages_per_rank(layout), microbatches(layout), layout.pp_schedule
     if name == "GPipe":
         n = m
     elif name == "LoopedBFS":
         n = m * per_rank
     elif name == "1F1B":
         n = min(m, pp)
-    elif name in _V:
+    elif name in V_SCHEDULES:
         n = 2 * pp
     else:  # interleaved: rank 0's warm-up forwards, then one more before the first backward
         per_round = m // max(1, m // pp)
         n = (per_rank - 1) * per_round + 2 * (pp - 1) + 1
-    if name in _ZERO_BUBBLE:
+    if name in ZERO_BUBBLE:
         n += pp - 1
     return min(n, m * per_rank)
 
@@ -98,7 +64,7 @@ class PipelinePlan:
 
     @classmethod
     def of(cls, layout: Layout, builder: ModelBuilder) -> PipelinePlan:
-        per_rank, m = _stages_per_rank(layout), _microbatches(layout)
+        per_rank, m = stages_per_rank(layout), microbatches(layout)
         if builder.num_blocks is None:
             raise ValueError("pipeline parallelism (Layout.pp > 1) needs ModelBuilder.num_blocks: the blocks "
                              "are split into stages")

@@ -210,10 +210,10 @@ def model_costs(layout: Layout, builder: ModelBuilder) -> ModelCosts:
     8B preset (two blocks built); cached on (builder, seq, compute dtype), so keep one builder.
     """
     if not isinstance(layout, Layout):
-        raise TypeError(f"model_costs(layout, builder): layout must be a fsdp2.memory.Layout, got "
+        raise TypeError(f"model_costs(layout, builder): layout must be a fsdp2.plan.Layout, got "
                         f"{type(layout).__name__}")
     if not isinstance(builder, ModelBuilder):
-        raise TypeError(f"model_costs(layout, builder): builder must be a fsdp2.memory.ModelBuilder, got "
+        raise TypeError(f"model_costs(layout, builder): builder must be a fsdp2.plan.ModelBuilder, got "
                         f"{type(builder).__name__}; e.g. ModelBuilder.llama('llama3_8b')")
     return _cached(builder, layout.seq, layout.param_dtype)
 

@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._api import QuantizedComm
 from ..models.llama import LLAMA3, ModelArgs, Transformer
 
-__all__ = ["Layout", "ModelBuilder", "OPTIMIZER_STATES", "positive_int"]
+__all__ = ["Layout", "ModelBuilder", "OPTIMIZER_STATES", "SCHEDULES", "positive_int", "stages_per_rank",
+           "microbatches"]
 
 # Optimizer states per parameter element.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
@@ -81,7 +82,7 @@ class Layout:
             residuals are counted (communication).
         pp: pipeline-parallel degree (``torch.distributed.pipelining``): each pipeline rank holds
             ``pp_stages_per_rank`` stages of the blocks and runs ``batch`` in ``pp_microbatches``;
-            see ``fsdp2/memory/_pipeline.py`` for what is simulated and what is added.
+            see ``fsdp2/plan/_pipeline.py`` for what is simulated and what is added.
         pp_schedule: the schedule's name as torch's ``get_schedule_class`` takes it ("1F1B",
             "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
             "DualPipeV"): how many microbatches' activations a rank holds at once.
@@ -129,8 +130,6 @@ class Layout:
             raise ValueError(f"pp ({self.pp}) with ep ({self.ep}) is not planned yet (nor run by the recipe): "
                              "plan pipeline parallelism for a dense model, or expert parallelism with pp=1")
         if self.pp > 1:
-            from ._pipeline import check_pipeline_layout
-
             check_pipeline_layout(self)
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
@@ -257,3 +256,43 @@ class ModelBuilder:
         positive_int("ModelBuilder.llama", "built_blocks", built_blocks)
         built = dataclasses.replace(args, n_layers=min(built_blocks, args.n_layers))
         return cls(build=lambda: Transformer(built), num_blocks=args.n_layers)
+
+
+# Pipeline schedules (torch.distributed.pipelining's) and a pipelined Layout's checks; what a
+# pipeline adds to the memory is _pipeline.py's.
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+SINGLE_STAGE = ("GPipe", "1F1B")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def stages_per_rank(layout: Layout) -> int:
+    """Pipeline stages one rank holds (``pp_stages_per_rank``, or its schedule's default)."""
+    return layout.pp_stages_per_rank or (1 if layout.pp_schedule in SINGLE_STAGE else 2)
+
+
+def microbatches(layout: Layout) -> int:
+    """Microbatches each batch is split into (``pp_microbatches``, or one per stage)."""
+    return layout.pp_microbatches or layout.pp * stages_per_rank(layout)
+
+
+def check_pipeline_layout(layout: Layout) -> None:
+    """Raise ValueError for a pipeline ``Layout`` its schedule cannot run (called when ``pp > 1``)."""
+    name = layout.pp_schedule
+    if name not in SCHEDULES:
+        raise ValueError(f"Layout.pp_schedule={name!r} is not a schedule torch ships; choose one of "
+                         f"{', '.join(SCHEDULES)}")
+    for field in ("pp_microbatches", "pp_stages_per_rank"):
+        value = getattr(layout, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"Layout.{field} must be an int >= 0 (0: the default), got {value!r}")
+    per_rank = stages_per_rank(layout)
+    if name in SINGLE_STAGE and per_rank != 1:
+        raise ValueError(f"{name} runs one stage per pipeline rank, got pp_stages_per_rank={per_rank}; use 1 (or 0)")
+    if name in V_SCHEDULES and per_rank != 2:
+        raise ValueError(f"{name} runs exactly 2 stages per pipeline rank, got pp_stages_per_rank={per_rank}")
+    if name not in SINGLE_STAGE and per_rank < 2:
+        raise ValueError(f"{name} runs several stages per pipeline rank, got pp_stages_per_rank={per_rank}; use 2+")
+    if layout.batch % microbatches(layout):
+        raise ValueError(f"batch ({layout.batch}) must be divisible by the {microbatches(layout)} pipeline "
+                         "microbatches (pp_microbatches; 0: one per stage): change batch or pp_microbatches")

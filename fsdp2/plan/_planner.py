@@ -20,7 +20,7 @@ from ._layout import Layout, ModelBuilder, positive_int
 from ._pipeline import PipelinePlan
 from ._quantized import wire_bytes
 from ._simulate import GroupSizes, Simulation, simulate
-from ._tracker import CATEGORIES, format_bytes, format_table
+from ..memory._tracker import CATEGORIES, format_bytes, format_table
 
 __all__ = ["MemoryEstimate", "Reserve", "estimate_memory"]
 
@@ -178,7 +178,7 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
     handed to a real one of the same shape.
     """
     if not isinstance(layout, Layout):
-        raise TypeError(f"estimate_memory(layout, model): layout must be a fsdp2.memory.Layout, got "
+        raise TypeError(f"estimate_memory(layout, model): layout must be a fsdp2.plan.Layout, got "
                         f"{type(layout).__name__}; e.g. Layout(world=8, batch=1, seq=8192)")
     builder = _as_builder(model)
     if layout.selective_checkpointing == "layer":
@@ -190,7 +190,7 @@ def estimate_memory(layout: Layout, model: ModelBuilder | Callable[[], nn.Module
     if reserve is None:
         reserve = Reserve() if layout.backend == "nccl" else Reserve.none()
     elif not isinstance(reserve, Reserve):
-        raise TypeError(f"estimate_memory(reserve=...) takes a fsdp2.memory.Reserve, got {type(reserve).__name__}")
+        raise TypeError(f"estimate_memory(reserve=...) takes a fsdp2.plan.Reserve, got {type(reserve).__name__}")
     # Pipelined: one pipeline rank's stages for one microbatch, then the rest added (_pipeline.py).
     pipe = PipelinePlan.of(layout, builder) if layout.pp > 1 else None
     sim = simulate(pipe.stage_layout, pipe.stage_builder) if pipe else simulate(layout, builder)

@@ -44,7 +44,7 @@ _RECIPE_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 class StepTimeLike(Protocol):
-    """What the search reads of a step-time prediction (``fsdp2.memory._steptime.StepTime``)."""
+    """What the search reads of a step-time prediction (``fsdp2.plan.StepTime``)."""
 
     seconds: float
     tokens_per_s_per_device: float

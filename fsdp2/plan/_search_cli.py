@@ -1,8 +1,8 @@
-"""``python -m fsdp2.plan --search``: its flags, and the ranked table it prints (fsdp2/plan.py calls both).
+"""``python -m fsdp2.plan --search``: its flags, and the ranked table it shows (``_cli.py`` calls both).
 
     python -m fsdp2.plan --search --config llama3_8b --world 64 --global-batch 256 --seq 8192 --hardware h100
 
-See fsdp2/memory/_search.py for how layouts are enumerated, sized and ranked, and
+See ``_search.py`` for how layouts are enumerated, sized and ranked, and
 docs/planning.md ("Search").
 """
 
@@ -17,19 +17,20 @@ from typing import Any
 
 import torch
 
-from ._plan_args import _positive
-from .memory import Layout, ModelBuilder, Reserve
-from .memory._search import (
+from ._cli_args import _positive
+from ._layout import Layout, ModelBuilder
+from ._planner import Reserve
+from ._search import (
     Evaluated, FastMemory, SearchResult, enumerate_layouts, model_overrides, no_layout_reason, recipe_flags,
     recipe_overrides, search,
 )
-from .memory._costs import model_costs
-from .memory._hardware import load_hardware
-from .memory._steptime import StepTime, predict_step_time
-from .memory._tracker import format_bytes, format_table
-from .models.llama import LLAMA3, ModelArgs
+from ._costs import model_costs
+from ._hardware import load_hardware
+from ._steptime import StepTime, predict_step_time
+from ..memory._tracker import format_bytes, format_table
+from ..models.llama import LLAMA3, ModelArgs
 
-__all__ = ["add_search_arguments", "run_search"]
+__all__ = ["add_search_arguments", "search_report"]
 
 SEARCH_HARDWARE = "h100"  # the profile --search predicts for when --hardware is not given
 
@@ -99,9 +100,9 @@ def _model_flags(args: argparse.Namespace, model: ModelArgs) -> list[str]:
             for key, value in model_overrides(model).items()]
 
 
-def run_search(args: argparse.Namespace, *, name: str, model: ModelArgs, param_dtype: torch.dtype,
-               reserve: Reserve) -> int:
-    """Enumerate, size and rank; print the table and the winner's recipe flags. ValueError for no layout."""
+def search_report(args: argparse.Namespace, *, name: str, model: ModelArgs, param_dtype: torch.dtype,
+                  reserve: Reserve) -> str:
+    """Enumerate, size and rank; the table and the winner's recipe flags, as text. ValueError for no layout."""
     if args.global_batch is None:
         raise ValueError("--search needs --global-batch: the sequences per optimizer step, over all ranks")
     builder = ModelBuilder.llama(model)  # one builder: model_costs runs once for every layout
@@ -133,18 +134,17 @@ def run_search(args: argparse.Namespace, *, name: str, model: ModelArgs, param_d
                          f"{closest.layout.batch}), needs {'at least ' * floor}{format_bytes(needed)} "
                          f"({'its reserve alone; ' * floor}{format_bytes(needed - gpu_memory)} over); add ranks "
                          "(--world), shorten --seq, lower --global-batch or give more --gpu-memory")
-    print(f"{name}: world {args.world}, {args.global_batch} sequences x {args.seq} tokens per step, "
-          f"{format_bytes(gpu_memory)} per device, scored by {scorer}")
-    print(format_table([_row(i + 1, e) for i, e in enumerate(result.ranked)], HEADER))
-    checked = len(result.checked)
-    print(f"{len(layouts)} layouts scored, {checked} sized ({result.simulations} simulations, the rest derived "
-          f"from them), {sum(bool(e.fits) for e in result.checked)} of those fit; {elapsed:.1f} s "
-          f"({time.process_time() - cpu:.1f} s of CPU)")
-    best = result.ranked[0].layout
     nodes = max(1, args.world // hw.devices_per_node)
-    print(f"the fastest, with the recipe:\n  torchrun --nnodes {nodes} --nproc-per-node "
-          f"{min(args.world, hw.devices_per_node)} recipes/train.py "
-          + " ".join(_model_flags(args, model) + recipe_flags(best)))
+    recipe = " ".join(_model_flags(args, model) + recipe_flags(result.ranked[0].layout))
+    lines = [f"{name}: world {args.world}, {args.global_batch} sequences x {args.seq} tokens per step, "
+             f"{format_bytes(gpu_memory)} per device, scored by {scorer}",
+             format_table([_row(i + 1, e) for i, e in enumerate(result.ranked)], HEADER),
+             f"{len(layouts)} layouts scored, {len(result.checked)} sized ({result.simulations} simulations, the "
+             f"rest derived from them), {sum(bool(e.fits) for e in result.checked)} of those fit; {elapsed:.1f} s "
+             f"({time.process_time() - cpu:.1f} s of CPU)",
+             f"the fastest, with the recipe:\n  torchrun --nnodes {nodes} --nproc-per-node "
+             f"{min(args.world, hw.devices_per_node)} recipes/train.py {recipe}"]
     if args.search_json is not None:
-        print(f"every layout and its scores: {args.search_json} (recipes/train.py --layout-from {args.search_json})")
-    return 0
+        lines.append(f"every layout and its scores: {args.search_json} (recipes/train.py --layout-from "
+                     f"{args.search_json})")
+    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Argument types of ``python -m fsdp2.plan``: sizes with units, booleans, counts (fsdp2/plan.py uses them)."""
+"""Argument types of ``python -m fsdp2.plan``: sizes with units, booleans, counts (``_cli.py`` uses them)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import re
 from typing import Any, Callable
 
-from .memory._tracker import format_bytes
+from ..memory._tracker import format_bytes
 
 __all__ = ["parse_bytes", "SIZES", "AC_CHOICES"]
 
