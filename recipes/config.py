@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .errors import ConfigError
 from .llama.model import ModelArgs
+from .pipeline_layout import check_pipeline
 
 __all__ = [
     "ConfigError", "JobConfig", "JobSettings", "TrainingConfig", "ParallelismConfig", "DataConfig",
@@ -38,10 +40,6 @@ __all__ = [
 ]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.toml"
-
-
-class ConfigError(ValueError):
-    """A configuration file or override that does not fit the config dataclasses."""
 
 
 def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
@@ -237,8 +235,6 @@ class JobConfig:
                 f"({self.model.max_seq_len}); raise model.max_seq_len or shorten the sequences"
             )
         if self.parallelism.pp > 1:
-            from .pipeline import check_pipeline  # (imports torch's pipelining only for pipelined runs)
-
             check_pipeline(self)
 
 
