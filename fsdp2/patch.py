@@ -31,6 +31,10 @@ import sys
 import types
 from typing import Any
 
+from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .runtime._fully_shard import fully_shard
+from .runtime._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+
 __all__ = ["patch_torch"]
 
 logger = logging.getLogger(__name__)
@@ -38,6 +42,11 @@ logger = logging.getLogger(__name__)
 # The modules whose FSDP2 names are patched, imported so that they are there to patch.
 _TORCH_NAMESPACES = ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard",
                      "torch.distributed._composable.fsdp", "torch.distributed._composable.fsdp.fully_shard")
+# fsdp2's counterpart of each FSDP2 name torch exports: the objects ``fsdp2`` itself exports
+# under those names (imported from where they are defined: ``fsdp2/__init__.py`` imports this file).
+_OURS: dict[str, Any] = {obj.__name__: obj for obj in (
+    CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, fully_shard, MixedPrecisionPolicy, OffloadPolicy,
+    register_fsdp_forward_method, UnshardHandle, share_comm_ctx)}
 _NAMESPACE_PREFIXES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 # torch's own modules that use FSDP2 as a client does, rebound like one: pipelining checks
 # ``isinstance(stage, FSDPModule)`` and drives the stage through ``fully_shard.state``.
@@ -135,12 +144,10 @@ def patch_torch() -> PatchHandle:
 
 
 def _replacements() -> dict[int, tuple[Any, Any]]:
-    import fsdp2
-
     public = importlib.import_module("torch.distributed.fsdp._fully_shard")  # to replace its names
     out = {}
     for name in public.__all__:
-        ours = getattr(fsdp2, name, None)
+        ours = _OURS.get(name)
         if ours is None:  # a name a newer torch adds: left as torch's, and said so
             logger.warning("fsdp2.patch_torch: torch.distributed.fsdp.%s has no fsdp2 counterpart; left as torch's",
                            name)

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .errors import ConfigError
 from .llama.model import ModelArgs
+from .pipeline_layout import check_pipeline
 
 __all__ = [
     "ConfigError", "JobConfig", "JobSettings", "TrainingConfig", "ParallelismConfig", "DataConfig",
@@ -38,10 +40,6 @@ __all__ = [
 ]
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.toml"
-
-
-class ConfigError(ValueError):
-    """A configuration file or override that does not fit the config dataclasses."""
 
 
 def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
@@ -248,8 +246,6 @@ class JobConfig:
                 f"({self.model.max_seq_len}); raise model.max_seq_len or shorten the sequences"
             )
         if self.parallelism.pp > 1:
-            from .pipeline import check_pipeline  # (imports torch's pipelining only for pipelined runs)
-
             check_pipeline(self)
 
 
@@ -384,7 +380,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         section, name, tp = _lookup(key, source)
         values[section][name] = given[section][name] = _convert(raw, tp, key, source, from_cli=True)
     if values["checkpoint"].get("initial_load_path"):  # a Hugging Face folder's config.json sets the model's shape
-        from .hf import hf_model_values
+        from .hf_config import hf_model_values
 
         values["model"] = hf_model_values(values["checkpoint"]["initial_load_path"], values["model"], given["model"])
     try:

@@ -2,7 +2,7 @@
 
 - ``--checkpoint.initial_load_path=FOLDER`` where ``FOLDER`` holds ``config.json`` (and
   ``model.safetensors`` or a shard index): the model's shape comes from ``config.json``
-  (:func:`hf_model_values`, called while the configuration is built), its weights from the
+  (``recipes.hf_config.hf_model_values``, called while the configuration is built), its weights from the
   safetensors, each rank reading its own rows (``fsdp2.checkpoint.load_hf``). What the model
   cannot express, a missing tensor, or a tokenizer with more tokens than the model's vocabulary
   stops the run in one line before anything is allocated (:func:`check_hf_run`).
@@ -15,52 +15,19 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
 from fsdp2.checkpoint import _hf
 from fsdp2.checkpoint._hf import DTYPE_NAMES, is_hf_folder
 
-from .config import ConfigError
 from .data import tokenizer_vocab_size as data_vocab_size
 
 if TYPE_CHECKING:
     from .config import JobConfig
 
-__all__ = ["hf_model_values", "check_hf_run", "tokenizer_vocab_size", "check_tokenizer_vocab", "export_hf_model"]
-
-# The ModelArgs field each config.json key decides (for error messages).
-_HF_KEY = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-           "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_hidden_size": "intermediate_size",
-           "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "tie_embeddings": "tie_word_embeddings",
-           "moe_experts": "model_type", "rope_scaling_factor": "rope_scaling.factor",
-           "rope_low_freq_factor": "rope_scaling.low_freq_factor",
-           "rope_high_freq_factor": "rope_scaling.high_freq_factor",
-           "rope_original_max_seq_len": "rope_scaling.original_max_position_embeddings"}
-
-
-def hf_model_values(path: str, model: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """The ``[model]`` values with what a Hugging Face folder's ``config.json`` decides put in.
-
-    ``model``: the values from the config file and the command line; ``given``: those the
-    command line set, which must agree with config.json (a TOML's model shape is replaced:
-    the checked-in configs describe the recipe's own byte-level model). ``path`` that is not a
-    Hugging Face folder (no ``config.json``) changes nothing.
-    """
-    if not is_hf_folder(path):
-        return model
-    try:
-        fields = _hf.hf_fields(path)
-    except ValueError as e:
-        raise ConfigError(f"checkpoint.initial_load_path={path}: {e}") from None
-    for name, value in fields.items():
-        if name in given and given[name] != value:
-            raise ConfigError(f"--model.{name}={given[name]} contradicts {Path(path) / 'config.json'}'s "
-                              f"{_HF_KEY[name]} ({value}): a Hugging Face model's shape comes from its config.json; "
-                              f"drop --model.{name}")
-    return {**model, **fields}
-
+__all__ = ["check_hf_run", "tokenizer_vocab_size", "check_tokenizer_vocab", "export_hf_model"]
 
 def tokenizer_vocab_size(config: JobConfig) -> int:
     """How many token ids the run's tokenizer produces (``--tokenizer``'s; bytes: 256)."""

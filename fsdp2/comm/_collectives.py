@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,6 @@ from ._streams import Completion
 
 if TYPE_CHECKING:
     from .._format import Chunking, GatherFormat
-    from ._transport import Transport
 
 __all__ = [
     "GatherTargets", "AllGatherInFlight", "ReduceTarget", "ReduceScatterInFlight", "AcrossReplicas",
@@ -45,6 +44,13 @@ __all__ = [
     "show_flat_all_gather", "show_flat_reduce_scatter", "show_flat_all_to_all", "copy_rank_major",
     "quantized_all_reduce",
 ]
+
+
+class FinishesAllGather(Protocol):
+    """The transport that issued an all-gather, as its record keeps it (``_interface.Transport``,
+    which sits above this file: it returns these records)."""
+
+    def finish_all_gather(self, inflight: AllGatherInFlight, targets: GatherTargets) -> None: ...
 
 
 class AllGatherInFlight:
@@ -58,7 +64,7 @@ class AllGatherInFlight:
     __slots__ = ("done", "fmt", "headers", "transport")
 
     def __init__(self, done: Completion, fmt: GatherFormat, headers: torch.Tensor | None,
-                 transport: Transport) -> None:
+                 transport: FinishesAllGather) -> None:
         self.done = done
         self.fmt = fmt
         self.headers = headers  # (world, HEADER) bytes: the ranks' schedule headers, once done; None: unchecked

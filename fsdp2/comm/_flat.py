@@ -25,7 +25,7 @@ from ._collectives import (AllGatherInFlight, GatherTargets, QuantizedReduction,
 from ._quantize import dequantize_entries, quantize_entries
 from ._comm import DEFAULT_ALL_GATHER, DEFAULT_REDUCE_SCATTER, AllGather, ReduceScatter
 from ._streams import Completion, streams_for
-from ._transport import BufferNeeds, GatherSource, GroupBytes, Transport
+from ._interface import BufferNeeds, GatherSource, GroupBytes, Transport
 
 if TYPE_CHECKING:
     from .._format import Chunking

@@ -7,12 +7,11 @@ there), ``PreBackward`` when a gradient reaches an output under ``torch.func`` t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from ._state import ModuleState
+from ._shapes import StateShape
 
 __all__ = ["InputsGradReady", "Pending", "PreBackward"]
 
@@ -62,7 +61,7 @@ class PreBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(state: ModuleState, tensor: torch.Tensor) -> torch.Tensor:
+    def forward(state: StateShape, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     @staticmethod

@@ -38,13 +38,12 @@ from .. import _compat, _wire
 from .._compat import root_mesh
 from .._format import ALL_GATHER_MAGIC, REDUCE_MAGIC
 from ..diagnostics import _debug
+from ._shapes import GroupShape, RootShape, StateShape
 
 if TYPE_CHECKING:
     from .._format import GatherFormat
     from ..comm._collectives import AllGatherInFlight
-    from ._group import ParamGroup
     from ._param import ShardedParam
-    from ._state import ModuleState, RootContext
 
 __all__ = [
     "Diagnostics", "check_rank_agreement", "before_all_gather", "wait_all_gather", "reduce_header",
@@ -59,7 +58,7 @@ class Diagnostics:
         names: module -> its FQN under the root.
     """
 
-    def __init__(self, states: Sequence[ModuleState], names: dict[Any, str]) -> None:
+    def __init__(self, states: Sequence[StateShape], names: dict[Any, str]) -> None:
         self.groups = [g for s in states for g in s.groups]
         self.index = {id(g): i for i, g in enumerate(self.groups)}
         self.param_names = {
@@ -113,7 +112,7 @@ def _mesh_str(mesh: Any) -> str:
     return f"{own}({shape}) on {mesh.device_type}, ranks {root.mesh.tolist()}"
 
 
-def _mesh_groups(groups: Sequence[ParamGroup]) -> list[dist.ProcessGroup]:
+def _mesh_groups(groups: Sequence[GroupShape]) -> list[dist.ProcessGroup]:
     """The process groups of every axis of the model's meshes (data-parallel and TP), once each."""
     meshes = []
     for g in groups:
@@ -213,7 +212,7 @@ class HeaderSlot:
         return memoryview(rows).cast("B").cast("q")[::stride // 8] == mine
 
 
-def before_all_gather(group: ParamGroup, fmt: GatherFormat, pg: dist.ProcessGroup) -> torch.Tensor | None:
+def before_all_gather(group: GroupShape, fmt: GatherFormat, pg: dist.ProcessGroup) -> torch.Tensor | None:
     """This rank's 16-byte header for the coming all-gather (None when unchecked); logs in debug mode."""
     root = group.root
     iteration = root.iteration if root is not None else -1
@@ -239,12 +238,12 @@ def before_all_gather(group: ParamGroup, fmt: GatherFormat, pg: dist.ProcessGrou
     return header
 
 
-def _new_header_slot(group: ParamGroup) -> HeaderSlot:
+def _new_header_slot(group: GroupShape) -> HeaderSlot:
     group.header_slot = HeaderSlot()
     return group.header_slot
 
 
-def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight, pg: dist.ProcessGroup | None) -> None:
+def wait_all_gather(group: GroupShape, gather: AllGatherInFlight, pg: dist.ProcessGroup | None) -> None:
     """Wait for ``group``'s all-gather (errors name it) and compare the ranks' headers over
     ``pg`` (None: headers unchecked, ``before_all_gather`` returned none).
 
@@ -262,7 +261,7 @@ def wait_all_gather(group: ParamGroup, gather: AllGatherInFlight, pg: dist.Proce
     _check_all_gather_headers(group, gather.headers, pg)
 
 
-def _check_all_gather_headers(group: ParamGroup, headers: torch.Tensor, pg: dist.ProcessGroup | None) -> None:
+def _check_all_gather_headers(group: GroupShape, headers: torch.Tensor, pg: dist.ProcessGroup | None) -> None:
     if pg is None or headers.is_meta:  # the memory planner's run (fsdp2/memory/_simulate.py): no bytes
         return
     # The usual case in one comparison, whatever the world size and without a copy: the header's
@@ -307,7 +306,7 @@ def _schedule_key(row: list[int]) -> tuple[int, int]:
     return index, 0 if phase == 2 else phase
 
 
-def _what(group: ParamGroup, row: list[int]) -> str:
+def _what(group: GroupShape, row: list[int]) -> str:
     _magic, iteration, index, phase = row
     root = group.root
     labels = [g.label for g in root.diag.groups] if root is not None and root.diag is not None else []
@@ -317,7 +316,7 @@ def _what(group: ParamGroup, row: list[int]) -> str:
 
 
 # ---- reduce-scatter headers (exchange) ---------------------------------------------------
-def reduce_header(group: ParamGroup, params: Sequence[ShardedParam]) -> torch.Tensor:
+def reduce_header(group: GroupShape, params: Sequence[ShardedParam]) -> torch.Tensor:
     """16 bytes naming what this rank reduces: the group, and which of its parameters.
 
     ``[magic, group index, number of parameters, fingerprint of their indices]``.
@@ -332,7 +331,7 @@ def reduce_header(group: ParamGroup, params: Sequence[ShardedParam]) -> torch.Te
 
 
 # ---- finite gradients -----------------------------------------------------------------
-def record_nonfinite(root: RootContext, params: Sequence[ShardedParam], shards: Sequence[torch.Tensor]) -> None:
+def record_nonfinite(root: RootShape, params: Sequence[ShardedParam], shards: Sequence[torch.Tensor]) -> None:
     """Count the non-finite elements of each reduced gradient shard (no sync; checked later)."""
     if root is None or root.diag is None:
         return
@@ -342,7 +341,7 @@ def record_nonfinite(root: RootContext, params: Sequence[ShardedParam], shards: 
 
 
 @_compat.outside_dispatch_modes()
-def raise_if_nonfinite(root: RootContext) -> None:
+def raise_if_nonfinite(root: RootShape) -> None:
     """End of backward: agree across ranks on the first non-finite parameter; raise on every rank.
 
     Called once every reduce-scatter has finished and the groups are back to their

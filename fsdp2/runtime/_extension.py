@@ -55,13 +55,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-# Module imports both ways (_param builds a ParamExtension): names are looked up at call time.
 from .. import _format
 from .. import _compat, _wire
+from ._shapes import ParamShape
 
 if TYPE_CHECKING:
     from ._mesh import DataParallelMesh
-    from ._param import ShardedParam
 
 __all__ = ["PRE", "POST", "has_extension", "ParamExtension", "GroupExtension"]
 
@@ -120,7 +119,7 @@ def _check_one(local: torch.Tensor, fqn: str, shape: torch.Size, dim: int, shard
         )
 
 
-def refresh_params(params: Sequence[ShardedParam], reshard_after_forward: bool | int | None) -> bool:
+def refresh_params(params: Sequence[ParamShape], reshard_after_forward: bool | int | None) -> bool:
     """Follow the methods defined on (or removed from) the sharded local tensors since ``fully_shard``.
 
     The hooks may be attached after ``fully_shard`` to the local tensor object itself (which
@@ -160,7 +159,7 @@ class ParamExtension:
     storage each); ``to_free`` the inner tensors outside them (with their sizes).
     """
 
-    def __init__(self, p: ShardedParam, local: torch.Tensor) -> None:
+    def __init__(self, p: ParamShape, local: torch.Tensor) -> None:
         self.param = p
         self.cls = type(local).__name__
         self.arity = _pre_arity(local, p.fqn)
@@ -239,7 +238,7 @@ class ParamExtension:
         """Keep the tensors each input is gathered into (persistent: same objects, same storages)."""
         self.outputs = tuple(outputs)
 
-    def post_all_gather(self, on_grad_ready: Callable[[ShardedParam], None]) -> None:
+    def post_all_gather(self, on_grad_ready: Callable[[ParamShape], None]) -> None:
         """Rebuild the unsharded tensor from ``outputs``: created the first time, refreshed with ``out=`` after."""
         p = self.param
         local = _compat.dtensor_local(p.sharded)
@@ -308,7 +307,7 @@ class GroupExtension:
     each input of an extension parameter. Built only for groups holding such a parameter.
     """
 
-    def __init__(self, params: Sequence[ShardedParam], dp: DataParallelMesh) -> None:
+    def __init__(self, params: Sequence[ParamShape], dp: DataParallelMesh) -> None:
         self.params = params
         # The shard axis's 1-D mesh (HSDP: the last axis), as the hooks expect.
         self.mesh = dp.mesh if dp.mesh.ndim == 1 else dp.mesh[dp.mesh.mesh_dim_names[-1]]
@@ -318,7 +317,7 @@ class GroupExtension:
         self.gathered: list[torch.Tensor] = []  # the inputs' gathered outputs, one storage each (bind)
 
     @classmethod
-    def of(cls, params: Sequence[ShardedParam], dp: DataParallelMesh, partial: bool) -> GroupExtension | None:
+    def of(cls, params: Sequence[ParamShape], dp: DataParallelMesh, partial: bool) -> GroupExtension | None:
         if all(p.ext is None for p in params):
             return None
         assert not partial, "fully_shard refuses an int reshard_after_forward here (check_params)"
@@ -396,7 +395,7 @@ class GroupExtension:
                    for lay, dtype, is_input in zip(layouts, dtypes, self._inputs()) if is_input)
 
     def bind(self, buffer: torch.Tensor, param_base: torch.Tensor, starts: Sequence[int], sizes: Sequence[int],
-             fmt: Any, on_grad_ready: Callable[[ShardedParam], None]) -> list[torch.Tensor]:
+             fmt: Any, on_grad_ready: Callable[[ParamShape], None]) -> list[torch.Tensor]:
         """One region per entry of ``fmt``, where the all-gather writes it; returns them.
 
         A plain parameter's region is its place in the unsharded buffer (at ``starts``) and
@@ -433,7 +432,7 @@ class GroupExtension:
             if storage.nbytes() == 0:
                 storage.resize_(t.numel() * t.element_size())
 
-    def post_all_gather(self, on_grad_ready: Callable[[ShardedParam], None]) -> None:
+    def post_all_gather(self, on_grad_ready: Callable[[ParamShape], None]) -> None:
         self.sources = []
         for p in self.params:
             if p.ext is not None:

@@ -35,12 +35,12 @@ import torch
 
 from .. import _compat
 from ._tree import iter_tensors
+from .._common import STATE_ATTR
 from .._errors import FSDPValueError
+from ._shapes import GroupShape, StateShape
 
 if TYPE_CHECKING:
-    from ._group import ParamGroup
     from ._param import ShardedParam
-    from ._state import ModuleState
 
 __all__ = ["state", "check_stage"]
 
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 class _GroupView:
     """One group as pipelining sees torch's parameter group: ``post_backward()`` finishes its backward."""
 
-    def __init__(self, group: ParamGroup) -> None:
+    def __init__(self, group: GroupShape) -> None:
         self._group = group
 
     def post_backward(self) -> None:
@@ -65,7 +65,7 @@ class _GroupView:
 class _StateView:
     """What ``fully_shard.state(module)`` gives pipelining: the members it uses, named as torch's."""
 
-    def __init__(self, module_state: ModuleState) -> None:
+    def __init__(self, module_state: StateShape) -> None:
         self._state = module_state
         groups = [_GroupView(group) for group in module_state.groups]  # one per mesh, in torch's order
         self._fsdp_param_groups = groups  # torch 2.13 on: a list per module
@@ -85,12 +85,12 @@ class _StateView:
 class _StateContextView:
     """``_state_ctx``: the states of every module under the root (``all_states``)."""
 
-    def __init__(self, module_state: ModuleState) -> None:
+    def __init__(self, module_state: StateShape) -> None:
         ctx = module_state.ctx
         self.all_states = [_StateView(s) for s in (ctx.states if ctx is not None else [module_state])]
 
 
-def _root_of(module_state: ModuleState) -> ModuleState:
+def _root_of(module_state: StateShape) -> StateShape:
     return next(s for s in module_state.ctx.states if s.is_root)
 
 
@@ -100,9 +100,7 @@ def state(module: Any) -> _StateView:
     Raises:
         ValueError: ``module`` was not passed to ``fully_shard``.
     """
-    from ._state import get_state
-
-    found = get_state(module) if hasattr(module, "__dict__") else None
+    found = module.__dict__.get(STATE_ATTR) if hasattr(module, "__dict__") else None  # (_state.get_state's lookup)
     if found is None:
         raise FSDPValueError(f"fully_shard.state: {type(module).__name__} was not passed to fully_shard; "
                              "call fully_shard(module) first")
@@ -110,7 +108,7 @@ def state(module: Any) -> _StateView:
 
 
 # ---- the direct route ---------------------------------------------------------------------
-def check_stage(module_state: ModuleState) -> None:
+def check_stage(module_state: StateShape) -> None:
     """At a root forward: if pipelining runs this module as a stage without recognising it as
     an FSDP module, warn once (every microbatch reduces), or drive it under a split-backward
     schedule (:class:`_SplitBackward`). Marks torch 2.11's shape-inference forward.
@@ -174,7 +172,7 @@ class _SplitBackward:
     parameter whose gradient was taken), the next forward clears it.
     """
 
-    def __init__(self, root_state: ModuleState) -> None:
+    def __init__(self, root_state: StateShape) -> None:
         self._root = root_state
         self._stage: Any = None  # weak references to pipelining's objects, refreshed at each forward
         self._schedule: Any = None

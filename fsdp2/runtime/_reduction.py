@@ -22,9 +22,9 @@ from ..comm._collectives import ReduceScatterInFlight, ReduceTarget, reduce_acro
 from ..comm._streams import Completion, streams_for
 from ..diagnostics import _trace
 from . import _checks
+from ._shapes import GroupShape
 
 if TYPE_CHECKING:
-    from ._group import ParamGroup
     from ._param import ShardedParam
 
 __all__ = ["Reduction", "ReducedGrads", "finish_reduction", "reduce_gradients"]
@@ -40,7 +40,7 @@ class Reduction(NamedTuple):
     check_finite: bool = False  # record non-finite reduced gradients (set_check_finite_gradients)
 
 
-def reduce_gradients(group: ParamGroup, params: list[ShardedParam] | None = None, label: str | None = None) -> None:
+def reduce_gradients(group: GroupShape, params: list[ShardedParam] | None = None, label: str | None = None) -> None:
     """Reduce the gradients of ``params`` (all of the group's by default, resharding it first
     where it reshards after backward; ``EarlyRelease`` passes the final ones)."""
     whole = params is None
@@ -96,7 +96,7 @@ def reduce_gradients(group: ParamGroup, params: list[ShardedParam] | None = None
     group.reduce_queue.submit(inflight, limit)
 
 
-def _residual(p: ShardedParam, group: ParamGroup) -> torch.Tensor:
+def _residual(p: ShardedParam, group: GroupShape) -> torch.Tensor:
     """``p``'s error-feedback residual (``QuantizedComm(error_feedback=True)``): what quantizing
     its gradient lost last time, fp32, ``(world, local_numel)`` (its full padded size, rank-major),
     zeros at first; kept on the parameter for the run."""
@@ -106,7 +106,7 @@ def _residual(p: ShardedParam, group: ParamGroup) -> torch.Tensor:
     return res
 
 
-def _gradient_to_reduce(group: ParamGroup, p: ShardedParam) -> torch.Tensor | None:
+def _gradient_to_reduce(group: GroupShape, p: ShardedParam) -> torch.Tensor | None:
     """``p``'s unsharded gradient (cleared on the parameter); zeros where it got none and
     the group reduces unused parameters; None otherwise.
 

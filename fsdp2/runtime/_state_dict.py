@@ -35,16 +35,16 @@ from torch.distributed.tensor import DTensor
 from .. import _compat
 from .._common import STATE_ATTR
 from ._param import ShardedParam
+from ._shapes import StateShape
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from ._state import ModuleState
 
 __all__ = ["register_state_dict_hooks", "shard_full_tensor"]
 
 
-def register_state_dict_hooks(state: ModuleState) -> list[RemovableHandle]:
+def register_state_dict_hooks(state: StateShape) -> list[RemovableHandle]:
     """Install the save and load hooks on each of ``state``'s modules; returns their handles."""
     handles = []
     for module in state.modules:
@@ -69,7 +69,7 @@ def shard_full_tensor(param: ShardedParam, full: torch.Tensor) -> DTensor:
     return param.as_sharded_dtensor(local)
 
 
-def _param_keys(state: ModuleState, module: nn.Module, prefix: str) -> Iterator[tuple[str, ShardedParam]]:
+def _param_keys(state: StateShape, module: nn.Module, prefix: str) -> Iterator[tuple[str, ShardedParam]]:
     """Every state-dict key, under ``module`` at ``prefix``, that names one of the group's parameters."""
     if not state.groups:
         return
@@ -80,7 +80,7 @@ def _param_keys(state: ModuleState, module: nn.Module, prefix: str) -> Iterator[
                 yield f"{prefix}{rel}{name}", param
 
 
-def _relative_prefixes(root: nn.Module, state: ModuleState) -> dict[int, list[str]]:
+def _relative_prefixes(root: nn.Module, state: StateShape) -> dict[int, list[str]]:
     """``id(module) -> ["a.b.", ...]`` for modules under ``root`` outside other sharded subtrees."""
     found: dict[int, list[str]] = {}
     stack = [(root, "")]
@@ -94,7 +94,7 @@ def _relative_prefixes(root: nn.Module, state: ModuleState) -> dict[int, list[st
     return found
 
 
-def _sharded_on_save(state: ModuleState, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+def _sharded_on_save(state: StateShape, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
     if not state.groups:
         return
     # Even when the modules hold the shards and nn.Module saved them, its detach() may have
@@ -106,7 +106,7 @@ def _sharded_on_save(state: ModuleState, module: nn.Module, state_dict: dict[str
             state_dict[key] = param.sharded if keep_vars else _compat.detach(param.sharded)
 
 
-def _shard_on_load(state: ModuleState, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+def _shard_on_load(state: StateShape, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                    local_metadata: dict[str, Any]) -> None:
     if local_metadata.get("assign_to_params_buffers"):
         _check_assigned(module, state_dict, prefix)
@@ -124,7 +124,7 @@ def _check_assigned(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
     """``load_state_dict(assign=True)``: every DTensor about to replace a parameter of a group
     under ``module`` is laid out as that parameter (full plain tensors are cut down instead)."""
     for name, sub in module.named_modules(remove_duplicate=False):
-        state = sub.__dict__.get(STATE_ATTR)  # (runtime/_state.get_state: that module imports this one)
+        state = sub.__dict__.get(STATE_ATTR)  # (as _state.get_state, which sits above this file)
         if state is None or not state.groups or sub not in state.modules:
             continue
         for key, param in _param_keys(state, sub, f"{prefix}{name}." if name else prefix):
@@ -133,7 +133,7 @@ def _check_assigned(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
                 param.check_replacement(value, f"load_state_dict(assign=True): key {key!r}")
 
 
-def _adopt_assigned(state: ModuleState) -> None:
+def _adopt_assigned(state: StateShape) -> None:
     """After loading: parameters ``assign=True`` replaced become the group's sharded ones."""
     for group in state.groups:
         group.adopt_registered(True, "after load_state_dict(assign=True)")

@@ -16,28 +16,41 @@ group's size, so they get the same mean gradient as the dense parameters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp2.models.moe import enable_expert_parallel, moe_layers, update_expert_bias
+from fsdp2.models.moe import ExpertParallelMeshes, enable_expert_parallel, moe_layers, update_expert_bias
 from fsdp2.models.moe import shard_experts as fsdp_experts
+
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..config import JobConfig
-    from .parallelize import ParallelDims
 
 __all__ = ["check_moe", "expert_meshes", "apply_expert_parallel", "shard_experts", "register_load_balancing",
            "active_params"]
 
 
-def check_moe(dims: ParallelDims, config: JobConfig) -> None:
-    """Raise ConfigError for an MoE or expert-parallel setting that cannot run; before any process group."""
-    from ..config import ConfigError  # (the config module imports the model: imported here, not at the top)
+class ExpertDims(Protocol):
+    """What this file reads of the job's degrees and meshes (``parallelize.ParallelDims``, which
+    sits above this file: it calls these functions)."""
 
+    dp_shard: int
+    ep: int
+    pp: int
+    ep_meshes: ExpertParallelMeshes | None  # with ep > 1
+
+    @property
+    def dp_size(self) -> int: ...
+    def dp_mesh(self) -> DeviceMesh: ...
+
+
+def check_moe(dims: ExpertDims, config: JobConfig) -> None:
+    """Raise ConfigError for an MoE or expert-parallel setting that cannot run; before any process group."""
     m, ep = config.model, dims.ep
     if ep > 1 and not m.moe_experts:
         raise ConfigError(f"parallelism.ep={ep} shards experts, and this model has none (model.moe_experts=0): "
@@ -59,20 +72,20 @@ def check_moe(dims: ParallelDims, config: JobConfig) -> None:
                           "counts are data-dependent (a graph break in every block); set training.compile=false")
 
 
-def expert_meshes(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh | None]:
+def expert_meshes(dims: ExpertDims) -> tuple[DeviceMesh, DeviceMesh | None]:
     """(the experts' FSDP mesh, the ep mesh or None): (dp_replicate,) efsdp with EP, else the dense one."""
     if dims.ep == 1:
         return dims.dp_mesh(), None
     return dims.ep_meshes.experts, dims.ep_meshes.ep
 
 
-def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> None:
+def apply_expert_parallel(model: nn.Module, dims: ExpertDims) -> None:
     """Each ep rank keeps its ``experts / ep`` experts (``Shard(0)`` on the ep axis); a no-op at ep 1."""
     if dims.ep > 1:
         enable_expert_parallel(model, expert_meshes(dims)[1])
 
 
-def shard_experts(model: nn.Module, dims: ParallelDims, options: dict[str, Any]) -> None:
+def shard_experts(model: nn.Module, dims: ExpertDims, options: dict[str, Any]) -> None:
     """``fully_shard`` each MoE layer's experts on their own mesh, before their block's call
     (``fsdp2.models.moe.shard_experts``: the planner shards them alike)."""
     mesh, _ = expert_meshes(dims)

@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 
 import recipes.pipeline as pipeline
+import recipes.pipeline_layout as pipeline_layout
 from recipes.config import ConfigError, parse_args
 from recipes.train import check_command, train
 from tests._dist import run_on_ranks
 
-NEW_ENOUGH = pipeline._torch_version() >= pipeline.MIN_TORCH
+NEW_ENOUGH = pipeline_layout._torch_version() >= pipeline.MIN_TORCH
 needs_pipelining = pytest.mark.skipif(not NEW_ENOUGH, reason="the recipe pipelines on torch 2.13 and newer")
 
 SMALL = ["--model.dim=32", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -77,7 +78,7 @@ def test_pipeline_config_errors(flags, match):
 @pytest.fixture
 def as_if_new_enough(monkeypatch):
     """The layout's arithmetic, checked on any torch (on < 2.13 the recipe refuses pp > 1 last)."""
-    monkeypatch.setattr(pipeline, "_torch_version", lambda: pipeline.MIN_TORCH)
+    monkeypatch.setattr(pipeline_layout, "_torch_version", lambda: pipeline.MIN_TORCH)
 
 
 def test_pipeline_layout_errors_name_the_world(as_if_new_enough):
@@ -93,7 +94,7 @@ def test_pipeline_layout_errors_name_the_world(as_if_new_enough):
 
 
 def test_pipeline_needs_torch_2_13(monkeypatch):
-    monkeypatch.setattr(pipeline, "_torch_version", lambda: (2, 11))
+    monkeypatch.setattr(pipeline_layout, "_torch_version", lambda: (2, 11))
     with pytest.raises(ConfigError, match=r"parallelism.pp=2 needs torch 2.13 or newer \(this is torch .*\)"):
         parse_args([*SMALL, "--pp", "2"])
 

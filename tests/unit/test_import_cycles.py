@@ -1,132 +1,145 @@
-"""No circle of imports inside fsdp2/ and recipes/: every package reads one way.
+"""One direction inside every package: no circle of imports in ``fsdp2/`` or ``recipes/``.
 
-Unlike tests/unit/test_layers.py's cycle test, every import statement counts here: module level,
-under ``if TYPE_CHECKING:`` and inside functions (a circle a reader has to untangle is one,
-whenever it runs). Circles that exist today and are being taken apart elsewhere are listed in
-``ALLOWED``; a circle found must lie inside one of them, and the list only shrinks.
+Every import statement counts here, module level, under ``if TYPE_CHECKING:`` and inside
+functions alike (``test_layers.py`` checks the layers' order and the import-time graph): two
+files that name each other, even only for annotations, leave a reader unable to tell which
+is the base. docs/design.md ("One direction inside each package") names each package's base
+file; it imports no other file of its package.
 """
 
 from __future__ import annotations
 
 import ast
-import sys
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TOPS = ("fsdp2", "recipes")
+BASE_ROW = re.compile(r"^\|\s*`([\w/]+)/`\s*\|\s*`([\w.]+\.py)`\s*\|")
 
-# The circles of 75ae75d outside the planner, each fixed on its own branch: delete an entry when
-# its circle is gone. Packages that are clean already may not appear here.
-ALLOWED = [
-    {"fsdp2", "fsdp2.patch"},
-    {"fsdp2.runtime._extension", "fsdp2.runtime._param"},
-    {"fsdp2.comm._collectives", "fsdp2.comm._flat", "fsdp2.comm._transport", "fsdp2.comm.cpu._transport"},
-    {"fsdp2.runtime._autograd", "fsdp2.runtime._checks", "fsdp2.runtime._group", "fsdp2.runtime._pipeline",
-     "fsdp2.runtime._reduce_queue", "fsdp2.runtime._reduction", "fsdp2.runtime._state", "fsdp2.runtime._state_dict"},
-    {"recipes.config", "recipes.llama.moe", "recipes.llama.parallelize", "recipes.pipeline"},
-]
-CLEAN = ("fsdp2.plan", "fsdp2.memory")  # packages that must stay free of circles (never in ALLOWED)
-
-
-def modules(root: Path, tops: tuple[str, ...] = TOPS) -> dict[str, Path]:
-    """Dotted module name -> file, for every ``.py`` under ``root/top`` (a package is its ``__init__``)."""
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file, for every ``.py`` under the two trees (a package by its own name)."""
     found = {}
-    for top in tops:
-        for path in (root / top).rglob("*.py"):
-            name = ".".join(path.relative_to(root).with_suffix("").parts)
+    for top in TOPS:
+        for path in sorted((REPO / top).rglob("*.py")):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
             found[name.removesuffix(".__init__")] = path
     return found
 
 
-def _targets(mods: dict[str, Path], current: str, node: ast.Import | ast.ImportFrom) -> set[str]:
-    """The modules of ``mods`` one import statement names (``from pkg import mod`` names ``pkg.mod``)."""
+def _package(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _targets(name: str, path: Path, node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> set[str]:
+    """The modules of the two trees that one import statement names (``from pkg import mod``: the module)."""
     if isinstance(node, ast.Import):
-        return {a.name for a in node.names if a.name in mods}
-    package = current if mods[current].name == "__init__.py" else current.rpartition(".")[0]
-    stem = node.module or ""
-    if node.level:
-        parts = package.split(".")
-        stem = ".".join(parts[: len(parts) - node.level + 1] + ([stem] if stem else []))
-    named = {f"{stem}.{a.name}" if f"{stem}.{a.name}" in mods else stem for a in node.names}
-    return {m for m in named if m in mods}
+        named = [alias.name for alias in node.names]
+    else:
+        stem = node.module or ""
+        if node.level:
+            parts = _package(name, path).split(".")
+            stem = ".".join(parts[: len(parts) - node.level + 1] + ([stem] if stem else []))
+        named = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem for a in node.names]
+    return {m for m in named if m in modules and m != name}
 
 
-def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """Each module's imports of other modules of ``mods``: every import statement, wherever it is."""
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
     graph = {}
-    for name, path in mods.items():
-        nodes = (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom)))
-        graph[name] = set().union(*(_targets(mods, name, n) for n in nodes)) - {name}
+    for name, path in modules.items():
+        nodes = ast.walk(ast.parse(path.read_text()))
+        graph[name] = {t for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))
+                       for t in _targets(name, path, n, modules)}
     return graph
 
 
-def circles(graph: dict[str, set[str]]) -> list[set[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
-    found: list[set[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = set()
-            while (w := stack.pop()) != v:
-                component.add(w)
-                on_stack.discard(w)
-            on_stack.discard(v)
-            if component:
-                found.append(component | {v})
-
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 10 * len(graph) + 100))
-    try:
-        for v in sorted(graph):
-            if v not in index:
-                visit(v)
-    finally:
-        sys.setrecursionlimit(limit)
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
     return found
 
 
-def test_no_new_import_circle() -> None:
-    found = circles(import_graph(modules(REPO)))
-    new = [c for c in found if not any(c <= allowed for allowed in ALLOWED)]
-    assert not new, "import circles (any import statement counts; split what they share into a module below " \
-                    "them, or merge them):\n" + "\n".join("  " + " <-> ".join(sorted(c)) for c in new)
+def _bases() -> dict[str, str]:
+    """docs/design.md's table: package directory (``fsdp2/runtime``) -> its base file's name."""
+    text = (REPO / "docs" / "design.md").read_text()
+    section = text.split("\n### One direction inside each package", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for line in section.splitlines() if (m := BASE_ROW.match(line))}
 
 
-def test_the_planner_and_the_tracker_have_no_allowance() -> None:
-    assert not [m for c in ALLOWED for m in c if m.startswith(CLEAN)]
+def test_the_cycle_finder_finds_a_circle() -> None:
+    # Guards the finder itself: a circle of three and one of two, beside a one-way chain.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}, "e": {"d", "a"}, "f": {"a"}}
+    assert sorted(_circles(graph)) == [["a", "b", "c"], ["d", "e"]]
+
+
+def test_no_circle_of_imports_in_fsdp2_or_recipes() -> None:
+    graph = _graph()
+    assert len(graph) > 50 and graph["fsdp2.runtime._group"], "the parser found no imports"
+    circles = _circles(graph)
+    assert circles == [], "import circles (split what the files share into a file below them):\n" + "\n".join(
+        " <-> ".join(c) for c in circles)
+
+
+def test_every_package_names_its_base() -> None:
+    bases = _bases()
+    packages = {path.parent.relative_to(REPO).as_posix() for top in TOPS for path in (REPO / top).rglob("*.py")}
+    missing = sorted(packages - set(bases))
+    assert missing == [], "add a row naming the base file of these packages to docs/design.md"
+
+
+def test_each_base_imports_nothing_of_its_package() -> None:
+    bases = _bases()
+    assert len(bases) >= 8  # guards the parser: a format slip would check nothing
+    graph = _graph()
+    for directory, base in bases.items():
+        package = directory.replace("/", ".")
+        module = f"{package}.{base.removesuffix('.py')}"
+        assert module in graph, f"docs/design.md names {directory}/{base}, which does not exist"
+        own = sorted(m for m in graph[module] if m.rpartition(".")[0] == package or m == package)
+        assert own == [], f"{directory}/{base} is its package's base but imports {own}"
 
 
 def test_the_planner_builds_on_the_tracker_one_way() -> None:
     """fsdp2.plan imports fsdp2.memory (the tracker); no fsdp2.memory module names fsdp2.plan."""
-    graph = import_graph(modules(REPO))
+    graph = _graph()
     assert any(m.startswith("fsdp2.memory") for v in graph if v.startswith("fsdp2.plan") for m in graph[v])
     back = sorted(f"{v} -> {m}" for v in graph if v.startswith("fsdp2.memory") for m in graph[v]
                   if m.startswith("fsdp2.plan"))
     assert not back, back
-
-
-def test_every_kind_of_import_closes_a_circle(tmp_path: Path) -> None:
-    """The graph sees relative, function-level and TYPE_CHECKING imports (guards the parser)."""
-    pkg = tmp_path / "fsdp2" / "sub"
-    pkg.mkdir(parents=True)
-    (tmp_path / "fsdp2" / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("from ._a import A\n")
-    (pkg / "_a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._b import B\nA = 1\n")
-    (pkg / "_b.py").write_text("def f():\n    from . import _c\nB = 2\n")
-    (pkg / "_c.py").write_text("import fsdp2.sub._a\n")
-    (pkg / "_d.py").write_text("from . import _a\n")
-    found = circles(import_graph(modules(tmp_path, ("fsdp2",))))
-    assert found == [{"fsdp2.sub._a", "fsdp2.sub._b", "fsdp2.sub._c"}]

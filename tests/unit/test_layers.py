@@ -134,7 +134,8 @@ def test_imports_only_point_down():
 def test_the_flat_transport_does_not_import_the_cpu_one():
     """GPU users read the interface and the flat transport and never meet the CPU one."""
     graph = _graph()
-    for module in ("fsdp2.comm._transport", "fsdp2.comm._flat", "fsdp2.comm._collectives", "fsdp2.runtime._group"):
+    for module in ("fsdp2.comm._interface", "fsdp2.comm._transport", "fsdp2.comm._flat", "fsdp2.comm._collectives",
+                   "fsdp2.runtime._group"):
         assert not {m for m in graph[module] if m.startswith("fsdp2.comm.cpu")}, module
 
 

@@ -22,8 +22,8 @@ from .._collectives import (AllGatherInFlight, GatherTargets, QuantizedReduction
                            show_flat_all_to_all, show_flat_reduce_scatter)
 from .._quantize import dequantize_entries, quantize_entries
 from .._streams import Completion
-from .._transport import (CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupBytes, Transport, cpu_transport,
-                          flat_transport)
+from .._flat import FlatTransport
+from .._interface import CPU_COLLECTIVES_ENV, BufferNeeds, GatherSource, GroupBytes, Transport, cpu_transport
 from . import _cma, _exchange, _pipes
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class ExchangeTransport(Transport):
         self.may_read, self.must_read = may_read, must_read
         self.grad_block, self.grad_bits = grad_block, grad_bits
         self.name = "read" if may_read else "exchange"
-        self._local = flat_transport()  # world size 1: no peers, the local copy the flat path makes
+        self._local = FlatTransport()  # world size 1: no peers, the local copy the flat path makes
 
     def probe(self, pg: dist.ProcessGroup) -> None:
         """Find out (once per process group, collectively) whether its ranks can read each other."""
