@@ -131,7 +131,7 @@ class Transport(ABC):
     def quantized_buffer_needs(self, slice_bytes: int, row_bytes: int, world: int, backend: str,
                                reads: bool) -> BufferNeeds:
         """What a group's quantized collectives hold besides their quantized buffers, which the
-        memory planner allocates itself (``memory/_quantized.py``): an all-gather of quantized
+        memory planner allocates itself (``plan/_quantized.py``): an all-gather of quantized
         slices of ``slice_bytes``, a reduce-scatter of packed rows of ``row_bytes`` per rank.
         The flat transport's hold nothing more."""
         return BufferNeeds(0, False, 0, 0, False)

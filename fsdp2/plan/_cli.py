@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
 
 # ---- a recipe's TOML config ------------------------------------------------------------------
 # The recipe's defaults for the keys the layout reads (recipes/config.py's dataclasses; fsdp2 does
-# not import the recipes, tests/tools/test_plan_toml.py checks these equal them).
+# not import the recipes, tests/tools/test_recipe_preflight.py checks these equal them).
 RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "training": {"batch_size": 8, "seq_len": 128, "grad_accum": 1, "mixed_precision": "fp32",
                  "activation_checkpoint": False},

@@ -262,7 +262,7 @@ def wait_all_gather(group: GroupShape, gather: AllGatherInFlight, pg: dist.Proce
 
 
 def _check_all_gather_headers(group: GroupShape, headers: torch.Tensor, pg: dist.ProcessGroup | None) -> None:
-    if pg is None or headers.is_meta:  # the memory planner's run (fsdp2/memory/_simulate.py): no bytes
+    if pg is None or headers.is_meta:  # the memory planner's run (fsdp2/plan/_simulate.py): no bytes
         return
     # The usual case in one comparison, whatever the world size and without a copy: the header's
     # second 8 bytes (group index and phase) are the same on every rank (the iteration, in the

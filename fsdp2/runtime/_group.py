@@ -152,7 +152,7 @@ class ParamGroup(GroupBuffers):
             self.invalidate()
 
     def compute_on_meta(self) -> None:
-        """The memory planner's run (``memory/_simulate.py``): every buffer of this group on meta."""
+        """The memory planner's run (``plan/_simulate.py``): every buffer of this group on meta."""
         self.device = torch.device("meta")
         for p in self.params:
             p._home_device = self.device  # (raise_if_on_meta lets these shards through)
