@@ -79,6 +79,7 @@ from recipes.metrics import (
 )
 from recipes.preflight import MemoryCheck, check_memory, check_paths, check_settings, no_op_warnings
 from recipes.profiling import Profiler
+from recipes.snapshot import SnapshotAreaError, Snapshots, check_snapshots, kill_if_asked
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                 train(config, dims, device)
         finally:
             dist.destroy_process_group()
-    except UnusableCheckpointError as e:  # every rank raises it, after rank 0's decision
+    except (UnusableCheckpointError, SnapshotAreaError) as e:  # every rank raises it, after rank 0's decision
         fail(f"error: {e}", rank0)
     except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: one line instead of every rank's traceback
         if rank0:
@@ -175,6 +176,7 @@ def check_run(config: JobConfig, world_size: int = 1) -> None:
         check_export(config.checkpoint.export)
     if config.checkpoint.initial_load_path:
         check_initial_load(config.checkpoint.initial_load_path)
+    check_snapshots(config, world_size, full_parameter_count(config)[0])
     if config.metrics.enable_tensorboard:
         check_tensorboard()
     v, t = config.validation, config.training
@@ -531,6 +533,7 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
         log(f"torchrun restart {restarts}: resuming from the newest sound checkpoint")
     if checkpointer is not None:
         checkpointer.choose()  # before anything is allocated: stops here when no sound checkpoint is left
+    snapshots = Snapshots(config) if ckpt.snapshot_every != "off" else None  # claims the area, before allocating
     torch.manual_seed(t.seed)
     dims.build_mesh(device.type)
     pipeline = build_pipeline(config, dims, device) if dims.pp > 1 else None
@@ -547,7 +550,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
             f"{config.validation.steps} batches every {config.validation.freq} steps")
 
     guard = SkipGuard(t.max_skipped_steps)
-    start = resume(checkpointer, model, optimizer, scheduler, guard)
+    start = (resume(checkpointer, model, optimizer, scheduler, guard) if snapshots is None
+             else snapshots.resume(model, optimizer, scheduler, checkpointer, guard))
     if start == 0 and ckpt.initial_load_path:
         load_initial(ckpt.initial_load_path, model)
     flops = model_flops_per_token(None if pipeline else model, config)
@@ -579,6 +583,9 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
             if checkpointer is not None and (step == t.steps or (ckpt.every and step % ckpt.every == 0)):
                 with ctrl_c_after():  # a save Ctrl-C lands in finishes first (DCP would wrap it in its error)
                     checkpointer.save(step, model, optimizer, scheduler, extra={"skips": guard.state_dict()})
+            if snapshots is not None:
+                snapshots.after_step(step, model, optimizer, scheduler, guard)
+            kill_if_asked(faults, step)
     except KeyboardInterrupt:
         raise Interrupted(step, checkpointer, ckpt.every) from None
     finally:
@@ -586,6 +593,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
             progress.tensorboard.close()
         if pipeline is not None:
             pipeline.close()
+        if snapshots is not None:  # a finished run removes its snapshots; a crashed one keeps them to resume
+            snapshots.close(finished=step == t.steps)
     log(progress.summary())
 
     if ckpt.export:

@@ -11,6 +11,9 @@
   model for inference tools, gathered one parameter at a time.
 - :func:`load_full`: start from full pretrained weights (safetensors, single
   file or Hugging Face shards): each rank memory-maps and reads only its rows.
+- :class:`Snapshotter`: in-memory snapshots of each rank's shards in a RAM file system
+  (``/dev/shm``), double-buffered and checksummed, copied to a rank of another node;
+  they outlive a killed process (not the host) and restore in seconds.
 - ``python -m fsdp2.checkpoint export DCP_DIR OUT.safetensors``: consolidate a
   DCP checkpoint offline, without a process group; ``... verify DIR``: check a
   checkpoint, or every checkpoint of a run's directory, offline.
@@ -20,5 +23,7 @@ See docs/checkpointing.md.
 
 from ._dcp import CorruptCheckpointError, load, save, verify, verify_on_ranks
 from ._full import export_full, load_full
+from ._snapshot import SnapshotAreaError, SnapshotPlan, Snapshotter, snapshot_area
 
-__all__ = ["save", "load", "verify", "verify_on_ranks", "CorruptCheckpointError", "export_full", "load_full"]
+__all__ = ["save", "load", "verify", "verify_on_ranks", "CorruptCheckpointError", "export_full", "load_full",
+           "Snapshotter", "SnapshotPlan", "SnapshotAreaError", "snapshot_area"]
