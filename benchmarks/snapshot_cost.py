@@ -8,9 +8,9 @@ rank), the recipe's model, AdamW and schedule are built and trained; after two w
 (and a first snapshot of each kind, which allocates and touches the slots), each round times
 one training step, then one snapshot on one node (no peer copy), then one on two simulated
 nodes (each rank its own area, its snapshot also sent to the other rank over a gloo group and
-kept there). Prints one JSON line per model and kind: the median step time, the median
-snapshot cost and its parts (copy into the slot, CRC-32, peer copy), each
-the slowest rank's, their ratio, and the K
+kept there). Prints one JSON line per model and kind: the median step time and the median
+snapshot cost (each the slowest rank's), the snapshot's parts (rank 0's medians: copy into
+the slot, CRC-32, peer copy), their ratio, and the K
 ``--checkpoint.snapshot_every=auto`` would pick (cost / K at most 2% of the step time).
 The transport of the peer copy is gloo over TCP on localhost.
 """
@@ -100,7 +100,8 @@ def measure(name: str, rounds: int, root: Path) -> list[dict]:
     rows = []
     for kind in kinds:
         cost = statistics.median(costs[kind])
-        parts = {part: statistics.median(c[part] for c in costs[kind + " parts"]) for part in ("copy", "checksum", "peer")}
+        parts = {part: statistics.median(c[part] for c in costs[kind + " parts"])
+                 for part in ("copy", "checksum", "peer")}
         rows.append({"model": name, "params": full_parameter_count(config)[0], "kind": kind,
                      "world": dist.get_world_size(), "transport": "gloo (CPU, localhost)", "rounds": rounds,
                      "step_s": step_s, "snapshot_s": cost, **{f"{p}_s": v for p, v in parts.items()},

@@ -32,7 +32,8 @@ from fsdp2.checkpoint import SnapshotAreaError, Snapshotter
 from .checkpoint import Checkpointer
 from .config import FaultsConfig, JobConfig
 
-__all__ = ["Snapshots", "SnapshotAreaError", "check_snapshots", "snapshot_root", "snapshot_bytes", "run_id", "kill_if_asked", "BUDGET"]
+__all__ = ["Snapshots", "SnapshotAreaError", "check_snapshots", "snapshot_root", "snapshot_bytes", "run_id",
+           "kill_if_asked", "BUDGET"]
 
 logger = logging.getLogger(__name__)
 BUDGET = 0.02  # auto: the largest share of the step time snapshots may cost
@@ -139,8 +140,8 @@ class Snapshots:
         if self.last_step_end is not None:
             self.step_seconds = now - self.last_step_end
         if not self.every or step % self.every == 0:
-            self.snapshotter.save(step, model, optimizer,
-                                  extra={"step": step, "scheduler": scheduler.state_dict(), "skips": guard.state_dict()})
+            extra = {"step": step, "scheduler": scheduler.state_dict(), "skips": guard.state_dict()}
+            self.snapshotter.save(step, model, optimizer, extra=extra)
             self.taken += 1
             if self.taken == 2:  # the first one allocates and touches the memory: not a fair measure
                 self._measured(step)

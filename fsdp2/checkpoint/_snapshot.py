@@ -213,7 +213,8 @@ class Snapshotter:
         except BlockingIOError:
             os.close(fd)
             raise SnapshotAreaError(f"snapshot area {self.area} is in use by another run (a live process holds the "
-                                    f"lock of {path.name}): stop it or choose another checkpoint.snapshot_dir") from None
+                                    f"lock of {path.name}): stop it or choose another checkpoint.snapshot_dir"
+                                    ) from None
         other = _run_ids(path) - {self.run_id}
         if other:
             os.close(fd)

@@ -13,9 +13,7 @@ snapshots, is refused in one line; an area that cannot be created too.
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -44,9 +42,9 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -
 
 
 def _train_snapshot_restore(root: str, two_nodes: bool, damage: str) -> tuple[list[float], list[float], tuple]:
-    """Train 4 steps with a snapshot after each, damage as told, restore into fresh state, train 2 more.
-    Returns (the uninterrupted losses of steps 3-4... no: steps after the restored step), (the
-    restored run's), (restored step, holders, extra)."""
+    """Train 4 steps with a snapshot after each (and 2 more: the uninterrupted run), damage as told,
+    restore into a fresh model and optimizer and train to step 6. Returns the uninterrupted losses
+    after the restored step, the restored run's, and (restored step, holders, steps lost, extra)."""
     node = str(dist.get_rank()) if two_nodes else "0"
     local = 1 if two_nodes else 2
     model, optimizer = _build()
@@ -62,11 +60,10 @@ def _train_snapshot_restore(root: str, two_nodes: bool, damage: str) -> tuple[li
     if dist.get_rank() == 0:
         if damage == "own area gone":
             shutil.rmtree(snapshot_area(root, node))
-        elif damage == "newest slot overwritten":  # step 4 went to slot 0 (generation 4)
-            path = snapshot_area(root, node) / "rank-0.snap"
-            with open(path, "r+b") as f:
-                f.seek(4096 * 2 + 100)
-                f.write(b"\xa5" * 64)
+        elif damage:  # step 4 went to slot 0 (generation 4): its header at 4096, its payload from 8192
+            with open(snapshot_area(root, node) / "rank-0.snap", "r+b") as f:
+                f.seek(4096 * 2 + 100 if damage == "newest slot overwritten" else 4096)
+                f.write(b"\xa5" * 64 if damage == "newest slot overwritten" else b"\0" * 8)
     dist.barrier()
     model, optimizer = _build(seed=1)  # other weights: the restore must overwrite them all
     snaps = Snapshotter(root, run_id="test", local_world_size=local, node=node)
@@ -82,6 +79,7 @@ def _train_snapshot_restore(root: str, two_nodes: bool, damage: str) -> tuple[li
     (True, "", 4, [0, 1]),
     (True, "own area gone", 4, [1, 1]),
     (False, "newest slot overwritten", 3, [0, 1]),
+    (False, "newest header invalidated", 3, [0, 1]),  # killed after the save's first write
 ])
 def test_restore_repeats_the_uninterrupted_steps(tmp_path, two_nodes, damage, step, holders):
     results = run_on_ranks(_train_snapshot_restore, 2, str(tmp_path), two_nodes, damage)

@@ -28,6 +28,7 @@ import pytest
 from recipes.snapshot import snapshot_bytes
 from recipes.train import check_command
 from tests._dist import _free_port, run_on_ranks
+from tests.reliability.test_checkpoint_faults import _train_logged
 from tests.reliability.test_fault import BASE
 from tests.tools.test_recipe import _train_on_ranks
 
@@ -129,3 +130,24 @@ def test_an_area_too_small_is_refused_naming_the_bytes_needed(tmp_path):
     with pytest.raises(ValueError, match=rf"^checkpoint.snapshot_dir={re.escape(str(tmp_path / 'snap'))} is too "
                                          r"small: snapshots need about (\d+) bytes on this node, (\d+) are free; "):
         check_command(argv, 2)
+
+
+def test_auto_measures_the_second_snapshot_and_picks_the_smallest_interval_within_2_percent(tmp_path):
+    area = tmp_path / "snap"
+    results = run_on_ranks(_train_logged, 2, [*BASE, "--training.steps=8", "--checkpoint.snapshot_every=auto",
+                                              f"--checkpoint.snapshot_dir={area}"], timeout=240.0)
+    lines = results[0][2]
+    assert results[1][2] == [], "only rank 0 logs"
+    assert re.fullmatch(rf"INFO: snapshot: every step until measured \(auto\) in {re.escape(str(area))}/node-\S+; "
+                        "one node: no peer copy, the snapshots do not survive the node", lines[0]), lines
+    measured = [line for line in lines if "measured at" in line]
+    assert len(measured) == 1, lines
+    match = re.fullmatch(r"INFO: snapshot: every (\d+) steps; measured at step 2: one snapshot costs ([\d.]+) ms "
+                         r"\(copy [\d.]+, checksum [\d.]+, peer copy 0\.0\), a step ([\d.]+) ms: ([\d.]+)% of the step "
+                         r"time per step \(auto: the smallest interval within 2%\)", measured[0])
+    assert match, measured
+    every, cost, step, share = int(match[1]), float(match[2]), float(match[3]), float(match[4])
+    assert share <= 2.0
+    # The smallest such interval (the printed figures are rounded: a little slack).
+    assert every == 1 or cost / (every - 1) / step > 0.0199, "a smaller interval would have been within 2%"
+    assert not any(area.rglob("*.snap")), "a finished run removes its snapshots"
