@@ -23,7 +23,9 @@ every rank, and the run resumes from the newest checkpoint, exactly: the losses 
 final weights equal an uninterrupted run's. A step whose gradient norm is not finite is
 skipped (no optimizer step; the learning-rate schedule advances), warned about and recorded
 as "skipped" in the metrics; training.max_skipped_steps of them in a row stop the run.
-The [faults] keys inject bad batches to test that guard.
+The [faults] keys inject bad batches to test that guard, and kill a rank.
+--checkpoint.snapshot_every=K|auto also keeps each rank's state in host memory every K steps
+(recipes/snapshot.py), which a restart resumes from when it is newer than the newest checkpoint.
 
 Watching a run: --validation.enable reports the loss on held-out data every validation.freq
 steps; --metrics.enable_tensorboard writes TensorBoard events to job.dump_folder/tb;
@@ -530,7 +532,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable,
                                  flat_optimizer=dims.pp > 1) if ckpt.dir else None)
     if restarts := int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-        log(f"torchrun restart {restarts}: resuming from the newest sound checkpoint")
+        log(f"torchrun restart {restarts}: resuming from the newest sound "
+            f"{'snapshot or ' if ckpt.snapshot_every != 'off' else ''}checkpoint")
     if checkpointer is not None:
         checkpointer.choose()  # before anything is allocated: stops here when no sound checkpoint is left
     snapshots = Snapshots(config) if ckpt.snapshot_every != "off" else None  # claims the area, before allocating

@@ -223,8 +223,11 @@ class Snapshotter:
                                     "or choose another checkpoint.snapshot_dir")
         return fd
 
-    def _map(self, fd: int, path: Path, slot_bytes: int) -> _File:
-        """Size ``fd``'s file for two slots of ``slot_bytes`` (reserving the memory now) and map it."""
+    def _map(self, fd: int, path: Path, slot_bytes: int, previous: _File | None) -> _File:
+        """Size ``fd``'s file for two slots of ``slot_bytes`` (reserving the memory now) and map it;
+        ``previous``: its mapping so far, dropped (a file sized again keeps no snapshot)."""
+        if previous is not None:
+            _unmap(previous)
         size = _PAGE + 2 * slot_bytes
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, 0)  # another layout's slots: never read again
@@ -250,10 +253,7 @@ class Snapshotter:
         """Unmap and unlock; ``remove`` also deletes this rank's files (a run that finished)."""
         for file in (self.own, self.copy):
             if file is not None:
-                try:
-                    file.map.close()
-                except BufferError:  # a tensor still views it: unmapped when the process ends
-                    pass
+                _unmap(file)
         for fd in self._locks:
             os.close(fd)
         if remove:
@@ -269,57 +269,52 @@ class Snapshotter:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra: dict[str, Any] | None = None) -> None:
         """Collective (with peer copies): snapshot this rank's state at ``step`` into the slot not
-        holding the newest snapshot, then send it to the peer. ``extra``: small picklable state."""
+        holding the newest snapshot, then send it to the peer. ``extra``: small picklable state.
+
+        The first save sizes and maps the file; later ones reuse it, unless the state grew (an
+        optimizer state that appeared late, a larger ``extra``): then the file is sized again.
+        """
         t0 = time.perf_counter()
         tensors = _tensors(model, optimizer)
-        meta = pickle.dumps(_meta(tensors, optimizer, extra), protocol=pickle.HIGHEST_PROTOCOL)
-        if self.own is None:
-            self._allocate(tensors, len(meta))
+        info = _meta(tensors, optimizer, extra)
+        meta = pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL)
+        if self.own is None or len(meta) > self._meta_capacity:
+            self._meta_capacity = _round_up(max(64 * 2**10, 4 * len(meta)))
+        info["offsets"], end = _layout(tensors, self._meta_capacity)
+        meta = pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL)
+        if self.own is None or _PAGE + end > self.own.slot_bytes:
+            self._fingerprint = _fingerprint(tensors, self.world)
+            self.own = self._map(self._locks[0], self._own_path, _round_up(_PAGE + end), self.own)
         own = self.own
-        if len(meta) > self._meta_capacity:
-            raise RuntimeError(f"snapshot: the extra state grew to {len(meta)} bytes, more than the "
-                               f"{self._meta_capacity} reserved at the first snapshot")
         own.generation += 1
         slot = own.slot(own.generation % 2)
         slot[:8].zero_()  # invalidated first: a kill from here on leaves this slot unreadable
         payload = slot[_PAGE:]
         payload[:len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
-        offset = self._meta_capacity
-        for _, tensor in tensors:
+        for (_, tensor), offset in zip(tensors, info["offsets"]):
             n = tensor.numel() * tensor.element_size()
             payload[offset:offset + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-            offset += n
         t1 = time.perf_counter()
-        crc = zlib.crc32(memoryview(own.map)[_PAGE + (own.generation % 2) * own.slot_bytes + _PAGE:][:offset])
-        header = SlotHeader(self.rank, self.world, step, own.generation, offset, crc, len(meta),
+        crc = zlib.crc32(memoryview(own.map)[_PAGE + (own.generation % 2) * own.slot_bytes + _PAGE:][:end])
+        header = SlotHeader(self.rank, self.world, step, own.generation, end, crc, len(meta),
                             self._fingerprint, self.run_id).pack()
         slot[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))  # committed
         t2 = time.perf_counter()
         if self.peer:
-            self._send_copy(slot[:_PAGE + offset])
+            self._send_copy(slot[:_PAGE + end])
         self.last_cost = {"copy": t1 - t0, "checksum": t2 - t1, "peer": time.perf_counter() - t2}
-
-    def _allocate(self, tensors: list[tuple[str, torch.Tensor]], meta_bytes: int) -> None:
-        """At the first save: size and map this rank's file (and the peer copy's), agreeing sizes."""
-        self._meta_capacity = _round_up(max(64 * 2**10, 4 * meta_bytes))
-        data = sum(t.numel() * t.element_size() for _, t in tensors)
-        slot_bytes = _round_up(_PAGE + self._meta_capacity + data)
-        self._fingerprint = _fingerprint(tensors, self.world)
-        self.own = self._map(self._locks[0], self._own_path, slot_bytes)
-        if self.peer:  # the peer copy's file is sized for the source's slots
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-            dist.all_gather(sizes, torch.tensor([slot_bytes], dtype=torch.int64), group=self.group)
-            self.copy = self._map(self._locks[1], self._peer_path, int(sizes[self.source]))
 
     def _send_copy(self, region: torch.Tensor) -> None:
         """Send this slot to ``dest`` and receive ``source``'s into the peer file's older slot."""
+        n = torch.tensor([region.numel()], dtype=torch.int64)
+        got = torch.zeros(1, dtype=torch.int64)
+        _exchange([(n, self.dest)], [(got, self.source)], self.group)
+        if self.copy is None or int(got) > self.copy.slot_bytes:  # the first copy, or the source's state grew
+            self.copy = self._map(self._locks[1], self._peer_path, _round_up(int(got)), self.copy)
         copy = self.copy
         copy.generation += 1
         target = copy.slot(copy.generation % 2)
         target[:8].zero_()
-        n = torch.tensor([region.numel()], dtype=torch.int64)
-        got = torch.zeros(1, dtype=torch.int64)
-        _exchange([(n, self.dest)], [(got, self.source)], self.group)
         _exchange([(region, self.dest)], [(target[:int(got)], self.source)], self.group)
 
     # ---- finding and restoring -------------------------------------------------------------
@@ -422,6 +417,24 @@ def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
         work.wait()
 
 
+def _unmap(file: _File) -> None:
+    try:
+        file.map.close()
+    except BufferError:  # a tensor still views it: unmapped once that is gone (or the process ends)
+        pass
+
+
+def _layout(tensors: list[tuple[str, torch.Tensor]], start: int) -> tuple[list[int], int]:
+    """Each tensor's offset in the payload, from ``start``, 64-byte aligned (a view as any dtype
+    needs its offset aligned to the element size); and where the last one ends."""
+    offsets, offset = [], start
+    for _, tensor in tensors:
+        offset = -(-offset // 64) * 64
+        offsets.append(offset)
+        offset += tensor.numel() * tensor.element_size()
+    return offsets, offset
+
+
 def _local(value: Any) -> Any:
     return value.to_local() if isinstance(value, DTensor) else value
 
@@ -443,7 +456,9 @@ def _meta(tensors: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimi
           extra: dict[str, Any] | None) -> dict[str, Any]:
     """What the payload's bytes are: the tensor table, the optimizer's structure, RNG and ``extra``."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {i: {name: (isinstance(v, DTensor) if torch.is_tensor(v) else ("value", v))
+    # Per state entry: a tensor's kind (a DTensor or not, on the CPU or the parameter's device), or its value.
+    state = {i: {name: ({"dtensor": isinstance(v, DTensor), "cpu": v.device.type == "cpu"} if torch.is_tensor(v)
+                        else {"value": v})
                  for name, v in optimizer.state.get(p, {}).items()} for i, p in enumerate(params)}
     groups, index = [], 0
     for group in optimizer.param_groups:
@@ -460,11 +475,8 @@ def _load(payload: torch.Tensor, header: SlotHeader, model: torch.nn.Module,
     """Copy a payload's tensors into the model and a rebuilt optimizer state; set the RNG; its extra."""
     meta = pickle.loads(payload[:header.meta_bytes].numpy().tobytes())
     values: dict[str, torch.Tensor] = {}
-    offset = header.payload_bytes - sum(_nbytes(dtype, shape) for _, dtype, shape in meta["table"])
-    for key, dtype, shape in meta["table"]:
-        n = _nbytes(dtype, shape)
-        values[key] = payload[offset:offset + n].view(dtype).view(shape)
-        offset += n
+    for (key, dtype, shape), offset in zip(meta["table"], meta["offsets"]):
+        values[key] = payload[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
     with torch.no_grad():
         for key, value in model.state_dict().items():
             _local(value).copy_(values[f"model/{key}"])
@@ -473,13 +485,12 @@ def _load(payload: torch.Tensor, header: SlotHeader, model: torch.nn.Module,
     for i, entries in meta["optim_state"].items():
         p, state[i] = params[i], {}
         for name, kind in entries.items():
-            if isinstance(kind, tuple):
-                state[i][name] = kind[1]
+            if "value" in kind:
+                state[i][name] = kind["value"]
                 continue
-            local = values[f"optim/{i}/{name}"].clone()
+            local = values[f"optim/{i}/{name}"].to("cpu" if kind["cpu"] else p.device, copy=True)
             state[i][name] = (DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                                 stride=p.stride()) if kind else local.to(p.device if name != "step"
-                                                                                          else local.device))
+                                                 stride=p.stride()) if kind["dtensor"] else local)
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(meta["rng"]["cpu"])
     if "cuda" in meta["rng"] and torch.cuda.is_available():

@@ -24,9 +24,24 @@ from fsdp2.checkpoint import SnapshotAreaError, Snapshotter, snapshot_area
 from tests._dist import run_on_ranks
 
 
+class _Model(torch.nn.Module):
+    """Two layers, a third used from step 3 on (its optimizer state appears late: the snapshot grows),
+    and a 3-byte buffer (the tensors after it must still be aligned in the snapshot)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.late = torch.nn.Sequential(torch.nn.Linear(4, 512), torch.nn.Linear(512, 4))  # 36 KiB of moments
+        self.register_buffer("flags", torch.arange(3, dtype=torch.int8))
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:  # (batch, 8) -> (batch, 4)
+        y = self.second(torch.relu(self.first(x)))
+        return self.late(y) if step >= 3 else y
+
+
 def _build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = _Model()
     fsdp2.fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -34,7 +49,7 @@ def _build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
     gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     x = torch.randn(4, 8, generator=gen)
-    loss = model(x).square().mean()
+    loss = model(x, step).square().mean()
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
