@@ -127,10 +127,6 @@ class _File:
         start = _PAGE + index * self.slot_bytes
         return self.bytes[start:start + self.slot_bytes]
 
-    def close(self) -> None:
-        self.map.close()
-        os.close(self.fd)
-
 
 class SnapshotPlan(NamedTuple):
     """What :meth:`Snapshotter.newest` agreed on: the step, and for each rank the rank holding it."""
