@@ -31,6 +31,7 @@ from fsdp2.checkpoint import SnapshotAreaError, Snapshotter
 
 from .checkpoint import Checkpointer
 from .config import FaultsConfig, JobConfig
+from .pipeline import full_parameter_count
 
 __all__ = ["Snapshots", "SnapshotAreaError", "check_snapshots", "snapshot_root", "snapshot_bytes", "run_id",
            "kill_if_asked", "BUDGET"]
@@ -56,7 +57,7 @@ def snapshot_bytes(n_params: int, world_size: int, local_world_size: int, nodes:
     return local_world_size * per_rank * (2 if nodes > 1 else 1)
 
 
-def check_snapshots(config: JobConfig, world_size: int, n_params: int) -> None:
+def check_snapshots(config: JobConfig, world_size: int) -> None:
     """Raise ValueError, before any collective, when the snapshot area is missing, unwritable or too small."""
     every = config.checkpoint.snapshot_every
     if every == "off":
@@ -72,7 +73,7 @@ def check_snapshots(config: JobConfig, world_size: int, n_params: int) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{where}: {existing} is not writable; choose another checkpoint.snapshot_dir")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    need = snapshot_bytes(n_params, world_size, local, world_size // max(1, local))
+    need = snapshot_bytes(full_parameter_count(config)[0], world_size, local, world_size // max(1, local))
     held = sum(f.stat().st_size for f in root.rglob("*.snap")) if root.is_dir() else 0  # this run's, reused
     free = shutil.disk_usage(existing).free + held
     if free < need:

@@ -178,7 +178,7 @@ def check_run(config: JobConfig, world_size: int = 1) -> None:
         check_export(config.checkpoint.export)
     if config.checkpoint.initial_load_path:
         check_initial_load(config.checkpoint.initial_load_path)
-    check_snapshots(config, world_size, full_parameter_count(config)[0])
+    check_snapshots(config, world_size)
     if config.metrics.enable_tensorboard:
         check_tensorboard()
     v, t = config.validation, config.training
