@@ -1,6 +1,6 @@
 """What a crash costs: the same SIGKILL recovered from in-memory snapshots and from disk checkpoints.
 
-    python benchmarks/recovery.py --steps 40 --seed 0
+    python benchmarks/recovery.py --steps 40 --seed 0 --rounds 2
 
 One invocation draws a kill step at random (``--seed``; uniform over 11 .. steps - 5) and
 launches the demo recipe (recipes/configs/tiny.toml, ``--steps`` steps, 2 CPU ranks, gloo)
@@ -10,11 +10,13 @@ twice under ``torchrun --max-restarts 1``, both with disk checkpoints every 10 s
 - ``snapshots``: with ``--checkpoint.snapshot_every=1`` (a snapshot after every step);
 - ``disk``: without snapshots.
 
-For each it prints one JSON line: where the run resumed from, the steps lost (finished steps
-the restarted run repeats), and the seconds from the kill to the first new step (from the
-moment the killed step's line reaches this script to the moment the first resumed step's
-line does: torchrun noticing the death, stopping and restarting the ranks, their start,
-the restore, and the first step).
+``--rounds`` repeats the pair, the order alternating (snapshots first in the first round, disk
+first in the second, and so on: the machine's load drifts between launches). For each launch
+it prints one JSON line: where the run resumed from, the steps lost (finished steps the
+restarted run repeats), and the seconds from the kill to the first new step (from the moment
+the killed step's line reaches this script to the moment the first resumed step's line does:
+torchrun noticing the death, stopping and restarting the ranks, their start, the restore, and
+the first step).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="steps of each run (at least 20)")
     parser.add_argument("--seed", type=int, default=0, help="draws the kill step")
+    parser.add_argument("--rounds", type=int, default=2, help="pairs of launches, in alternating order")
     return parser
 
 
@@ -76,8 +79,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--steps must be at least 20 (the kill is drawn from 11 .. steps - 5)")
     kill = random.Random(args.seed).randint(11, args.steps - 5)
     with tempfile.TemporaryDirectory(prefix="fsdp2-recovery-") as tmp:
-        for name, extra in (("snapshots", ["--checkpoint.snapshot_every=1"]), ("disk", [])):
-            print(json.dumps(launch(name, extra, kill, args.steps, Path(tmp))), flush=True)
+        pair = [("snapshots", ["--checkpoint.snapshot_every=1"]), ("disk", [])]
+        for round_ in range(args.rounds):
+            for name, extra in pair if round_ % 2 == 0 else pair[::-1]:
+                row = launch(name, extra, kill, args.steps, Path(tmp) / str(round_))
+                print(json.dumps({**row, "round": round_}), flush=True)
 
 
 if __name__ == "__main__":
