@@ -177,9 +177,15 @@ class CheckpointConfig:
     # Hugging Face Llama folder (config.json + safetensors: its config.json sets the model's shape)
     export_hf: str | None = None  # write the final model here as a Hugging Face folder (config.json + safetensors)
     export_hf_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the dtype export_hf stores
+    snapshot_every: Literal["off", "auto"] | int = "off"  # K: every K steps each rank also keeps its state in
+    # host memory (snapshot_dir), which a torchrun restart resumes from when newer than the newest checkpoint;
+    # auto: the smallest K whose snapshots cost at most 2% of the step time, measured in the first steps
+    snapshot_dir: str = ""  # the snapshots' directory, on a RAM file system; "": /dev/shm/fsdp2-<torchrun's run id>
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every", "keep", allow_zero=True)
+        if isinstance(self.snapshot_every, int) and self.snapshot_every < 1:
+            raise ConfigError(f"checkpoint.snapshot_every must be an int > 0, auto or off, got {self.snapshot_every!r}")
 
 
 @dataclass
@@ -218,6 +224,8 @@ class FaultsConfig:
 
     nan_loss_at_steps: list[int] = field(default_factory=list)  # multiply the loss by NaN at these steps
     nan_loss_rank: int = -1  # ... on this rank only; -1: on every rank
+    kill_after_step: int = 0  # SIGKILL a rank once this step is done (torchrun's first attempt only); 0: never
+    kill_rank: int = -1  # ... this rank only; -1: every rank
 
     def __post_init__(self) -> None:
         if any(s <= 0 for s in self.nan_loss_at_steps):

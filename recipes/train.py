@@ -24,7 +24,9 @@ every rank, and the run resumes from the newest checkpoint, exactly: the losses 
 final weights equal an uninterrupted run's. A step whose gradient norm is not finite is
 skipped (no optimizer step; the learning-rate schedule advances), warned about and recorded
 as "skipped" in the metrics; training.max_skipped_steps of them in a row stop the run.
-The [faults] keys inject bad batches to test that guard.
+The [faults] keys inject bad batches to test that guard, and kill a rank.
+--checkpoint.snapshot_every=K|auto also keeps each rank's state in host memory every K steps
+(recipes/snapshot.py), which a restart resumes from when it is newer than the newest checkpoint.
 
 Watching a run: --validation.enable reports the loss on held-out data every validation.freq
 steps; --metrics.enable_tensorboard writes TensorBoard events to job.dump_folder/tb;
@@ -86,6 +88,7 @@ from recipes.preflight import (
     MemoryCheck, apply_tokenizer, check_memory, check_paths, check_settings, no_op_warnings,
 )
 from recipes.profiling import Profiler
+from recipes.snapshot import SnapshotAreaError, Snapshots, check_snapshots, kill_if_asked
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                 train(config, dims, device)
         finally:
             dist.destroy_process_group()
-    except UnusableCheckpointError as e:  # every rank raises it, after rank 0's decision
+    except (UnusableCheckpointError, SnapshotAreaError) as e:  # every rank raises it, after rank 0's decision
         fail(f"error: {e}", rank0)
     except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: one line instead of every rank's traceback
         if rank0:
@@ -184,6 +187,7 @@ def check_run(config: JobConfig, world_size: int = 1) -> None:
     if config.checkpoint.initial_load_path:
         check_initial_load(config.checkpoint.initial_load_path)
     check_hf_run(config)  # a Hugging Face model in (its tensors, the tokenizer's vocabulary) or out
+    check_snapshots(config, world_size)
     if config.metrics.enable_tensorboard:
         check_tensorboard()
     v, t = config.validation, config.training
@@ -536,9 +540,11 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable,
                                  flat_optimizer=dims.pp > 1) if ckpt.dir else None)
     if restarts := int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-        log(f"torchrun restart {restarts}: resuming from the newest sound checkpoint")
+        log(f"torchrun restart {restarts}: resuming from the newest sound "
+            f"{'snapshot or ' if ckpt.snapshot_every != 'off' else ''}checkpoint")
     if checkpointer is not None:
         checkpointer.choose()  # before anything is allocated: stops here when no sound checkpoint is left
+    snapshots = Snapshots(config) if ckpt.snapshot_every != "off" else None  # claims the area, before allocating
     torch.manual_seed(t.seed)
     dims.build_mesh(device.type)
     pipeline = build_pipeline(config, dims, device) if dims.pp > 1 else None
@@ -556,7 +562,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
             f"{config.validation.freq} steps")
 
     guard = SkipGuard(t.max_skipped_steps)
-    start = resume(checkpointer, model, optimizer, scheduler, guard)
+    start = (resume(checkpointer, model, optimizer, scheduler, guard) if snapshots is None
+             else snapshots.resume(model, optimizer, scheduler, checkpointer, guard))
     if start == 0 and ckpt.initial_load_path:
         load_initial(ckpt.initial_load_path, model)
     flops = model_flops_per_token(None if pipeline else model, config)
@@ -588,6 +595,9 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
             if checkpointer is not None and (step == t.steps or (ckpt.every and step % ckpt.every == 0)):
                 with ctrl_c_after():  # a save Ctrl-C lands in finishes first (DCP would wrap it in its error)
                     checkpointer.save(step, model, optimizer, scheduler, extra={"skips": guard.state_dict()})
+            if snapshots is not None:
+                snapshots.after_step(step, model, optimizer, scheduler, guard)
+            kill_if_asked(faults, step)
     except KeyboardInterrupt:
         raise Interrupted(step, checkpointer, ckpt.every) from None
     finally:
@@ -595,6 +605,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
             progress.tensorboard.close()
         if pipeline is not None:
             pipeline.close()
+        if snapshots is not None:  # a finished run removes its snapshots; a crashed one keeps them to resume
+            snapshots.close(finished=step == t.steps)
     log(progress.summary())
 
     if ckpt.export:

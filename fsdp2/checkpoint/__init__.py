@@ -14,6 +14,9 @@
 - :func:`load_hf` / :func:`export_hf`: a Hugging Face Llama folder (``config.json`` and
   safetensors) into fsdp2's Llama, each rank reading its own rows, and back out, streamed
   into shards; :func:`model_args_from_hf` builds the model's shape from ``config.json``.
+- :class:`Snapshotter`: in-memory snapshots of each rank's shards in a RAM file system
+  (``/dev/shm``), double-buffered and checksummed, copied to a rank of another node;
+  they outlive a killed process (not the host) and restore in seconds.
 - ``python -m fsdp2.checkpoint export DCP_DIR OUT.safetensors``: consolidate a
   DCP checkpoint offline, without a process group; ``... export-hf CHECKPOINT DIR``: the same
   as a Hugging Face folder; ``... verify DIR``: check a
@@ -25,6 +28,8 @@ See docs/checkpointing.md.
 from ._dcp import CorruptCheckpointError, load, save, verify, verify_on_ranks
 from ._full import export_full, load_full
 from ._hf import check_hf_weights, export_hf, hf_config, is_hf_folder, load_hf, model_args_from_hf
+from ._snapshot import SnapshotAreaError, SnapshotPlan, Snapshotter, snapshot_area
 
 __all__ = ["save", "load", "verify", "verify_on_ranks", "CorruptCheckpointError", "export_full", "load_full",
-           "model_args_from_hf", "hf_config", "check_hf_weights", "load_hf", "export_hf", "is_hf_folder"]
+           "model_args_from_hf", "hf_config", "check_hf_weights", "load_hf", "export_hf", "is_hf_folder",
+           "Snapshotter", "SnapshotPlan", "SnapshotAreaError", "snapshot_area"]
