@@ -18,7 +18,9 @@
 See docs/checkpointing.md.
 """
 
+from ._async import ASYNC_MODES, AsyncSaver, SaveHandle
 from ._dcp import CorruptCheckpointError, load, save, verify, verify_on_ranks
 from ._full import export_full, load_full
 
-__all__ = ["save", "load", "verify", "verify_on_ranks", "CorruptCheckpointError", "export_full", "load_full"]
+__all__ = ["save", "load", "AsyncSaver", "SaveHandle", "ASYNC_MODES", "verify", "verify_on_ranks",
+           "CorruptCheckpointError", "export_full", "load_full"]
