@@ -168,6 +168,8 @@ class CheckpointConfig:
     export: str | None = None  # write the final full model here: .safetensors (streamed), else torch.save
     initial_load_path: str | None = None  # a run that does not resume starts from these weights (model only):
     # a .safetensors file (or a directory of them) or a DCP checkpoint (a step directory or a run's dir)
+    async_mode: Literal["off", "async", "pinned"] = "off"  # async: training blocks only while the state is copied
+    # to host buffers, written in the background; pinned: those buffers pinned (CUDA only; else as async)
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every", "keep", allow_zero=True)

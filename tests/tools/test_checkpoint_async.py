@@ -83,7 +83,7 @@ def _twenty_saves(root: str) -> tuple[list[float], float]:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rss = []
+    rss, previous = [], None
     with fsdp2_ckpt.AsyncSaver("async") as saver:
         addresses = _staged_addresses(saver)
         for i in range(20):
@@ -91,7 +91,7 @@ def _twenty_saves(root: str) -> tuple[list[float], float]:
             opt.step()
             opt.zero_grad()
             handle = saver.save(f"{root}/step-{i}", model, opt)
-            if i:
+            if previous is not None:
                 assert previous.done(), "the previous save is complete before the next one starts"
                 if dist.get_rank() == 0:
                     shutil.rmtree(f"{root}/step-{i - 1}")
