@@ -36,6 +36,12 @@ checkpoint is renamed out of the ``step-N`` namespace before it is deleted, so a
 mid-delete never leaves a half-deleted checkpoint that looks complete; leftovers of
 interrupted saves and prunes are removed when the next run starts.
 
+With ``async_mode`` ``"async"`` or ``"pinned"`` the saves go through
+:class:`fsdp2.checkpoint.AsyncSaver`: :meth:`Checkpointer.save` returns once the state is
+staged in host memory, the ranks write in the background, and the marker comes only once all
+have finished, so the guarantees above hold unchanged. The next save (or :meth:`~Checkpointer.wait`,
+:meth:`~Checkpointer.close`) waits for it, then records and prunes it.
+
 Every save (with what it pruned), resume, fresh start and moved-aside checkpoint is one log
 record of the ``recipes.checkpoint`` logger, on rank 0 (``train.py`` prints them).
 """
