@@ -7,14 +7,18 @@
   the process's resident memory does not grow by the staged size per save.
 - Without a process group too; a bad mode is a ValueError naming the modes; ``pinned``
   without CUDA says so in the log.
+- ``benchmarks/checkpoint_async.py`` runs on a tiny model and prints its JSON line.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,7 +27,7 @@ import torch.nn as nn
 
 import fsdp2.checkpoint as fsdp2_ckpt
 from fsdp2 import fully_shard
-from tests._dist import run_on_ranks
+from tests._dist import REPO_ROOT, run_on_ranks
 from tests.tools.test_checkpoint import _assert_same, _build, _full_state, _train
 
 MARKER = "fsdp2_complete.json"
@@ -136,3 +140,19 @@ def test_pinned_says_in_the_log_what_it_does_without_cuda(caplog):
         fsdp2_ckpt.AsyncSaver("pinned").close()
     said = any("staging in ordinary host memory" in r.getMessage() for r in caplog.records)
     assert said == (not torch.cuda.is_available())
+
+
+# ---- the benchmark runs ----------------------------------------------------------------------------
+@pytest.mark.slow  # a torchrun launch
+def test_the_async_benchmark_runs_and_prints_its_figures(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO_ROOT / "benchmarks" / "checkpoint_async.py"), "--params", "400000", "--saves", "1",
+           "--steps-between", "1", "--repeats", "1", "--dir", str(tmp_path / "bench")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(line)
+    assert set(result["blocked_s"]) == {"off", "async", "pinned"} and result["ranks"] == 2
+    assert result["checkpoint_mib"] > 0 and result["disk_write_mib_s"] > 0 and result["save_of_disk"] > 0
+    assert not (tmp_path / "bench").exists()
