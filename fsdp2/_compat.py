@@ -674,8 +674,9 @@ def dcp_stager(*, pinned: bool):
 
     ``DefaultStager`` (``torch.distributed.checkpoint.staging``, with ``StagingOptions``) caches
     one host copy per source storage and copies into it again on the next save, so repeated
-    async saves reuse the same memory; ``async_save(..., async_stager=...)`` takes it. Both are
-    public in torch 2.9 and later (read on 2.13; the same names and fields in 2.11 and 2.14).
+    async saves reuse the same memory; ``async_save(..., async_stager=...)`` takes it. Both came
+    with torch 2.9 (pytorch PR 156207); read on 2.13; CI's 2.11 and 2.14 runs reach them through
+    tests/tools/test_checkpoint_async.py (a ``compat`` file).
     Staging is synchronous (the caller returns once the copy is done, so training may change
     the parameters right away); ``pinned`` pins the buffers and copies without blocking each
     tensor, which needs CUDA. Raises RuntimeError naming the torch release where they are missing.

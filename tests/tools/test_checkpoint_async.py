@@ -27,6 +27,7 @@ import torch.nn as nn
 
 import fsdp2.checkpoint as fsdp2_ckpt
 from fsdp2 import fully_shard
+from recipes.config import ConfigError, parse_args
 from tests._dist import REPO_ROOT, run_on_ranks
 from tests.tools.test_checkpoint import _assert_same, _build, _full_state, _train
 
@@ -156,3 +157,11 @@ def test_the_async_benchmark_runs_and_prints_its_figures(tmp_path):
     assert set(result["blocked_s"]) == {"off", "async", "pinned"} and result["ranks"] == 2
     assert result["checkpoint_mib"] > 0 and result["disk_write_mib_s"] > 0 and result["save_of_disk"] > 0
     assert not (tmp_path / "bench").exists()
+
+
+def test_the_recipe_refuses_a_bad_async_mode_naming_the_modes():
+    with pytest.raises(ConfigError, match=r"checkpoint\.async_mode must be one of 'off', 'async', 'pinned', got "
+                                          r"'fast' \(from --checkpoint\.async_mode=fast\)"):
+        parse_args(["--checkpoint.async_mode=fast"])
+    assert parse_args(["--checkpoint.async_mode=pinned"]).checkpoint.async_mode == "pinned"
+    assert parse_args([]).checkpoint.async_mode == "off"
