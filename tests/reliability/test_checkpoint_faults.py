@@ -27,7 +27,8 @@ the one log line each save, prune, resume, fresh start and moved-aside checkpoin
 - Async checkpoints (``--checkpoint.async_mode=async``): the same bytes as the synchronous
   run's, one line per save with how long training was blocked; a rank SIGKILLed in the
   background write (under torchrun) leaves the checkpoint before as the newest sound one,
-  and the restart resumes from it with the uninterrupted run's losses.
+  and the restart resumes from it with the uninterrupted run's losses. Ctrl-C: the one line
+  names the last checkpoint in either mode.
 - A checkpoint damaged while the run goes on is moved aside by pruning, which keeps the
   newest *sound* ones.
 - Only leftovers of an interrupted save: a fresh start, saying so. A mistyped directory: a
@@ -520,12 +521,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_ctrl_c_prints_one_line_with_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["off", "async"])  # async: the save in flight is finished first
+def test_ctrl_c_prints_one_line_with_the_last_checkpoint(tmp_path, mode):
     ckpt = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     cmd = [sys.executable, str(TRAIN), *BASE, "--training.steps=100000", "--checkpoint-every", "2",
-           "--checkpoint-dir", str(ckpt)]
+           "--checkpoint-dir", str(ckpt), f"--checkpoint.async_mode={mode}"]
     # As from a terminal: Ctrl-C's default disposition (a shell's background job, CI's included,
     # would hand the run SIGINT ignored, which the recipe respects).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
