@@ -667,3 +667,24 @@ def pipeline_last_backward(schedule: object, stage: object) -> bool | None:
     if not isinstance(counter, collections.Counter) or not isinstance(n_microbatches, int) or index is None:
         return None
     return counter[index] == n_microbatches
+
+
+def dcp_stager(*, pinned: bool):
+    """A ``torch.distributed.checkpoint`` stager that copies a state dict into host buffers it keeps.
+
+    ``DefaultStager`` (``torch.distributed.checkpoint.staging``, with ``StagingOptions``) caches
+    one host copy per source storage and copies into it again on the next save, so repeated
+    async saves reuse the same memory; ``async_save(..., async_stager=...)`` takes it. Both came
+    with torch 2.9 (pytorch PR 156207); read on 2.13; CI's 2.11 and 2.14 runs reach them through
+    tests/tools/test_checkpoint_async.py (a ``compat`` file).
+    Staging is synchronous (the caller returns once the copy is done, so training may change
+    the parameters right away); ``pinned`` pins the buffers and copies without blocking each
+    tensor, which needs CUDA. Raises RuntimeError naming the torch release where they are missing.
+    """
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        raise RuntimeError(f"fsdp2.checkpoint.AsyncSaver needs torch.distributed.checkpoint.staging.DefaultStager "
+                           f"(torch >= 2.9); this is torch {torch.__version__}: use async_mode='off'") from None
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=pinned))

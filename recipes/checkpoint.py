@@ -36,6 +36,12 @@ checkpoint is renamed out of the ``step-N`` namespace before it is deleted, so a
 mid-delete never leaves a half-deleted checkpoint that looks complete; leftovers of
 interrupted saves and prunes are removed when the next run starts.
 
+With ``async_mode`` ``"async"`` or ``"pinned"`` the saves go through
+:class:`fsdp2.checkpoint.AsyncSaver`: :meth:`Checkpointer.save` returns once the state is
+staged in host memory, the ranks write in the background, and the marker comes only once all
+have finished, so the guarantees above hold unchanged. The next save (or :meth:`~Checkpointer.wait`,
+:meth:`~Checkpointer.close`) waits for it, then records and prunes it.
+
 Every save (with what it pruned), resume, fresh start and moved-aside checkpoint is one log
 record of the ``recipes.checkpoint`` logger, on rank 0 (``train.py`` prints them).
 """
@@ -111,11 +117,19 @@ class Checkpointer:
             from step 0 (moving them aside) instead of raising :class:`UnusableCheckpointError`.
         flat_optimizer: save the optimizer state by parameter name (pipeline stages: each rank's
             parameter groups name different parameters; ``fsdp2.checkpoint.save``). Loading reads either.
+        async_mode: ``"off"`` (each save complete before :meth:`save` returns), ``"async"`` or
+            ``"pinned"`` (written in the background by :class:`fsdp2.checkpoint.AsyncSaver`; the
+            next save, :meth:`wait` and :meth:`close` wait for it, then prune and log it).
     """
 
     def __init__(self, root: str | Path, *, keep: int = 2, start_fresh_if_unusable: bool = False,
-                 flat_optimizer: bool = False) -> None:
+                 flat_optimizer: bool = False, async_mode: str = "off") -> None:
         self.root = Path(root)
+        self._saver = ckpt.AsyncSaver(async_mode)
+        if async_mode == "pinned" and not torch.cuda.is_available() and _rank() == 0:
+            logger.info("checkpoint: async_mode=pinned pins staging buffers only where CUDA is available; staging "
+                        "in ordinary host memory (as async_mode=async)")
+        self._pending: tuple[int, ckpt.SaveHandle] | None = None  # an async save in flight
         self.flat_optimizer = flat_optimizer
         self.keep = keep
         self.start_fresh_if_unusable = start_fresh_if_unusable
@@ -264,8 +278,13 @@ class Checkpointer:
         """This process's view, no collective: the newest step resumed from, saved, or complete on disk.
 
         After Ctrl-C: a save renames its checkpoint into place (complete) before ``save``
-        returns and records it, so an interrupt in between finds it on disk only.
+        returns and records it, so an interrupt in between finds it on disk only. An async save
+        in flight is waited for first (every rank's background write goes on under Ctrl-C).
         """
+        try:
+            self.wait()
+        except Exception as e:  # the interrupt is what the caller reports; the save's failure is a line
+            logger.warning("checkpoint: the save in flight failed: %s", _one_line(e))
         on_disk = [int(_STEP.match(name).group(1)) for name in _step_names(self.root)
                    if (self.root / name / _MARKER).is_file()]
         steps = on_disk + ([self.last_step] if self.last_step is not None else [])
@@ -274,22 +293,57 @@ class Checkpointer:
     # ---- saving ------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler, *, extra: dict[str, Any] | None = None) -> Path:
-        """Save at ``step`` (``extra``: more small state, e.g. counters), then prune to ``keep``."""
+        """Save at ``step`` (``extra``: more small state, e.g. counters), then prune to ``keep``.
+
+        Async: first waits for the previous save (and prunes after it), then returns once the
+        state is staged; the log line says how long training was blocked and how much of it was
+        spent waiting. The checkpoint is complete once :meth:`wait` returns.
+        """
         final = self._dir(step)
         start = time.perf_counter()
+        previous = self._pending[0] if self._pending else None
+        waited = self.wait()
         if _rank() == 0:  # before save's first collective, so before any rank writes
             final.parent.mkdir(parents=True, exist_ok=True)
         # Atomic: the directory appears, complete, only after every rank has written its shards.
-        ckpt.save(final, model, optimizer, extra={**(extra or {}), "step": step, "scheduler": scheduler.state_dict()},
-                  flat_optimizer=self.flat_optimizer)
+        handle = self._saver.save(final, model, optimizer,
+                                  extra={**(extra or {}), "step": step, "scheduler": scheduler.state_dict()},
+                                  flat_optimizer=self.flat_optimizer)
+        if self._saver.async_mode == "off":
+            self._saved(step, time.perf_counter() - start, "")
+        else:
+            self._pending = (step, handle)
+            if _rank() == 0:
+                of = f", of which {waited:.2f} s waiting for the save of step {previous}" if previous else ""
+                logger.info("checkpoint: saving step %d to %s in the background (training blocked %.2f s%s)", step,
+                            final, time.perf_counter() - start, of)
+        return final
+
+    def wait(self) -> float:
+        """Collective: finish the async save in flight, if any (prune, log it); returns the seconds waited."""
+        if self._pending is None:
+            return 0.0
+        (step, handle), self._pending = self._pending, None
+        start = time.perf_counter()
+        handle.wait()
+        waited = time.perf_counter() - start
+        self._saved(step, handle.written_s or 0.0, ", in the background")
+        return waited
+
+    def close(self) -> None:
+        """Collective, at the end of a run: wait for the last async save and free its staging buffers."""
+        self.wait()
+        self._saver.close()
+
+    def _saved(self, step: int, seconds: float, how: str) -> None:
+        """A save of ``step`` is complete on disk: record it; rank 0 prunes and logs it."""
         self.last_step = step
         if _rank() == 0:
-            seconds = time.perf_counter() - start
+            final = self._dir(step)
             pruned = self._prune()
             done = f"; pruned step{'s' * (len(pruned) > 1)} {', '.join(map(str, pruned))}" if pruned else ""
-            logger.info("checkpoint: saved step %d to %s (%.1f MiB in %.1f s)%s", step, final, _mib(final), seconds,
-                        done)
-        return final
+            logger.info("checkpoint: saved step %d to %s (%.1f MiB in %.1f s%s)%s", step, final, _mib(final), seconds,
+                        how, done)
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler, *, check_content: bool = True) -> dict[str, Any]:

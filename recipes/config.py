@@ -181,6 +181,8 @@ class CheckpointConfig:
     # host memory (snapshot_dir), which a torchrun restart resumes from when newer than the newest checkpoint;
     # auto: the smallest K whose snapshots cost at most 2% of the step time, measured in the first steps
     snapshot_dir: str = ""  # the snapshots' directory, on a RAM file system; "": /dev/shm/fsdp2-<torchrun's run id>
+    async_mode: Literal["off", "async", "pinned"] = "off"  # async: training blocks only while the state is copied
+    # to host buffers, written in the background; pinned: those buffers pinned (CUDA only; else as async)
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every", "keep", allow_zero=True)

@@ -538,7 +538,7 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
     """Collective: build, (resume,) train, export, sample; returns the step it resumed from (0: a fresh run)."""
     t, ckpt = config.training, config.checkpoint
     checkpointer = (Checkpointer(ckpt.dir, keep=ckpt.keep, start_fresh_if_unusable=ckpt.start_fresh_if_unusable,
-                                 flat_optimizer=dims.pp > 1) if ckpt.dir else None)
+                                 flat_optimizer=dims.pp > 1, async_mode=ckpt.async_mode) if ckpt.dir else None)
     if restarts := int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         log(f"torchrun restart {restarts}: resuming from the newest sound "
             f"{'snapshot or ' if ckpt.snapshot_every != 'off' else ''}checkpoint")
@@ -598,6 +598,8 @@ def train(config: JobConfig, dims: ParallelDims, device: torch.device) -> int:
             if snapshots is not None:
                 snapshots.after_step(step, model, optimizer, scheduler, guard)
             kill_if_asked(faults, step)
+        if checkpointer is not None:
+            checkpointer.close()  # the end of the run waits for the last (async) save
     except KeyboardInterrupt:
         raise Interrupted(step, checkpointer, ckpt.every) from None
     finally:

@@ -21,6 +21,7 @@ COMPAT = (
     "tests/comm/test_comm_debug_mode.py",
     "tests/comm/test_comms.py",
     "tests/tools/test_checkpoint.py",
+    "tests/tools/test_checkpoint_async.py",
     "tests/tools/test_doc_commands.py",
     "tests/tools/test_plan_meta.py",
     "tests/tools/test_plan_then_train.py",

@@ -25,11 +25,13 @@
 See docs/checkpointing.md.
 """
 
+from ._async import ASYNC_MODES, AsyncSaver, SaveHandle
 from ._dcp import CorruptCheckpointError, load, save, verify, verify_on_ranks
 from ._full import export_full, load_full
 from ._hf import check_hf_weights, export_hf, hf_config, is_hf_folder, load_hf, model_args_from_hf
 from ._snapshot import SnapshotAreaError, SnapshotPlan, Snapshotter, snapshot_area
 
-__all__ = ["save", "load", "verify", "verify_on_ranks", "CorruptCheckpointError", "export_full", "load_full",
+__all__ = ["save", "load", "AsyncSaver", "SaveHandle", "ASYNC_MODES", "verify", "verify_on_ranks",
+           "CorruptCheckpointError", "export_full", "load_full",
            "model_args_from_hf", "hf_config", "check_hf_weights", "load_hf", "export_hf", "is_hf_folder",
            "Snapshotter", "SnapshotPlan", "SnapshotAreaError", "snapshot_area"]

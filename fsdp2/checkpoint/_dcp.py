@@ -88,14 +88,31 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             marker records it; :func:`load` reads either.
     """
     path = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    tmp, token = prepare(path)
+    state = state_of(model, optimizer, extra, flat_optimizer)
+    writer = dcp.FileSystemWriter(str(tmp))
+    summing = _compat.wrap_dcp_writer_files(writer, lambda fs: ChecksummingFileSystem(fs, tmp))
+    with single_process_ok():
+        dcp.save(state, storage_writer=writer, no_dist=not distributed)
+    finalize(path, tmp, token, summing.sums if summing is not None else {},
+             {"optimizer": optimizer is not None, "flat_optimizer": flat_optimizer, "extra": extra is not None})
+
+
+def prepare(path: Path) -> tuple[Path, str]:
+    """Collective (default group): refuse to replace a foreign directory; (the temporary directory, its id)."""
     if path.exists() and not (path / MARKER).is_file():
         raise FileExistsError(f"fsdp2.checkpoint.save: {path} exists and is not an fsdp2 checkpoint; "
                               "refusing to replace it (pick another path or remove it)")
-    distributed = dist.is_available() and dist.is_initialized()
     token = uuid.uuid4().hex[:12]
-    if distributed:
+    if dist.is_available() and dist.is_initialized():
         token = _wire.broadcast_json(token)  # every rank writes into the same directory
-    tmp = path.with_name(f"{path.name}.tmp-{token}")
+    return path.with_name(f"{path.name}.tmp-{token}"), token
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None,
+             flat_optimizer: bool) -> dict[str, Any]:
+    """The dictionary DCP saves: the model's (and optimizer's) state dict, ``extra`` as one blob."""
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_optim_options(flat_optimizer))
@@ -103,20 +120,28 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         buffer = io.BytesIO()
         torch.save(extra, buffer)
         state["extra"] = buffer  # one opaque blob: DCP would flatten a dict into keys
-    writer = dcp.FileSystemWriter(str(tmp))
-    summing = _compat.wrap_dcp_writer_files(writer, lambda fs: ChecksummingFileSystem(fs, tmp))
-    with single_process_ok():
-        dcp.save(state, storage_writer=writer, no_dist=not distributed)
-    sums = summing.sums if summing is not None else {}
-    if distributed:  # also the barrier: every rank's files are closed before the marker says so
-        sums = {name: crc for each in _wire.all_gather_json(sums) for name, crc in each.items()}
+    return state
+
+
+def finalize(path: Path, tmp: Path, token: str, sums: dict[str, int | None], saved: dict[str, bool],
+             pg: dist.ProcessGroup | None = None) -> None:
+    """Collective over ``pg``, once this rank's files in ``tmp`` are written: the marker, then the rename.
+
+    Gathers every rank's checksums (which is also the barrier: every rank's files are closed
+    before the marker says so); rank 0 writes the marker and renames ``tmp`` to ``path``; a
+    last barrier keeps every rank from returning (and maybe loading) before the rename.
+    ``saved``: what the checkpoint holds (``optimizer``, ``flat_optimizer``, ``extra``).
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        sums = {name: crc for each in _wire.all_gather_json(sums, pg) for name, crc in each.items()}
     if not distributed or dist.get_rank() == 0:
         files = _file_sizes(tmp)  # after the gather: every rank's files are complete
         # A file whose bytes went past the running sum (a seek, an older torch): summed by reading it.
         crc = {name: sums[name] if sums.get(name) is not None else crc32_of_file(tmp / name) for name in files}
-        marker = {"format": "fsdp2.checkpoint", "version": _MARKER_VERSION, "optimizer": optimizer is not None,
-                  **({"flat_optimizer": True} if flat_optimizer else {}),
-                  "extra": extra is not None, "world_size": dist.get_world_size() if distributed else 1,
+        marker = {"format": "fsdp2.checkpoint", "version": _MARKER_VERSION, "optimizer": saved["optimizer"],
+                  **({"flat_optimizer": True} if saved["flat_optimizer"] else {}),
+                  "extra": saved["extra"], "world_size": dist.get_world_size() if distributed else 1,
                   "torch": torch.__version__, "files": files, "bytes": sum(files.values()), "crc32": crc}
         _write_synced(tmp / MARKER, json.dumps(marker, indent=1).encode())
         old = path.with_name(f"{path.name}.old-{token}")
@@ -128,7 +153,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         for stale in [old, *path.parent.glob(f"{path.name}.tmp-*"), *path.parent.glob(f"{path.name}.old-*")]:
             shutil.rmtree(stale, ignore_errors=True)
     if distributed:
-        dist.barrier()  # nobody returns (and maybe loads) before the rename
+        dist.barrier(group=pg)  # nobody returns (and maybe loads) before the rename
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,

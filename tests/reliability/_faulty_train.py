@@ -6,6 +6,9 @@ Run by tests/reliability/test_checkpoint_faults.py as torchrun's script, with
 - ``torn:STEP``: rank 1 is SIGKILLed inside the save of STEP, once DCP has written its data
   file (at the fsync that follows), so the save is left half-written: a ``.tmp-<id>``
   directory with some files and no marker.
+- ``async-torn:STEP``: with ``--checkpoint.async_mode=async``, rank 1 is SIGKILLed from the
+  background thread writing the save of STEP (at the fsync after its data file), while its
+  main thread trains on: the marker is never written.
 - ``corrupt:STEP``: once the save of STEP is complete, rank 0 overwrites up to 64 KiB of its
   own ``.distcp`` file in place (same size, other bytes: a bad sector) and is SIGKILLed.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 import torch.distributed as dist
 
@@ -42,6 +46,13 @@ def _inject(kind: str, at: int) -> None:
 
     def faulty_save(self, step, *args, **kwargs):
         if step != at:
+            return save(self, step, *args, **kwargs)
+        if kind == "async-torn":
+            def die_in_the_background(fd: int) -> None:
+                fsync(fd)
+                if dist.get_rank() == 1 and threading.current_thread() is not threading.main_thread():
+                    os.kill(os.getpid(), signal.SIGKILL)
+            os.fsync = die_in_the_background
             return save(self, step, *args, **kwargs)
         if kind == "torn":
             def die_in_the_middle(fd: int) -> None:

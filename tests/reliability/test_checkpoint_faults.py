@@ -24,6 +24,11 @@ the one log line each save, prune, resume, fresh start and moved-aside checkpoin
   attempt): a rank SIGKILLed mid-save (a torn write), and a newest checkpoint overwritten in
   place before a rank dies; the restart resumes from the checkpoint before, with the
   uninterrupted run's losses, and needs no second restart.
+- Async checkpoints (``--checkpoint.async_mode=async``): the same bytes as the synchronous
+  run's, one line per save with how long training was blocked; a rank SIGKILLed in the
+  background write (under torchrun) leaves the checkpoint before as the newest sound one,
+  and the restart resumes from it with the uninterrupted run's losses. Ctrl-C: the one line
+  names the last checkpoint in either mode.
 - A checkpoint damaged while the run goes on is moved aside by pruning, which keeps the
   newest *sound* ones.
 - Only leftovers of an interrupted save: a fresh start, saying so. A mistyped directory: a
@@ -256,11 +261,11 @@ def test_no_sound_checkpoint_left_stops_before_the_model_is_built(sound, tmp_pat
 FAULTY = REPO / "tests" / "reliability" / "_faulty_train.py"
 
 
-def _torchrun_with_fault(root: Path, fault: str, restarts: int) -> str:
+def _torchrun_with_fault(root: Path, fault: str, restarts: int, extra: tuple[str, ...] | list[str] = ()) -> str:
     """``_faulty_train.py`` (train.py, ``fault`` injected into the first attempt) under torchrun; its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
-           str(restarts), "--monitor-interval", "0.1", str(FAULTY), *ARGS, "--checkpoint-dir", str(root / "ckpt"),
-           "--metrics-file", str(root / "metrics.jsonl")]
+           str(restarts), "--monitor-interval", "0.1", str(FAULTY), *ARGS, *extra, "--checkpoint-dir",
+           str(root / "ckpt"), "--metrics-file", str(root / "metrics.jsonl")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FSDP2_TEST_FAULT": fault}
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
@@ -304,6 +309,36 @@ def test_a_same_size_corrupted_checkpoint_under_max_restarts_resumes_from_the_on
     assert "; moved it to step-00000004.unusable-" in moved[0]
     _assert_uninterrupted(tmp_path, sound)
     assert _listing(ckpt) == ["step-00000004", "step-00000004.unusable", "step-00000006"]
+
+
+@pytest.mark.slow  # torchrun, a kill and a restart
+def test_a_kill_during_an_async_write_resumes_from_the_checkpoint_before(sound, tmp_path):
+    # Rank 1 dies in the background write of step 4 while its training goes on: no marker is
+    # written, step 2 stays the newest sound checkpoint and the restart resumes from it exactly.
+    output = _torchrun_with_fault(tmp_path, "async-torn:4", restarts=1, extra=["--checkpoint.async_mode=async"])
+    ckpt = tmp_path / "ckpt"
+    assert re.search(rf"checkpoint: removed {re.escape(str(ckpt / 'step-00000004'))}\.tmp-\w+, left by an "
+                     "interrupted save or prune", output), output
+    assert f"checkpoint: resumed from {ckpt / 'step-00000002'} at step 2" in output, output
+    _assert_uninterrupted(tmp_path, sound)
+    assert _listing(ckpt) == ["step-00000004", "step-00000006"]
+
+
+def test_async_checkpoints_equal_the_synchronous_ones_and_say_how_long_training_was_blocked(sound, tmp_path):
+    resumed, errors, lines = _run(tmp_path, "--checkpoint.keep=0", "--checkpoint.async_mode=async")
+    assert resumed == [0, 0] and errors == [None, None]
+    _assert_uninterrupted(tmp_path, sound)
+    ckpt = tmp_path / "ckpt"
+    for step in (2, 4, 6):  # the same bytes: each holds the state at its step, not a later one
+        name = f"step-{step:08d}"
+        got, want = (json.loads((root / name / MARKER).read_text())["crc32"] for root in (ckpt, sound / "ckpt"))
+        assert {k: v for k, v in got.items() if k.endswith(".distcp")} == \
+            {k: v for k, v in want.items() if k.endswith(".distcp")}, step
+    saving = [line for line in lines if "in the background (training blocked" in line]
+    assert [line.split(" to ")[0] for line in saving] == [f"INFO: checkpoint: saving step {s}" for s in (2, 4, 6)]
+    assert "of which" not in saving[0] and all(", of which " in line for line in saving[1:]), saving
+    saved = [line for line in lines if line.startswith("INFO: checkpoint: saved step")]
+    assert len(saved) == 3 and all(line.endswith("in the background)") for line in saved), saved
 
 
 # ---- only unusable checkpoints ------------------------------------------------------------------
@@ -486,12 +521,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_ctrl_c_prints_one_line_with_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["off", "async"])  # async: the save in flight is finished first
+def test_ctrl_c_prints_one_line_with_the_last_checkpoint(tmp_path, mode):
     ckpt = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     cmd = [sys.executable, str(TRAIN), *BASE, "--training.steps=100000", "--checkpoint-every", "2",
-           "--checkpoint-dir", str(ckpt)]
+           "--checkpoint-dir", str(ckpt), f"--checkpoint.async_mode={mode}"]
     # As from a terminal: Ctrl-C's default disposition (a shell's background job, CI's included,
     # would hand the run SIGINT ignored, which the recipe respects).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
