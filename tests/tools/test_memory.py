@@ -239,7 +239,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_plan_cli_405b_says_whether_it_fits():
-    # (Its run time, ~5 s of CPU for the 405B config, is reported in docs/memory.md, not asserted.)
+    # (Its run time is reported in docs/performance.md, not asserted.)
     out = _plan("--config", "llama3_405b", "--world", "64", "--tp", "8", "--gpu-memory", "80GiB")
     assert out.returncode == 0, out.stderr
     for text in ("126 blocks", "sharded_params", "activations", "peak at:", "does NOT fit in 80.00 GiB"):
