@@ -2,16 +2,20 @@
 
 Note (why the recipe ends with ``os._exit``): a finished run was sometimes reported as failed
 by torchrun, one rank aborting at exit with ``terminate called without an active exception``
-(SIGABRT, exit code -6) after its last line. That message is ``std::terminate`` with no C++
-exception in flight; at exit it comes from a thread that is not Python's main one touching
-Python while the interpreter finalizes: CPython (3.11) ends a thread that asks for the GIL
-then with ``pthread_exit``, whose unwinding through a ``noexcept`` C++ frame (pybind11's GIL
-guards, c10's reference counts) terminates the process. torch's C++ threads do that: a gloo
-worker thread that drops the last reference to a finished collective's work drops the
-tensors it holds, and freeing a tensor that Python once knew takes the GIL (pytorch/pytorch
-PR 179291); a C++ object with a joinable thread destroyed by a static destructor does the same
-without Python. Each is a race between torch's threads and finalization, rare and timing
-dependent; none of it can happen if finalization never starts.
+(SIGABRT, exit code -6) after its last line. A core dump of it (4 ranks, activation
+checkpointing, gdb) shows the cause: the main thread in ``Py_FinalizeEx`` (its last garbage
+collection) and one of gloo's worker threads (``ProcessGroupGloo::runLoop``) dropping the last
+reference to a finished all-gather (``~AsyncAllgatherWork``); its tensors' Python objects were
+already dropped by Python, so freeing them takes the GIL (``TensorImpl::decref_pyobject``),
+and CPython ends a thread that asks for the GIL while the interpreter finalizes with
+``pthread_exit``, whose forced unwinding through torch's ``noexcept`` frames calls
+``std::terminate``. The worker drops the work a moment after the collective completes, so a
+collective just before the exit (the last step's log line gathers every rank's memory) races
+finalization whenever that thread is descheduled, as on a loaded machine: rare and timing
+dependent (pytorch/pytorch issue 190489: torch guards that GIL acquisition with
+``Py_IsInitialized()`` only). ``destroy_process_group`` does not prevent it: after it (and
+a ``gc.collect()``) a rank still runs two of gloo's worker threads, of a group something
+still references. Without finalization there is no race.
 
 So, once ``main`` has returned (every collective done, ``destroy_process_group`` returned) or
 stopped with ``sys.exit(code)``, :func:`run_and_exit` does what finalization would have done
