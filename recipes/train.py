@@ -74,6 +74,7 @@ from recipes.data import (
     ByteTokenizer, HFTokenizer, corpus_length, corpus_unit, describe_data, get_batch, load_data, load_tokenizer,
     split_corpus,
 )
+from recipes.exit import run_and_exit
 from recipes.hf import check_hf_run, export_hf_model
 from recipes.llama.model import Transformer
 from recipes.llama.moe import active_params, register_load_balancing
@@ -688,4 +689,6 @@ if __name__ == "__main__":
     # A rank killed by a fatal signal (SIGSEGV, SIGABRT: a C++ std::terminate) prints every
     # thread's Python stack on its way out: the only trace such a death leaves under torchrun.
     faulthandler.enable(all_threads=True)
-    main()
+    # Finished (or stopped with an exit code): atexit handlers, then os._exit, no finalization
+    # (recipes/exit.py's Note: a torch thread racing it can abort a finished run).
+    run_and_exit(main)
