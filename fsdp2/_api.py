@@ -101,7 +101,7 @@ class QuantizedComm:
             gradient lost on this rank and add it to the next one before quantizing (so the
             error does not accumulate over steps). Costs one fp32 tensor of the parameter's
             full (padded, unsharded) size per parameter per rank, kept for the run (not in
-            ``state_dict()``: a resumed run starts it at zero; docs/api.md).
+            ``state_dict()``: a resumed run starts it at zero; docs/quantized-comm.md).
 
         gradient_axes: which reductions of the gradients are quantized, on an HSDP mesh
             (replicate x shard): ``"shard"`` (the default) the reduce-scatter along the shard

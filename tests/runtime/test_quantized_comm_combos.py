@@ -11,7 +11,7 @@ are in test_quantized_comm.py): FSDP x TP, gradient accumulation, checkpointing.
 - Checkpoints hold the sharded fp32 parameters and optimizer state, never the quantized
   values; a resume is bit-identical without error feedback. The error-feedback residuals are
   not part of ``state_dict()`` (each rank's own, per parameter): a resume starts them at zero
-  and drifts slightly from the uninterrupted run (bounded below; docs/api.md).
+  and drifts slightly from the uninterrupted run (bounded below; docs/quantized-comm.md).
 """
 
 from __future__ import annotations

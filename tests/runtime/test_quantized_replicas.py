@@ -147,7 +147,7 @@ def test_gradient_axes_pick_the_reductions():
 
 
 def test_a_non_finite_value_makes_its_block_nan_and_only_its_block():
-    """What docs/api.md says of inf and NaN: the block's scale is not finite, so the whole block
+    """What docs/quantized-comm.md says of inf and NaN: the block's scale is not finite, so the whole block
     comes back NaN (non-finite where the value was, as the finite checks need); other blocks
     are untouched."""
     from fsdp2.comm._quantize import GradChunks
