@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))  # recipes/ next to fsdp2/
 from fsdp2.plan import _cli  # noqa: E402
 from fsdp2.plan import Hardware, ModelBuilder, calibrate, load_hardware, model_costs, predict_step_time  # noqa: E402
 from recipes.preflight import plan_argv  # noqa: E402
-from recipes.train import check_command  # noqa: E402
+from recipes.checks import check_command  # noqa: E402
 
 # The model: the tiny config's Llama (4 layers, 4 heads, 2 kv heads, vocab 256) at dim 256, seq 128,
 # large enough that its matmuls are not negligible beside the per-op overheads.

@@ -7,7 +7,7 @@
 Issue #29's benchmark. One launch trains the recipe's config (``--config``, default
 recipes/configs/tiny.toml) once per run and seed (``--seeds``, default 0,1,2), every run of a
 seed from the same initial weights on the same batches, with the recipe's own building blocks
-(``recipes.train.build_model``, ``build_optimizer``, ``lr_schedule``, ``train_step``;
+(``recipes.build.build_model``, ``build_optimizer``, ``lr_schedule``, ``recipes.step.train_step``;
 ``recipes.llama.parallelize``). The runs (``--runs``, default ``off,weights,both,both_int4``):
 
 - ``off``:     every group communicates as the recipe's mixed precision says;
@@ -61,7 +61,9 @@ from recipes.config import DEFAULT_CONFIG, JobConfig
 from recipes.data import load_corpus, split_corpus
 from recipes.llama.model import Transformer
 from recipes.llama.parallelize import ParallelDims
-from recipes.train import build_model, build_optimizer, check_command, lr_schedule, train_step, validate
+from recipes.build import build_model, build_optimizer, lr_schedule
+from recipes.checks import check_command
+from recipes.step import train_step, validate
 
 RUNS = {
     "off": [],

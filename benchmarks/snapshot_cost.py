@@ -38,7 +38,8 @@ from recipes.data import load_corpus  # noqa: E402
 from recipes.llama.parallelize import ParallelDims  # noqa: E402
 from recipes.pipeline import full_parameter_count  # noqa: E402
 from recipes.snapshot import BUDGET  # noqa: E402
-from recipes.train import build_model, build_optimizer, lr_schedule, train_step  # noqa: E402
+from recipes.build import build_model, build_optimizer, lr_schedule  # noqa: E402
+from recipes.step import train_step  # noqa: E402
 
 MODELS = {
     "demo": [],

@@ -36,7 +36,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from fsdp2.checkpoint import load_full, load_hf  # noqa: E402
 from fsdp2.checkpoint.__main__ import main as checkpoint_main  # noqa: E402
 from fsdp2.models.llama import Transformer  # noqa: E402
-from recipes import train  # noqa: E402
+from recipes.build import build_model  # noqa: E402
+from recipes.checks import check_command  # noqa: E402
 from recipes.checkpoint import load_initial  # noqa: E402
 from recipes.config import ConfigError, parse_args  # noqa: E402
 from recipes.llama.parallelize import ParallelDims, check_layout  # noqa: E402
@@ -109,7 +110,7 @@ def _step0_logits(argv: list[str]) -> torch.Tensor:
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, dist.get_world_size())
     check_layout(dims, config)
     dims.build_mesh("cpu")
-    model = train.build_model(config, dims, torch.device("cpu"))
+    model = build_model(config, dims, torch.device("cpu"))
     load_initial(config.checkpoint.initial_load_path, model)
     with torch.no_grad():
         return model(TOKENS).detach().clone()
@@ -152,7 +153,7 @@ def test_finetune_export_and_from_pretrained(hf_models, corpus, tmp_path, kind, 
     argv = [*RUN, *LAYOUTS[layout], "--training.steps=3", *corpus, f"--checkpoint.initial_load_path={folder}",
             f"--checkpoint.export_hf={out}", f"--checkpoint.export={tmp_path / 'final.safetensors'}",
             f"--checkpoint-dir={ckpt}"]
-    config, _ = train.check_command(argv, 2)  # what main() checks first: the tokenizer fits the model's vocabulary
+    config, _ = check_command(argv, 2)  # what main() checks first: the tokenizer fits the model's vocabulary
     assert config.model.vocab_size == VOCAB  # config.json's, not the tokenizer's
     run_on_ranks(_train_on_ranks, 2, argv, timeout=240.0)
     config = json.loads((out / "config.json").read_text())
@@ -228,7 +229,7 @@ def test_a_rank_reads_only_the_span_its_permuted_rows_come_from(hf_models):
 # ---- bad inputs: one line, before anything is allocated ------------------------------------------
 def _refused(argv: list[str]) -> str:
     with pytest.raises((ConfigError, ValueError)) as info:
-        train.check_command([*RUN, *argv], 2)
+        check_command([*RUN, *argv], 2)
     message = str(info.value)
     assert "\n" not in message, message
     return message

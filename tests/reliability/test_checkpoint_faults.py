@@ -57,7 +57,7 @@ import torch.distributed.checkpoint as dcp
 import recipes.train as train_module
 from fsdp2.checkpoint._checksum import crc32_of_file
 from recipes.checkpoint import Checkpointer, UnusableCheckpointError
-from recipes.train import Interrupted, ctrl_c_after
+from recipes.launch import Interrupted, ctrl_c_after
 from tests._dist import run_on_ranks
 from tests.reliability._faulty_train import overwrite_in_place
 from tests.reliability.test_fault import BASE, _plain_setup

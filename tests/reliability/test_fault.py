@@ -38,7 +38,7 @@ from recipes.checkpoint import Checkpointer
 from recipes.config import parse_args
 from recipes.llama.model import Transformer
 from recipes.metrics import MetricsWriter
-from recipes.train import build_optimizer, lr_schedule
+from recipes.build import build_optimizer, lr_schedule
 from tests._dist import run_on_ranks
 from tests.tools.test_recipe import _train_on_ranks
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from recipes.snapshot import snapshot_bytes
-from recipes.train import check_command
+from recipes.checks import check_command
 from tests._dist import _free_port, run_on_ranks
 from tests.reliability.test_checkpoint_faults import _train_logged
 from tests.reliability.test_fault import BASE

@@ -57,6 +57,7 @@ import fsdp2.checkpoint
 from fsdp2 import plan
 from fsdp2.checkpoint.__main__ import main as checkpoint_main
 from recipes import train
+from recipes.checks import check_command
 from recipes.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,7 +238,7 @@ def check_recipe(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         if arg.startswith("--checkpoint.initial_load_path=") and Path(arg.partition("=")[2]).name == "tiny-llama":
             _tiny_hf_llama(Path(arg.partition("=")[2]))
     try:
-        config, dims = train.check_command(args, world)
+        config, dims = check_command(args, world)
     except (ConfigError, ValueError) as e:
         if "needs torch 2.13 or newer" in str(e) and torch.__version__ < "2.13":
             return  # pipelining's documented refusal on older torch (docs/recipes.md says so)

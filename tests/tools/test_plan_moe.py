@@ -33,7 +33,7 @@ def _recipe_argv(ep: int, replicate: int) -> list[str]:
 def _track(ep: int, replicate: int):
     from recipes.config import parse_args
     from recipes.llama.parallelize import ParallelDims, check_layout
-    from recipes.train import build_model
+    from recipes.build import build_model
 
     config = parse_args(_recipe_argv(ep, replicate))
     p = config.parallelism

@@ -31,7 +31,7 @@ from fsdp2.models.llama import LLAMA3, ModelArgs
 from fsdp2.plan import main
 from recipes.config import ConfigError
 from recipes.llama.parallelize import fsdp_kwargs
-from recipes.train import check_command
+from recipes.checks import check_command
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_TOML = str(ROOT / "recipes" / "configs" / "tiny.toml")

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from recipes.preflight import check_memory
-from recipes.train import build_model, check_command
+from recipes.build import build_model
+from recipes.checks import check_command
 
 ARGV = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.max_seq_len=32", "--training.seq_len=32", "--training.batch_size=2"]

@@ -38,7 +38,9 @@ from recipes.config import ConfigError, load_config, parse_args
 from recipes.data import ByteTokenizer, get_batch, load_corpus
 from recipes.llama.model import ModelArgs, Transformer
 from recipes.llama.parallelize import ParallelDims, check_layout, tp_plan
-from recipes.train import build_model, build_optimizer, lr_schedule, model_flops_per_token, train
+from recipes.build import build_model, build_optimizer, lr_schedule
+from recipes.progress import model_flops_per_token
+from recipes.train import train
 from recipes.train import main as train_main
 from tests._dist import run_on_ranks
 from tests._models import lm_loss, make_batch

@@ -30,7 +30,7 @@ import torch
 
 from recipes.config import ConfigError
 from recipes.data import get_batch, load_corpus, load_data, load_tokenizer, split_corpus, tokenizer_vocab_size
-from recipes.train import check_command
+from recipes.checks import check_command
 from tests.tools.test_recipe import REPO, SMALL_MODEL, TRAIN, _records
 
 WORDS = ["<unk>", "</s>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "it"]
@@ -196,7 +196,7 @@ _WITHOUT = """
 import json, sys
 for name in ("tokenizers", "pyarrow"):
     sys.modules[name] = None  # the import fails as if the package were not installed
-from recipes.train import check_command
+from recipes.checks import check_command
 errors = []
 for args in json.loads(sys.argv[1]):
     try:

@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from recipes.config import ConfigError, parse_args
 from recipes.llama.parallelize import ParallelDims, check_layout
-from recipes.train import check_command, train
+from recipes.checks import check_command
+from recipes.train import train
 from tests._dist import run_on_ranks
 
 MOE_MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -94,7 +95,7 @@ def _runs(root: str) -> dict:
 
 
 def _mesh_of_experts(flags: list[str]) -> tuple:
-    from recipes.train import build_model
+    from recipes.build import build_model
     config = parse_args([*MOE_MODEL, *flags])
     p = config.parallelism
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, dist.get_world_size(), ep=p.ep)
@@ -160,7 +161,7 @@ def _recipe_vs_torch(flags: list[str], steps: int = 2) -> dict:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from recipes.data import get_batch, load_corpus
     from fsdp2.models.moe import moe_layers
-    from recipes.train import build_model
+    from recipes.build import build_model
 
     parallelize = importlib.import_module("recipes.llama.parallelize")  # (the package exports a function so named)
     config = parse_args([*MOE_MODEL, *flags])

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import recipes.pipeline as pipeline
 import recipes.pipeline_layout as pipeline_layout
 from recipes.config import ConfigError, parse_args
-from recipes.train import check_command, train
+from recipes.checks import check_command
+from recipes.train import train
 from tests._dist import run_on_ranks
 
 NEW_ENOUGH = pipeline_layout._torch_version() >= pipeline.MIN_TORCH

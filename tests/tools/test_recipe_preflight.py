@@ -29,7 +29,7 @@ from fsdp2.plan import _cli
 from recipes import preflight
 from recipes.config import ConfigError, JobConfig, command_line_keys, parse_args
 from recipes.llama.parallelize import ParallelDims
-from recipes.train import check_command
+from recipes.checks import check_command
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"

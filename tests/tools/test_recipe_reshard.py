@@ -23,7 +23,8 @@ from fsdp2.runtime._state import get_state
 from recipes import preflight
 from recipes.config import ConfigError, parse_args
 from recipes.llama.parallelize import ParallelDims, check_layout, fsdp_kwargs
-from recipes.train import build_model, train
+from recipes.build import build_model
+from recipes.train import train
 from tests._dist import run_on_ranks
 
 SMALL_MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
