@@ -10,6 +10,8 @@ tracker counts. ``ParamGroup`` holds the state machine that decides when each ru
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import _compat
@@ -66,13 +68,25 @@ class GroupBuffers:
         ):
             return
         fmt = self._gather_format(self.world)
-        packed = torch.zeros(fmt.slice_bytes, dtype=torch.uint8, device=self.device)
-        self._packed_slots = [own_storage(slot) for slot in fmt.slots(packed)]  # pickled as torch's shards
-        self._packed_header = own_storage(packed[:HEADER])
+        with self._unseen_by_modes():
+            packed = torch.zeros(fmt.slice_bytes, dtype=torch.uint8, device=self.device)
+            self._packed_slots = [own_storage(slot) for slot in fmt.slots(packed)]  # pickled as torch's shards
+            self._packed_header = own_storage(packed[:HEADER])
         for p, slot in zip(self.params, self._packed_slots):
             p.adopt_padded_local(slot)
         self._packed_ptrs = [_compat.dtensor_local(p.sharded).data_ptr() for p in self.params]
         self._packed = packed
+
+    def _unseen_by_modes(self) -> contextlib.AbstractContextManager:
+        """Where the packed buffer and its slots' aliases are made. Where the shards are plain
+        tensors in real memory (each alias then a storage of its own), outside this thread's
+        dispatch modes: a mode that registers each op's output storage (torch's ``MemTracker``
+        around ``fully_shard``) sees the shards' aliases as the copies into them write them, and
+        not also the buffer under them (each byte once). Elsewhere (the planner's meta run, a
+        fake mode's tensors) the modes see it all, as they see every shard."""
+        if self.device.type in ("cpu", "cuda") and all(type(p.padded_local) is torch.Tensor for p in self.params):
+            return _compat.outside_dispatch_modes()
+        return contextlib.nullcontext()
 
     def _shards(self, fmt: GatherFormat) -> list[torch.Tensor]:
         """Each parameter's padded shard, repacked first where the local data was rebound."""
