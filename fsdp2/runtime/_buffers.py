@@ -249,7 +249,8 @@ class GroupBuffers:
         for inflight in self.reduce_queue.in_flight(self):
             comm += inflight.buffers()
         found = {
-            "sharded_params": [self._packed, self._packed_header, *(p.padded_local for p in self.params)],  # (aliases of _packed)
+            # (The header's and each shard's storage: aliases of _packed.)
+            "sharded_params": [self._packed, self._packed_header, *(p.padded_local for p in self.params)],
             "gradients": grads,
             "unsharded_params": list(self._buffers) + (self._ext.held() if self._ext is not None else []),
             "communication": comm,
