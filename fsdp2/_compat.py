@@ -520,11 +520,13 @@ def dispatch_modes_active() -> bool:
 
 @contextlib.contextmanager
 def outside_dispatch_modes() -> Iterator[None]:
-    """Run fsdp2's own checks between ranks with this thread's dispatch modes set aside.
+    """Run fsdp2's own bookkeeping with this thread's dispatch modes set aside.
 
-    They are bookkeeping torch's FSDP2 does not do (the lazy-init agreement check, the
+    Checks between ranks torch's FSDP2 does not do (the lazy-init agreement check, the
     transport's probe): a mode that counts collectives (``CommDebugMode``) must see FSDP's
-    all-gathers and reduce-scatters, as with torch, not these. The modes are back on when
+    all-gathers and reduce-scatters, as with torch, not these. The packed shards' buffer
+    (``runtime/_buffers.py``): a mode that counts storages must see each shard's own storage
+    once, not the buffer under them as well. The modes are back on when
     the block exits. ``_disable_current_modes`` (private, torch 2.0 to 2.14) is the only way
     to step out of the mode stack.
     """

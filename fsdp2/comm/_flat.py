@@ -168,7 +168,8 @@ class FlatTransport(Transport):
         send, copied = _send_slice(source, fmt, explicit) if not fmt.block else _quantized_slice(source, fmt)
         if explicit and copied is not None:  # CUDA: later work on the compute stream waits for the copy
             copied.wait()
-        return _start_all_gather(self, send, fmt, pg, source.device, copied, header)
+        room = source.header_room(send) if header is not None and _compat.dispatch_modes_active() else None
+        return _start_all_gather(self, send, fmt, pg, source.device, copied, header, room)
 
     def finish_all_gather(self, inflight: AllGatherInFlight, targets: GatherTargets) -> None:
         _copy_out(inflight, targets)
@@ -266,7 +267,10 @@ def _send_slice(source: GatherSource, fmt: GatherFormat, explicit: bool) -> tupl
     with streams.side("copy_in"):
         send = torch.empty(fmt.slice_bytes, dtype=torch.uint8, device=source.device)
         with torch.no_grad():
-            if laid_out is not None:  # one copy (the header is stamped apart)
+            # One copy (the header is stamped apart); under a dispatch mode one per entry, from
+            # the shards' own storages: a memory tracker that registers each op's output then
+            # never sees the packed buffer beside its aliases (each byte counted once).
+            if laid_out is not None and not _compat.dispatch_modes_active():
                 send[HEADER:].copy_(laid_out[HEADER:], non_blocking=True)
             else:
                 torch._foreach_copy_(fmt.slots(send), source.entries(fmt), non_blocking=True)
@@ -288,16 +292,17 @@ def _quantized_slice(source: GatherSource, fmt: GatherFormat) -> tuple[torch.Ten
 
 def _start_all_gather(
     transport: FlatTransport, send: torch.Tensor, fmt: GatherFormat, group: dist.ProcessGroup, device: torch.device,
-    copied: Completion | None, header: torch.Tensor | None,
+    copied: Completion | None, header: torch.Tensor | None, room: torch.Tensor | None = None,
 ) -> AllGatherInFlight:
     """Issue the flat all-gather of ``send`` (after ``copied``, the copy-in that filled it, if any).
 
-    ``header``, if given, is stamped into the first 16 bytes of ``send`` first. ``transport.all_gather``
+    ``header``, if given, is stamped into the first 16 bytes of ``send`` first (``room``: those
+    bytes as the source gave them, ``GatherSource.header_room``). ``transport.all_gather``
     allocates the output and runs the collective (``_comm.py``).
     """
     streams = streams_for(device)
     if header is not None:
-        _stamp(send, header)
+        _stamp(send, header, room)
     if fmt.world == 1:  # nothing to gather: the send buffer is the result
         return FlatAllGather(copied or Completion(), fmt, send[None, :HEADER], transport, send, send)
     if _bytes._ACTIVE:
@@ -317,15 +322,17 @@ def _start_all_gather(
     return FlatAllGather(done, fmt, headers, transport, send, output, kept)
 
 
-def _stamp(send: torch.Tensor, header: torch.Tensor) -> None:
+def _stamp(send: torch.Tensor, header: torch.Tensor, room: torch.Tensor | None = None) -> None:
     """Write the 16-byte ``header`` at the start of ``send``. In CPU memory outside dispatch
     modes, a plain copy of the bytes (no tensor op: it would cost more than the 16 bytes);
-    elsewhere ``copy_``, so that what a dispatch mode (a memory tracker, the planner's meta
-    run) or a device stream sees is unchanged."""
+    elsewhere ``copy_`` into ``room`` (those 16 bytes as the source gave them: the packed
+    shards' header has a storage of its own, so a memory tracker that registers the op's output
+    does not count the packed buffer again), so that what a dispatch mode (a memory tracker,
+    the planner's meta run) or a device stream sees is unchanged."""
     if send.is_cpu and header.is_cpu and not _compat.dispatch_modes_active():
         ctypes.memmove(send.data_ptr(), header.data_ptr(), HEADER)
     else:
-        send[:HEADER].copy_(header, non_blocking=True)
+        (send[:HEADER] if room is None else room).copy_(header, non_blocking=True)
 
 
 def _copy_out(inflight: FlatAllGather, targets: GatherTargets) -> None:

@@ -43,6 +43,11 @@ class GatherSource(Protocol):
         are, and whether only the group writes that memory (True: sent as it is by any unshard)."""
         ...
 
+    def header_room(self, send: torch.Tensor) -> torch.Tensor:
+        """The first 16 bytes of the slice ``send`` (``laid_out``'s, or a copy), as a tensor the
+        header is written into under a dispatch mode."""
+        ...
+
     def entries(self, fmt: GatherFormat) -> list[torch.Tensor]:
         """This rank's part of each entry of ``fmt``, where it lives now."""
         ...

@@ -10,13 +10,15 @@ tracker counts. ``ParamGroup`` holds the state machine that decides when each ru
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import _compat
 from .._common import ShardState
 from ..comm._collectives import GatherTargets
 from ..diagnostics import _debug, _trace
-from .._format import GatherFormat, segment_layout
+from .._format import HEADER, GatherFormat, segment_layout
 from ._param import ShardedParam, own_storage
 from ._release import segment_bounds
 
@@ -60,18 +62,31 @@ class GroupBuffers:
         when every parameter is gathered in its own dtype from the compute device;
         with a cast (mixed precision) or CPU offload the copy-in does real work.
         """
-        self._packed = None
+        self._packed = self._packed_header = None
         if self.world == 1 or self._ext is not None or not all(
             p.param_dtype == p.orig_dtype and p.padded_local.device == self.device for p in self.params
         ):
             return
         fmt = self._gather_format(self.world)
-        packed = torch.zeros(fmt.slice_bytes, dtype=torch.uint8, device=self.device)
-        self._packed_slots = [own_storage(slot) for slot in fmt.slots(packed)]  # pickled as torch's shards
+        with self._unseen_by_modes():
+            packed = torch.zeros(fmt.slice_bytes, dtype=torch.uint8, device=self.device)
+            self._packed_slots = [own_storage(slot) for slot in fmt.slots(packed)]  # pickled as torch's shards
+            self._packed_header = own_storage(packed[:HEADER])
         for p, slot in zip(self.params, self._packed_slots):
             p.adopt_padded_local(slot)
         self._packed_ptrs = [_compat.dtensor_local(p.sharded).data_ptr() for p in self.params]
         self._packed = packed
+
+    def _unseen_by_modes(self) -> contextlib.AbstractContextManager:
+        """Where the packed buffer and its slots' aliases are made. Where the shards are plain
+        tensors in real memory (each alias then a storage of its own), outside this thread's
+        dispatch modes: a mode that registers each op's output storage (torch's ``MemTracker``
+        around ``fully_shard``) sees the shards' aliases as the copies into them write them, and
+        not also the buffer under them (each byte once). Elsewhere (the planner's meta run, a
+        fake mode's tensors) the modes see it all, as they see every shard."""
+        if self.device.type in ("cpu", "cuda") and all(type(p.padded_local) is torch.Tensor for p in self.params):
+            return _compat.outside_dispatch_modes()
+        return contextlib.nullcontext()
 
     def _shards(self, fmt: GatherFormat) -> list[torch.Tensor]:
         """Each parameter's padded shard, repacked first where the local data was rebound."""
@@ -111,6 +126,16 @@ class GroupBuffers:
         if self._packed is not None:
             self._shards(fmt)  # packed again first where the local data was rebound
         return self._packed, False
+
+    def header_room(self, send: torch.Tensor) -> torch.Tensor:
+        """The first 16 bytes of ``send``, where the transport stamps the all-gather's header
+        under a dispatch mode: for the packed shards, their header's own storage
+        (``own_storage``), so a mode that registers each op's output storage (torch's
+        ``MemTracker``) sees those 16 bytes, not the whole packed buffer beside the shards'
+        aliases (each byte counted twice); for any other send buffer, a view of it."""
+        if send is self._packed and self._packed_header is not None:
+            return self._packed_header
+        return send[:HEADER]
 
     def _region_sizes(self) -> list[int]:
         """Bytes of each parameter's padded full tensor (each extension input's, for extension groups)."""
@@ -224,7 +249,8 @@ class GroupBuffers:
         for inflight in self.reduce_queue.in_flight(self):
             comm += inflight.buffers()
         found = {
-            "sharded_params": [self._packed, *(p.padded_local for p in self.params)],  # (aliases of _packed)
+            # (The header's and each shard's storage: aliases of _packed.)
+            "sharded_params": [self._packed, self._packed_header, *(p.padded_local for p in self.params)],
             "gradients": grads,
             "unsharded_params": list(self._buffers) + (self._ext.held() if self._ext is not None else []),
             "communication": comm,

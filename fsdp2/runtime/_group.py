@@ -78,6 +78,7 @@ class ParamGroup(GroupBuffers):
         # cast or a device move makes a copy-in necessary anyway): see _pack_shards.
         self._packed: torch.Tensor | None = None
         self._packed_slots: list[torch.Tensor] = []  # each parameter's place in ``_packed``
+        self._packed_header: torch.Tensor | None = None  # its header's 16 bytes (see header_room)
         self._packed_ptrs: list[int] = []  # the DTensors' local data pointers once packed
         # Per-backward bookkeeping.
         self.backward_started = False
