@@ -42,9 +42,9 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     opt.step()
 
 
-def _snapshots(impl: str, per_block: bool) -> dict[str, dict[str, int]]:
-    """One untracked step (AdamW's state then exists), then one under torch's ``MemTracker``:
-    its peak and what it counts live after the step, by category name."""
+def _after_a_step(impl: str, per_block: bool):
+    """The model and AdamW after one untracked step (the optimizer's state then exists), and torch's
+    ``MemTracker`` tracking both."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     model = _shard(impl, per_block)
@@ -52,6 +52,13 @@ def _snapshots(impl: str, per_block: bool) -> dict[str, dict[str, int]]:
     _step(model, opt, 0)
     tracker = MemTracker()
     tracker.track_external(model, opt)
+    return model, opt, tracker
+
+
+def _snapshots(impl: str, per_block: bool) -> dict[str, dict[str, int]]:
+    """One untracked step, then one under torch's ``MemTracker``: its peak and what it counts
+    live after the step, by category name."""
+    model, opt, tracker = _after_a_step(impl, per_block)
     with tracker:
         _step(model, opt, 1)
     cpu = torch.device("cpu")
@@ -93,14 +100,8 @@ def _packed_seen(transport: str) -> list[int]:
     """The bytes of every storage torch's ``MemTracker`` registered (over a step and a user's
     ``unshard(async_op=True)``) whose memory is a group's packed buffer: one that starts in it
     and is larger than any shard's own storage (or the header's)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     with environ(CPU_COLLECTIVES_ENV, transport):
-        model = _shard("fsdp2", True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _step(model, opt, 0)
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
+        model, opt, tracker = _after_a_step("fsdp2", True)
         with tracker:
             _step(model, opt, 1)
             model.unshard(async_op=True).wait()  # the user's unshard: a copy of the shards is sent
