@@ -62,7 +62,7 @@ class Progress:
         now = time.perf_counter()
         tokens_per_s = self.tokens_per_step * self.window_steps / (now - self.window_start)
         eta = (now - self.loop_start) / (step - self.start) * (self.total - step)
-        record = {"step": step, "loss": self.losses[-1], "lr": lr, "grad_norm": grad_norm,
+        row = {"step": step, "loss": self.losses[-1], "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_s, "tokens": self.tokens_per_step * step,
                   "elapsed_s": now - self.loop_start, "eta_s": eta, "memory_mb": memory,
                   "skipped": result.skipped, "skipped_steps": skipped_total, **self.throughput(tokens_per_s),
@@ -70,7 +70,7 @@ class Progress:
         if record:
             for writer in (self.writer, self.tensorboard):
                 if writer is not None:
-                    writer.write(record)
+                    writer.write(row)
         log(f"step {step:>{len(str(self.total))}}/{self.total}  loss {self.losses[-1]:.4f}  lr {lr:.2e}  "
             f"gnorm {grad_norm:.2f}  {tokens_per_s:,.0f} tok/s  "
             f"mem {'/'.join(f'{m:.0f}' for m in memory)} MiB  eta {format_duration(eta)}"

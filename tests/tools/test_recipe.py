@@ -440,6 +440,18 @@ def test_recipe_resume_reproduces_losses(full_run):
     _resume(root, 2, RUN_ARGS, step=4, steps=8)
 
 
+@pytest.mark.slow  # full_run
+def test_a_resumed_run_records_the_steps_an_uninterrupted_run_records(full_run, tmp_path):
+    # Every 3rd step recorded: step 5, the first after resuming from 4, is printed, not recorded
+    # (it was recorded too while the row's name shadowed the flag).
+    root, _ = full_run
+    shutil.copytree(root / "ckpt" / "step-00000004", tmp_path / "ckpt" / "step-00000004")
+    metrics = tmp_path / "m.jsonl"
+    run_on_ranks(_train_on_ranks, 2, [*RUN_ARGS, "--metrics.log_every=3", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                      "--metrics-file", str(metrics)])
+    assert sorted(_records(metrics)) == [6, 8]
+
+
 @pytest.mark.slow  # layout_run
 @pytest.mark.parametrize("layout", LAYOUT_FLAGS)
 def test_2d_recipe_resume_reproduces_losses(layout_run, layout):
