@@ -671,6 +671,13 @@ def pipeline_last_backward(schedule: object, stage: object) -> bool | None:
     return counter[index] == n_microbatches
 
 
+# torch 2.11's ``DefaultStager`` closes its inner stager at the end of every ``stage`` (which
+# empties its copy table and its cache of host buffers), so a second save through it fails
+# (``KeyError: <class 'type'>``) and nothing could be reused anyway; 2.13 closes it only in
+# ``close()``. 2.12 was not checked: it is taken with 2.11. (Read on 2.11.0, 2.13.0 and 2.14.1.)
+DCP_STAGER_REUSABLE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def dcp_stager(*, pinned: bool):
     """A ``torch.distributed.checkpoint`` stager that copies a state dict into host buffers it keeps.
 
@@ -682,6 +689,7 @@ def dcp_stager(*, pinned: bool):
     Staging is synchronous (the caller returns once the copy is done, so training may change
     the parameters right away); ``pinned`` pins the buffers and copies without blocking each
     tensor, which needs CUDA. Raises RuntimeError naming the torch release where they are missing.
+    Before torch 2.13 a stager serves one save only (``DCP_STAGER_REUSABLE``): take a new one each time.
     """
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions

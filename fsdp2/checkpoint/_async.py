@@ -170,7 +170,10 @@ class AsyncSaver:
         self.close()
 
     def _staging(self) -> Any:
-        if self._stager is None:
+        # One stager for the saver's life: its host buffers are copied into again at every save.
+        # Before torch 2.13 a stager serves one save only (_compat.DCP_STAGER_REUSABLE): a new one
+        # each time, its buffers freed once the save is written.
+        if self._stager is None or not _compat.DCP_STAGER_REUSABLE:
             self._stager = _compat.dcp_stager(pinned=self._pinned)
         return self._stager
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp2.checkpoint as fsdp2_ckpt
-from fsdp2 import fully_shard
+from fsdp2 import _compat, fully_shard
 from recipes.config import ConfigError, parse_args
 from tests._dist import REPO_ROOT, run_on_ranks
 from tests.tools.test_checkpoint import _assert_same, _build, _full_state, _train
@@ -102,7 +102,8 @@ def _twenty_saves(root: str) -> tuple[list[float], float]:
                     shutil.rmtree(f"{root}/step-{i - 1}")
             previous = handle
             rss.append(_rss_mib())
-    assert len(addresses) == 20 and all(a == addresses[0] for a in addresses), "staging buffers reallocated"
+    if _compat.DCP_STAGER_REUSABLE:  # (before torch 2.13 a stager serves one save: new buffers, freed after it)
+        assert len(addresses) == 20 and all(a == addresses[0] for a in addresses), "staging buffers reallocated"
     staged = sum(p.numel() for p in model.parameters()) * 3 * 4 / dist.get_world_size() / 2**20
     return rss, staged
 
