@@ -1,5 +1,8 @@
 """Session plumbing: the rank pools of tests/_dist.py live for the session (a pool whose workers
-gathered too many threads is restarted between tests); the ``compat`` marker."""
+gathered too many threads is restarted between tests); the ``compat`` marker; the summary of
+durations by directory that ends every run (docs/testing.md quotes CI's)."""
+
+from collections import defaultdict
 
 import pytest
 
@@ -42,3 +45,23 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_sessionfinish(session, exitstatus):
     shutdown_pools()
+
+
+# tests/<folder>/ -> [seconds in setup, call and teardown, tests run]
+_BY_FOLDER: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+
+
+def pytest_runtest_logreport(report):
+    folder = "/".join(report.nodeid.split("::")[0].split("/")[:2]) + "/"
+    _BY_FOLDER[folder][0] += report.duration
+    _BY_FOLDER[folder][1] += report.when == "call"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _BY_FOLDER:
+        return
+    terminalreporter.section("durations by directory")
+    for folder, (seconds, count) in sorted(_BY_FOLDER.items(), key=lambda kv: -kv[1][0]):
+        terminalreporter.write_line(f"{seconds:8.1f} s {count:6d} tests  {folder}")
+    total = sum(seconds for seconds, _ in _BY_FOLDER.values())
+    terminalreporter.write_line(f"{total:8.1f} s {sum(n for _, n in _BY_FOLDER.values()):6d} tests  in all")
