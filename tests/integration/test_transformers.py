@@ -6,7 +6,8 @@ start from the same weights and see the same batches in one process, and make th
 casts and reductions, so their losses and parameters agree bit for bit, in fp32 and under
 bf16 mixed precision, with or without HF's activation checkpointing; both agree within
 rounding with an unsharded reference whose gradients are averaged with ``all_reduce``.
-A greedy ``generate()`` after training gives the reference's tokens.
+A greedy ``generate()`` after training gives the reference's tokens (the models of the fp32
+run on flat collectives: one training serves both tests).
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ def _summary(out: dict, init: dict[str, torch.Tensor]) -> dict:
     }
 
 
-def _train(arch: str, precision: str, transport: str) -> dict | None:
+def _train(arch: str, precision: str, transport: str, generate: bool = False) -> dict | None:
     """``transport``: fsdp2's CPU collectives (``FSDP2_CPU_COLLECTIVES``), whatever the
     environment says: gloo's flat collectives (the path NCCL takes, and what "auto" picks for
-    groups this small), or point-to-point exchanges by messages or by reads."""
+    groups this small), or point-to-point exchanges by messages or by reads. ``generate``: the
+    three trained models also generate greedily (:func:`_generate`)."""
     if transport == "read":
         with environ(CPU_COLLECTIVES_ENV, "auto"):  # a "no" answer, not an error
             if not probe_reads(dist.group.WORLD):
@@ -63,7 +65,23 @@ def _train(arch: str, precision: str, transport: str) -> dict | None:
     result = _summary(out, _hf.full_params(_hf.build(arch)))
     groups = [get_state(m).group for m in out["models"]["fsdp2"].modules() if get_state(m) is not None]
     result["exchange"] = {g.transport.gathers_in_place for g in groups}
+    if generate:
+        with environ(CPU_COLLECTIVES_ENV, transport):
+            result["generated"] = _generate(out, arch)
     return result
+
+
+@pytest.fixture(scope="module")
+def fp32_flat_runs() -> dict[str, list[dict]]:
+    """Per arch, the fp32 run on flat collectives, trained once for two tests: the training's
+    parity, and the greedy ``generate()`` of the models it trained."""
+    return {}
+
+
+def _fp32_flat(runs: dict[str, list[dict]], arch: str) -> list[dict]:
+    if arch not in runs:
+        runs[arch] = run_on_ranks(_train, 2, arch, "fp32", "flat", True)
+    return runs[arch]
 
 
 def _check(results: list[dict], arch: str) -> None:
@@ -82,8 +100,11 @@ def _check(results: list[dict], arch: str) -> None:
 @pytest.mark.parametrize("transport", ["flat", "exchange", "read"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("arch", _hf.ARCHS)
-def test_training_matches_torch_and_reference(arch, precision, transport):
-    results = run_on_ranks(_train, 2, arch, precision, transport)
+def test_training_matches_torch_and_reference(arch, precision, transport, fp32_flat_runs):
+    if (precision, transport) == ("fp32", "flat"):
+        results = _fp32_flat(fp32_flat_runs, arch)
+    else:
+        results = run_on_ranks(_train, 2, arch, precision, transport)
     if results[0] is None:
         pytest.skip("the ranks cannot read each other's memory here (kernel.yama.ptrace_scope)")
     _check(results, arch)
@@ -125,8 +146,9 @@ def test_hf_gradient_checkpointing_matches_torch(arch, precision, use_reentrant)
         assert r["torch_grad_diff"] is None, r["torch_grad_diff"]
 
 
-def _generate(arch: str) -> dict:
-    out = _hf.train_three_ways(lambda: _hf.build(arch), None, STEPS)
+def _generate(out: dict, arch: str) -> dict:
+    """Greedy tokens of the trained fsdp2, torch and reference models (``out`` of
+    ``train_three_ways``), and of the untrained model."""
     prompts = _hf.batch(step=99, rank=0)[:, :4]  # the same prompts on every rank
     models = {**out["models"], "ref": out["ref"]}
     tokens = {}
@@ -139,8 +161,8 @@ def _generate(arch: str) -> dict:
 
 
 @pytest.mark.parametrize("arch", _hf.ARCHS)
-def test_greedy_generate_after_training_matches_reference(arch):
-    results = run_on_ranks(_generate, 2, arch)
+def test_greedy_generate_after_training_matches_reference(arch, fp32_flat_runs):
+    results = [r["generated"] for r in _fp32_flat(fp32_flat_runs, arch)]
     for r in results:
         tokens = r["tokens"]
         assert tokens["fsdp2"].shape == (2, 10)

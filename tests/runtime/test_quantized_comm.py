@@ -9,6 +9,7 @@ the bytes ``_format.GatherFormat`` lays out, counted exactly by ``fsdp2.count_co
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -293,6 +294,16 @@ def _train_transformer(impl: str, steps: int, comm_policy=None, mp_policy=None, 
             "dtypes": sharded_dtypes}
 
 
+@functools.cache
+def _unquantized(steps: int, *, one_batch: bool = False, bf16: bool = False) -> dict:
+    """The unquantized run several tests compare against (fp32 on one batch, or under bf16
+    mixed precision), trained once per pool of ranks: the pool's ranks run every task together,
+    so each has it or none; it is deterministic, and its callers only read it."""
+    mp_policy = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
+        else None
+    return _train_transformer("fsdp2", steps, mp_policy=mp_policy, one_batch=one_batch)
+
+
 def _off_is_today() -> None:
     today = _train_transformer("fsdp2", 3)
     off = _train_transformer("fsdp2", 3, comm_policy=fsdp2.QuantizedComm())
@@ -390,7 +401,7 @@ def test_unsharded_weights_within_half_a_scale(world, weights):
 
 
 def _train_int8_against_fp32(steps: int) -> dict:
-    ref = _train_transformer("fsdp2", steps, one_batch=True)
+    ref = _unquantized(steps, one_batch=True)
     quant = _train_transformer("fsdp2", steps, comm_policy=INT8, one_batch=True)
     diffs, rms = [], []
     for a, b in zip(ref["params"], quant["params"]):
@@ -425,7 +436,7 @@ def test_int8_weights_train_close_to_unquantized():
 
 def _bf16_int8_bytes() -> dict:
     bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    base = _train_transformer("fsdp2", 2, mp_policy=bf16)
+    base = _unquantized(2, bf16=True)
     quant = _train_transformer("fsdp2", 2, comm_policy=INT8, mp_policy=bf16)
     return {"base": base["sent"], "quant": quant["sent"], "losses": (base["losses"], quant["losses"])}
 
@@ -652,7 +663,7 @@ def test_int4_reduced_gradients_within_the_quantization_bound(world, hsdp):
 
 
 def _train_quantized_grads(steps: int) -> dict:
-    ref = _train_transformer("fsdp2", steps, one_batch=True)
+    ref = _unquantized(steps, one_batch=True)
     out = {"ref": ref["losses"]}
     for key, policy in (("grads", GRAD8), ("both", BOTH8)):
         quant = _train_transformer("fsdp2", steps, comm_policy=policy, one_batch=True)
@@ -693,7 +704,7 @@ def test_int8_gradients_train_close_to_unquantized():
 
 def _bf16_both_bytes(block: int) -> dict:
     bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    base = _train_transformer("fsdp2", 2, mp_policy=bf16)
+    base = _unquantized(2, bf16=True)
     policy = fsdp2.QuantizedComm(weights="int8", gradients="int8", block_size=block)
     quant = _train_transformer("fsdp2", 2, comm_policy=policy, mp_policy=bf16)
     return {"base": base["sent"], "quant": quant["sent"], "losses": (base["losses"], quant["losses"])}
@@ -771,7 +782,7 @@ def test_error_feedback_keeps_the_error_from_accumulating():
 
 # ---- int4 gradients --------------------------------------------------------------------------
 def _train_int4_grads(steps: int) -> dict:
-    ref = _train_transformer("fsdp2", steps, one_batch=True)
+    ref = _unquantized(steps, one_batch=True)
     out = {"ref": ref["losses"], "ref_sent": ref["sent"]}
     for key, policy in (("grads", GRAD4), ("both", fsdp2.QuantizedComm(weights="int8", gradients="int4")),
                         ("both4", fsdp2.QuantizedComm(weights="int4", gradients="int4"))):
@@ -799,7 +810,7 @@ def test_int4_gradients_train_close_to_unquantized():
 
 def _bf16_int4_bytes(weights: str | None) -> dict:
     bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    base = _train_transformer("fsdp2", 2, mp_policy=bf16)
+    base = _unquantized(2, bf16=True)
     quant = _train_transformer("fsdp2", 2, comm_policy=fsdp2.QuantizedComm(weights=weights, gradients="int4"),
                                mp_policy=bf16)
     return {"base": base["sent"], "quant": quant["sent"], "losses": (base["losses"], quant["losses"])}

@@ -197,12 +197,21 @@ def test_selective_op_planner_matches_a_tracked_run():
     from benchmarks.memory import compare
     from tests._dist import run_on_ranks
 
-    measured = run_on_ranks(_track_selective_op, 2)[0]
     # The planner plans the transport FSDP2_CPU_COLLECTIVES asks for now, the run takes it when its
-    # groups are built: both told "auto", whatever an earlier test left in this process.
+    # groups are built: both told "auto", whatever an earlier test left in this process. The
+    # planner's process starts first and runs while the ranks train (neither waits on the other).
     env = {**os.environ, "FSDP2_CPU_COLLECTIVES": "auto"}
-    est = pickle.loads(subprocess.run([sys.executable, "-c", _PLAN_SELECTIVE_OP], capture_output=True, check=True,
-                                      cwd=REPO, timeout=300, env=env).stdout)
+    planner = subprocess.Popen([sys.executable, "-c", _PLAN_SELECTIVE_OP], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=REPO, env=env)
+    try:
+        measured = run_on_ranks(_track_selective_op, 2)[0]
+        out, err = planner.communicate(timeout=300)
+    finally:
+        if planner.poll() is None:  # the ranks failed, or the planner hung
+            planner.kill()
+            planner.communicate()
+    assert planner.returncode == 0, err.decode()
+    est = pickle.loads(out)
     rows = compare(measured, est)
     # The same bytes as the tracked run, peak and activations (full checkpointing would plan about
     # a quarter fewer activations here, none about half more).

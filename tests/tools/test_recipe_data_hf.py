@@ -10,7 +10,7 @@
 - The batches of a step are the same in a fresh process (a restart) as in this one.
 - Bad inputs are one line each, from ``check_command`` (before any process group): a missing
   field (naming the fields present), file, tokenizer, and the ``hf`` extra missing (a
-  subprocess where the import fails).
+  subprocess where the import fails; the same fresh process then gives the restart's batches).
 - A 2-rank torchrun with a BPE tokenizer trained here and JSON Lines runs a few steps.
 """
 
@@ -123,27 +123,14 @@ def test_model_vocab_follows_the_tokenizer(data):
         check_command([*SHORT, "--model.vocab_size=100"], 1)
 
 
-_BATCH = """
-import json, sys
-from recipes.data import get_batch, load_corpus, load_tokenizer
-corpus = load_corpus(sys.argv[1], load_tokenizer(sys.argv[2]))
-print(json.dumps([get_batch(corpus, seed=0, step=s, rank=1, micro=0, batch_size=3, seq_len=4)[0].tolist()
-                  for s in (1, 7)]))
-"""
-
-
-def test_batches_of_a_step_are_the_same_after_a_restart(data):
+def test_batches_of_a_step_are_the_same_after_a_restart(data, fresh_process):
     root, tok = data
     corpus = load_corpus(str(root / "saved"), load_tokenizer(str(tok)))
     train, held_out = split_corpus(corpus, 0.2)
     assert torch.equal(torch.cat([train, held_out]), corpus) and held_out.numel() == int(corpus.numel() * 0.2)
     here = [get_batch(corpus, seed=0, step=s, rank=1, micro=0, batch_size=3, seq_len=4)[0].tolist() for s in (1, 7)]
     assert here[0] != here[1]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", _BATCH, str(root / "saved"), str(tok)], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == here
+    assert fresh_process["batches"] == here
 
 
 # ---- one-line errors before any process group ------------------------------------------------
@@ -192,7 +179,10 @@ def _dataset_dict(tmp_path: Path) -> Path:
     return tmp_path / "dd"
 
 
-_WITHOUT = """
+# One fresh interpreter (a python + torch start costs seconds) serves two tests: first, with the
+# ``hf`` extra's packages made unimportable, the pre-flight's errors; then, with them importable
+# again (the recipe imports them on first use only), a restart's batches of two steps.
+_FRESH = """
 import json, sys
 for name in ("tokenizers", "pyarrow"):
     sys.modules[name] = None  # the import fails as if the package were not installed
@@ -203,20 +193,32 @@ for args in json.loads(sys.argv[1]):
         check_command(args, 1)
     except ValueError as e:
         errors.append(str(e))
-print(json.dumps(errors))
+for name in ("tokenizers", "pyarrow"):
+    del sys.modules[name]  # installed again
+from recipes.data import get_batch, load_corpus, load_tokenizer
+corpus = load_corpus(sys.argv[2], load_tokenizer(sys.argv[3]))
+batches = [get_batch(corpus, seed=0, step=s, rank=1, micro=0, batch_size=3, seq_len=4)[0].tolist() for s in (1, 7)]
+print(json.dumps({"errors": errors, "batches": batches}))
 """
 
 
-def test_a_missing_extra_is_named(data):
+@pytest.fixture(scope="module")
+def fresh_process(data):
     root, tok = data
     runs = [[*SHORT, "--tokenizer", str(tok), "--data", str(root / "docs.jsonl")],
             [*SHORT, "--data", str(root / "docs.parquet")], [*SHORT, "--data", str(root / "saved")],
             [*SHORT, "--data", str(root / "docs.jsonl")]]  # JSON Lines needs neither
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT, json.dumps(runs)], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _FRESH, json.dumps(runs), str(root / "saved"), str(tok)],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_a_missing_extra_is_named(data, fresh_process):
+    root, _tok = data
     install = "pip install 'fsdp2[hf]' (in a checkout: pip install -e '.[hf]')"
-    assert json.loads(proc.stdout) == [
+    assert fresh_process["errors"] == [
         f"--tokenizer needs the tokenizers package: {install}",
         f"--data {root / 'docs.parquet'} (.parquet files) needs the pyarrow package: {install}",
         f"--data {root / 'saved'} (a datasets folder) needs the pyarrow package: {install}",
