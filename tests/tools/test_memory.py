@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import subprocess
 import sys
 from dataclasses import replace
@@ -19,7 +21,7 @@ import fsdp2
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.memory import MemoryTracker
 from fsdp2.plan import Layout, ModelBuilder, estimate_memory
-from tests._dist import REPO_ROOT, environ, run_on_ranks
+from tests._dist import environ, run_on_ranks
 from tests._models import Transformer, lm_loss, make_batch
 
 DIM, LAYERS, BATCH, SEQ = 256, 2, 2, 16
@@ -233,8 +235,18 @@ def test_planner_rejects_impossible_models():
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp2.plan", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60)
+    """``python -m fsdp2.plan args``, which is ``sys.exit(main())``, run as ``main(args)`` in this process
+    (the same parser and planner without an interpreter's torch import): its exit status (0, or
+    argparse's 2) and what it printed."""
+    from fsdp2.plan import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code
+    return subprocess.CompletedProcess(["python", "-m", "fsdp2.plan", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.slow

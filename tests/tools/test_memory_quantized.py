@@ -5,8 +5,6 @@ the checks and the command line."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -15,7 +13,7 @@ from fsdp2 import QuantizedComm
 from fsdp2.plan import Layout, estimate_memory
 from fsdp2.comm._transport import CPU_COLLECTIVES_ENV, EXCHANGE_MIN_BYTES
 from tests._dist import environ, run_on_ranks
-from tests.tools.test_memory import _RECIPE, _RECIPE_BATCH, _RECIPE_SEQ, TESTS_TRANSFORMER, _track_recipe_on
+from tests.tools.test_memory import _RECIPE, _RECIPE_BATCH, _RECIPE_SEQ, TESTS_TRANSFORMER, _plan, _track_recipe_on
 
 
 def _planned_and_tracked(transport: str, world: int, case: dict) -> tuple:
@@ -148,18 +146,8 @@ def test_layout_checks_the_comm_policy():
 
 
 def test_plan_cli_quantized_flags():
-    def plan(*flags: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "fsdp2.plan", "--config", "llama3_8b", "--world", "64",
-                                 "--seq", "2048", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def result(proc: subprocess.Popen) -> subprocess.CompletedProcess:
-        stdout, stderr = proc.communicate(timeout=300)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-    # the three planners side by side (each a process of its own, as before; most of each is its start)
-    started = [plan(), plan("--quantize-weights", "int8", "--quantize-gradients", "int8", "--error-feedback"),
-               plan("--error-feedback")]
-    plain, fed, refused = map(result, started)
+    plain, fed, refused = (_plan("--config", "llama3_8b", "--world", "64", "--seq", "2048", *flags) for flags in (
+        (), ("--quantize-weights", "int8", "--quantize-gradients", "int8", "--error-feedback"), ("--error-feedback",)))
     assert plain.returncode == 0 and fed.returncode == 0, (plain.stderr, fed.stderr)
     comm = [float(line.split()[-2]) for out in (plain.stdout, fed.stdout) for line in out.splitlines()
             if line.startswith("communication per step per rank")]

@@ -7,11 +7,14 @@ rank of a model built on meta and initialised after sharding got rank 0's initia
 
 Each rank here is a fresh process (the test pool's ranks already have a process group, and
 the planner needs a process without one): it builds the recipe's model as ``train.py`` does,
-with and without planning first, and the shards must be byte for byte the same.
+with and without planning first, and the shards must be byte for byte the same. The ranks are
+forked from the test pool's forkserver (tests/_dist.py), which imported torch and nothing more:
+no process group, no planner run, without each rank importing torch again.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,12 +25,15 @@ import torch.multiprocessing as mp
 from recipes.preflight import check_memory
 from recipes.build import build_model
 from recipes.checks import check_command
+from tests._dist import _context
 
 ARGV = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.max_seq_len=32", "--training.seq_len=32", "--training.batch_size=2"]
 
 
-def _rank(rank: int, world: int, argv: list[str], plan: bool, out: str) -> None:
+def _rank(rank: int, world: int, argv: list[str], plan: bool, out: str, env: dict[str, str]) -> None:
+    os.environ.clear()  # the test's environment, as a spawned rank's (not the forkserver's)
+    os.environ.update(env)
     torch.set_num_threads(1)
     config, dims = check_command(argv, world)
     if plan:
@@ -50,7 +56,8 @@ def _rank(rank: int, world: int, argv: list[str], plan: bool, out: str) -> None:
 def test_planning_first_leaves_each_ranks_initial_weights_as_they_were(tmp_path, layout):
     argv = [*ARGV, *layout]
     for plan in (False, True):
-        mp.spawn(_rank, args=(2, argv, plan, str(tmp_path)), nprocs=2)
+        mp.start_processes(_rank, args=(2, argv, plan, str(tmp_path), dict(os.environ)), nprocs=2,
+                           start_method=_context().get_start_method())
     for rank in range(2):
         alone = torch.load(tmp_path / f"plan0-rank{rank}.pt")
         planned = torch.load(tmp_path / f"plan1-rank{rank}.pt")
