@@ -372,6 +372,7 @@ def test_command_line_export_consolidates_without_a_process_group(tmp_path, monk
     # interpreter would only add its start-up.
     assert not dist.is_initialized()
     monkeypatch.setattr(sys, "argv", ["fsdp2.checkpoint", "export", str(tmp_path / "ckpt"), str(out)])
+    monkeypatch.delitem(sys.modules, "fsdp2.checkpoint.__main__", raising=False)  # as in a fresh process
     with pytest.raises(SystemExit) as exited:
         runpy.run_module("fsdp2.checkpoint", run_name="__main__", alter_sys=True)
     assert exited.value.code == 0
