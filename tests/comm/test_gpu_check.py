@@ -24,7 +24,10 @@ STEPS = ("environment", "pytest -m cuda", "step time against torch FSDP2, DDP, n
 
 
 def _run(*args: str, python: str = sys.executable, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": python}
+    # As on the lent GPU machine, where torch and pytest are all there is: no third-party pytest
+    # plugins (hypothesis, typeguard, ...) loaded by the script's two pytest steps; its test
+    # files use none, and loading them costs each step seconds of CPU here.
+    env = {**os.environ, "PYTHON": python, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     env.pop("PYTHONPATH", None)  # the script must find the checkout by itself
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd="/")

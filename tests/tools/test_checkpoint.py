@@ -9,8 +9,8 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import runpy
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2.checkpoint as fsdp2_ckpt
 from fsdp2 import fully_shard
-from tests._dist import REPO_ROOT, run_on_ranks
+from tests._dist import run_on_ranks
 from tests._models import Transformer, train_steps
 
 
@@ -362,13 +362,20 @@ def test_load_full_lists_missing_unexpected_and_mismatched_keys(tmp_path):
 
 
 @pytest.mark.slow
-def test_command_line_export_consolidates_without_a_process_group(tmp_path):
+def test_command_line_export_consolidates_without_a_process_group(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     saved = run_on_ranks(_helpers_resume, 2, str(tmp_path / "ckpt"))[0]
     out = tmp_path / "out.safetensors"
-    subprocess.run([sys.executable, "-m", "fsdp2.checkpoint", "export", str(tmp_path / "ckpt"), str(out)],
-                   check=True, cwd=REPO_ROOT, capture_output=True)
+    # `python -m fsdp2.checkpoint export ...`, run as python runs it (the package's __main__ as
+    # "__main__", sys.argv set) in this process, which has no process group: a fresh
+    # interpreter would only add its start-up.
+    assert not dist.is_initialized()
+    monkeypatch.setattr(sys, "argv", ["fsdp2.checkpoint", "export", str(tmp_path / "ckpt"), str(out)])
+    monkeypatch.delitem(sys.modules, "fsdp2.checkpoint.__main__", raising=False)  # as in a fresh process
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("fsdp2.checkpoint", run_name="__main__", alter_sys=True)
+    assert exited.value.code == 0
     _assert_same({f"model.{k}": v for k, v in load_file(out).items()},
                  {k: v for k, v in saved.items() if k.startswith("model.")})
 

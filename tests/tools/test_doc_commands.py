@@ -4,8 +4,8 @@ The commands are every line of the ```bash blocks in ``docs/*.md`` and ``README.
 lines of unlabelled blocks that start with a command, the ``$ ...`` lines of ```text blocks
 (a command and what it prints), continuation lines joined, ``&&`` chains split, comments and
 ``VAR=value`` prefixes dropped; and the complete ``python -m fsdp2.plan ...`` commands quoted
-inline. Each must be claimed by
-one rule of ``RULES``; a command no rule knows fails ``test_every_command_has_a_rule``, so a
+inline. A command shown in several places is checked once, named by all of them. Each must be
+claimed by one rule of ``RULES``; a command no rule knows fails ``test_every_command_has_a_rule``, so a
 new command in the docs needs a check here. What each rule does:
 
 - ``pip install``: every requirement is satisfiable by this checkout (torch versions inside
@@ -386,6 +386,15 @@ RULES: dict[str, tuple[Callable[[Command], bool], Callable[..., None]]] = {
 COMMANDS = doc_commands()
 
 
+def _distinct(commands: list[Command]) -> list[Command]:
+    """One command per distinct text, named by every place that shows it: a check depends on
+    the words alone, so the same command shown on three pages is checked once, for all three."""
+    places: dict[tuple[str, ...], list[str]] = {}
+    for cmd in commands:
+        places.setdefault(cmd.words, []).append(cmd.where)
+    return [Command(",".join(where), words) for words, where in places.items()]
+
+
 def _rule(cmd: Command) -> str | None:
     return next((name for name, (match, _check) in RULES.items() if match(cmd)), None)
 
@@ -409,7 +418,7 @@ def _environment_as_it_was():
 
 # The planner's runs take seconds each: slow (tests/tools/test_plan_cli.py covers the planner in the quick run).
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=pytest.mark.slow) if _rule(c) == "plan" else c
-                                 for c in COMMANDS if _rule(c) is not None], ids=lambda c: f"{c.where}")
+                                 for c in _distinct(COMMANDS) if _rule(c) is not None], ids=lambda c: f"{c.where}")
 def test_doc_command(cmd: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _match, check = RULES[_rule(cmd)]
     if check in (check_pip, check_pytest):
