@@ -2,14 +2,15 @@
 
 Two nodes simulated on one machine (docs/multi-node.md: two ``torchrun --nnodes 2`` launches at
 one c10d rendezvous, each with its own ``FSDP2_NODE`` and so its own snapshot area), one CPU
-rank each, snapshots after every step (each also copied to the other node), 26 steps:
-``faults.kill_after_step=23`` SIGKILLs rank 1 once step 23 is done, torchrun restarts both, and
-the run must resume from the snapshot of step 23 (22 at worst), say so in one line with the
-steps lost, and log the uninterrupted run's losses, gradient norms and learning rates bit for
-bit from there on (the uninterrupted run: ``train()`` on two ranks of the test world). A second
-launch (one node) snapshots every 5 steps and checkpoints every 4: killed after step 23, its
-newest snapshot (20) is no newer than its newest checkpoint (20), and it resumes from the
-checkpoint, saying so and that 3 steps were lost. Bad snapshot areas are refused before
+rank each, snapshots after every step (each also copied to the other node), 10 steps:
+``faults.kill_after_step=7`` SIGKILLs rank 1 once step 7 is done (each slot of the
+double-buffered area written three times or more by then), torchrun restarts both, and the
+run must resume from the snapshot of step 7 (6 at worst), say so in one line with the steps
+lost, and log the uninterrupted run's losses, gradient norms and learning rates bit for bit
+from there on (the uninterrupted run: ``train()`` on two ranks of the test world). A second
+launch (one node) snapshots every 3 steps and checkpoints every 6: killed after step 8, its
+newest snapshot (6) is no newer than its newest checkpoint (6), and it resumes from the
+checkpoint, saying so and that 2 steps were lost. Bad snapshot areas are refused before
 anything starts, in one line.
 """
 
@@ -34,7 +35,8 @@ from tests.tools.test_recipe import _train_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
-ARGS = [*BASE, "--training.steps=26"]
+STEPS = 10  # a kill after step 7 or 8: steps to resume from, and steps after
+ARGS = [*BASE, f"--training.steps={STEPS}"]
 KEYS = ("loss", "grad_norm", "lr")
 
 
@@ -81,23 +83,23 @@ def _launch(args: list[str], *, nodes: int, timeout: float = 400.0) -> str:
 
 def _assert_same_from(root: Path, uninterrupted: list[dict], step: int) -> None:
     got = _records(root / "metrics.jsonl")
-    assert [r["step"] for r in got] == list(range(1, 27))
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for mine, want in zip(got[step:], uninterrupted[step:]):
         assert {k: mine[k] for k in KEYS} == {k: want[k] for k in KEYS}, mine["step"]
 
 
 @pytest.mark.slow  # two torchrun launches, a kill and a restart
-def test_a_rank_killed_after_step_23_resumes_from_its_snapshot_on_two_nodes(tmp_path, uninterrupted):
+def test_a_rank_killed_after_step_7_resumes_from_its_snapshot_on_two_nodes(tmp_path, uninterrupted):
     area = tmp_path / "snapshots"
     output = _launch([*ARGS, "--checkpoint.snapshot_every=1", f"--checkpoint.snapshot_dir={area}",
-                      "--faults.kill_after_step=23", "--faults.kill_rank=1", "--metrics-file",
+                      "--faults.kill_after_step=7", "--faults.kill_rank=1", "--metrics-file",
                       str(tmp_path / "metrics.jsonl")], nodes=2)
     assert "a copy to rank r + 1 on the next node (2 nodes)" in output, output
     resumed = re.findall(rf"resumed from snapshot {re.escape(str(area))}/node-[01] step (\d+) \(lost (\d+) steps\)",
                          output)
     assert len(resumed) == 1, output
     step, lost = map(int, resumed[0])
-    assert step in (22, 23) and step + lost == 23, output
+    assert step in (6, 7) and step + lost == 7, output
     _assert_same_from(tmp_path, uninterrupted, step)
     assert not any(area.rglob("*.snap")), "a finished run removes its snapshots"
 
@@ -105,13 +107,13 @@ def test_a_rank_killed_after_step_23_resumes_from_its_snapshot_on_two_nodes(tmp_
 @pytest.mark.slow  # a torchrun launch, a kill and a restart
 def test_a_checkpoint_as_new_as_the_newest_snapshot_is_resumed_from(tmp_path, uninterrupted):
     ckpt = tmp_path / "ckpt"
-    output = _launch([*ARGS, "--checkpoint.snapshot_every=5", f"--checkpoint.snapshot_dir={tmp_path / 'snap'}",
-                      "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4", "--faults.kill_after_step=23",
+    output = _launch([*ARGS, "--checkpoint.snapshot_every=3", f"--checkpoint.snapshot_dir={tmp_path / 'snap'}",
+                      "--checkpoint-dir", str(ckpt), "--checkpoint-every", "6", "--faults.kill_after_step=8",
                       "--metrics-file", str(tmp_path / "metrics.jsonl")], nodes=1)
     assert "one node: no peer copy" in output, output
     assert re.findall(r"resumed from \w+ .* step \d+ \(.*\)", output) == [
-        f"resumed from checkpoint {ckpt} step 20 (lost 3 steps)"], output
-    _assert_same_from(tmp_path, uninterrupted, 20)
+        f"resumed from checkpoint {ckpt} step 6 (lost 2 steps)"], output
+    _assert_same_from(tmp_path, uninterrupted, 6)
 
 
 def test_an_area_under_a_file_is_refused_before_anything_starts(tmp_path):
