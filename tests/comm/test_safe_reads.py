@@ -21,6 +21,7 @@ import sys
 import textwrap
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -260,19 +261,36 @@ def _results(tmp: Path) -> list[dict]:
     return [json.loads((tmp / f"result.rank{r}.json").read_text()) for r in range(2)]
 
 
+EARLY_EXITS = [("exit", "subprocess"), ("exit", "multiprocessing"), ("peer_dies", "subprocess")]
+
+
+@pytest.fixture(scope="module")
+def early_exits(tmp_path_factory) -> Iterator[dict[tuple[str, str], Future]]:
+    """``_launch`` of every (scenario, launcher) of ``EARLY_EXITS``, started together, each in a
+    thread and a directory of its own: an ``exit`` run spends most of its time with rank 1
+    waiting up to 5 s for rank 0 to be gone, which is idle time the others can use. The
+    future of each gives its ``_launch`` result and its directory (or raises its error)."""
+    with ThreadPoolExecutor(len(EARLY_EXITS)) as pool:
+        def launch(scenario: str, launcher: str) -> tuple[list[int | None], list[str], float, Path]:
+            tmp = tmp_path_factory.mktemp(f"{scenario}-{launcher}")
+            return (*_launch(scenario, launcher, tmp), tmp)
+
+        yield {key: pool.submit(launch, *key) for key in EARLY_EXITS}
+
+
 @pytest.mark.parametrize("launcher", ["subprocess", "multiprocessing"])
 @pytest.mark.slow
-def test_a_rank_that_exits_early_stays_readable_until_its_peer_has_read(launcher, tmp_path):
-    codes, errs, _ = _launch("exit", launcher, tmp_path)
+def test_a_rank_that_exits_early_stays_readable_until_its_peer_has_read(launcher, early_exits):
+    codes, errs, _, tmp = early_exits["exit", launcher].result()
     assert codes == [0, 0], errs
-    rank0, rank1 = _results(tmp_path)
+    rank0, rank1 = _results(tmp)
     assert rank0["right"] is True
     assert rank1 == {"pid": rank1["pid"], "right": True}, rank1  # no error: rank 0 was still there
 
 
 @pytest.mark.slow
-def test_a_rank_whose_peer_died_unread_exits_at_once_and_says_so(tmp_path):
-    codes, errs, took = _launch("peer_dies", "subprocess", tmp_path)
+def test_a_rank_whose_peer_died_unread_exits_at_once_and_says_so(early_exits):
+    codes, errs, took, _ = early_exits["peer_dies", "subprocess"].result()
     assert codes[0] == 0 and codes[1] == -9, errs
     assert took < _lease.EXIT_WAIT_S / 2, took  # did not wait for a peer that is gone
     assert ("exited without saying they had finished reading this process's memory" in errs[0]), errs[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import faulthandler
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -275,10 +276,19 @@ def _check_same_run(runs: dict[str, dict], *, committed: dict[int, range]) -> No
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def _runs(tmp_path: Path, *, transport: str, fault: bool) -> dict[str, dict]:
+    """The run under torch's FSDP2 and under fsdp2's, side by side: each has its own lighthouse,
+    stores, processes and folder, and spends part of its time waiting (for a quorum, for the
+    killed group's restart), which the other's processes use."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = {impl: pool.submit(_run, impl=impl, transport=transport, fault=fault, out=tmp_path / impl)
+                for impl in ("torch", "fsdp2")}
+        return {impl: run.result() for impl, run in runs.items()}
+
+
 @pytest.mark.slow
 def test_healthy_hsdp_under_torchft_matches_torch(tmp_path: Path) -> None:
-    runs = {impl: _run(impl=impl, transport="http", fault=False, out=tmp_path / impl)
-            for impl in ("torch", "fsdp2")}
+    runs = _runs(tmp_path, transport="http", fault=False)
     _check_same_run(runs, committed={0: range(STEPS), 1: range(STEPS)})
     assert all(run[r]["attempts"] == STEPS for run in runs.values() for r in range(2))
 
@@ -286,8 +296,7 @@ def test_healthy_hsdp_under_torchft_matches_torch(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["http", "pg", "pg_inplace"])
 def test_killed_replica_group_heals_like_torch(tmp_path: Path, transport: str) -> None:
-    runs = {impl: _run(impl=impl, transport=transport, fault=True, out=tmp_path / impl)
-            for impl in ("torch", "fsdp2")}
+    runs = _runs(tmp_path, transport=transport, fault=True)
     # Group 0 commits every step once, and ran one more: the one its dead peer broke. With an
     # asynchronous quorum also the one the restarted group healed in (one participant then:
     # min_replica_size=2 refuses it); a synchronous one heals before forward. The restarted

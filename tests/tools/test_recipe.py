@@ -559,12 +559,35 @@ def _without_numpy(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
 
 
-@pytest.mark.parametrize("command", [[str(TRAIN), "--help"], ["-m", "fsdp2.plan", "--help"],
-                                     ["-m", "fsdp2.checkpoint", "--help"]])
+NUMPY_FREE_COMMANDS = {"train": [str(TRAIN), "--help"], "plan": ["-m", "fsdp2.plan", "--help"],
+                       "checkpoint": ["-m", "fsdp2.checkpoint", "--help"]}
+
+
+@pytest.fixture(scope="module")
+def without_numpy_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every command of ``NUMPY_FREE_COMMANDS`` run once without numpy, all started together:
+    each is one Python process importing torch on one core, so two run in the time of one."""
+    env = _without_numpy(tmp_path_factory.mktemp("no_numpy"))
+    procs = {name: subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, cwd=REPO, env=env)
+             for name, command in NUMPY_FREE_COMMANDS.items()}
+    done = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=120)
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
+
+
+@pytest.mark.parametrize("command", NUMPY_FREE_COMMANDS)
 @pytest.mark.slow
-def test_no_numpy_warning_without_numpy(tmp_path, command):
+def test_no_numpy_warning_without_numpy(without_numpy_runs, command):
     # torch warns "Failed to initialize NumPy" at import without numpy; neither needs numpy.
-    proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=REPO,
-                          env=_without_numpy(tmp_path), timeout=120)
+    proc = without_numpy_runs[command]
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""

@@ -125,12 +125,19 @@ def _run(tmp: Path, name: str, world: int, flags: list[str]) -> dict[int, dict]:
     return _records(path)
 
 
+@pytest.fixture(scope="module")
+def pipelined_fsdp(tmp_path_factory) -> dict[int, dict]:
+    """The records of the pp 2 x dp_shard 2 (1F1B) run: compared with the recipe without pipelining
+    and with torch's fully_shard on the stages, one run for both."""
+    return _run(tmp_path_factory.mktemp("fsdp-1F1B"), "pp", 4, LAYOUTS["fsdp-1F1B"][0])
+
+
 @needs_pipelining
 @pytest.mark.slow  # ~25 s each on 2 shared cores: the recipe on 4 ranks, and again on 2
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_pipeline_matches_the_recipe_without_it(tmp_path, layout):
+def test_pipeline_matches_the_recipe_without_it(tmp_path, layout, request):
     pp_flags, flat_flags = LAYOUTS[layout]
-    piped = _run(tmp_path, "pp", 4, pp_flags)
+    piped = request.getfixturevalue("pipelined_fsdp") if layout == "fsdp-1F1B" else _run(tmp_path, "pp", 4, pp_flags)
     flat = _run(tmp_path, "flat", 2, flat_flags)
     assert sorted(piped) == sorted(flat) == [1, 2, 3]
     for step in flat:
@@ -239,12 +246,11 @@ def _train_with_torch_fsdp(argv: list[str]) -> int:
 
 
 @needs_pipelining
-@pytest.mark.slow  # the recipe on 4 ranks, twice
-def test_pipeline_is_torch_fsdp2_bit_for_bit(tmp_path):
+@pytest.mark.slow  # the recipe on 4 ranks, twice (fsdp2's run shared with the comparison without pipelining)
+def test_pipeline_is_torch_fsdp2_bit_for_bit(tmp_path, pipelined_fsdp):
     flags = [*SMALL, *LAYOUTS["fsdp-1F1B"][0]]
-    run_on_ranks(_train_on_ranks, 4, [*flags, "--metrics-file", str(tmp_path / "ours.jsonl")], timeout=240.0)
     run_on_ranks(_train_with_torch_fsdp, 4, [*flags, "--metrics-file", str(tmp_path / "torch.jsonl")], timeout=240.0)
-    ours, theirs = _records(tmp_path / "ours.jsonl"), _records(tmp_path / "torch.jsonl")
+    ours, theirs = pipelined_fsdp, _records(tmp_path / "torch.jsonl")
     assert sorted(ours) == sorted(theirs) == [1, 2, 3]
     for step in ours:
         assert (ours[step]["loss"], ours[step]["grad_norm"]) == (theirs[step]["loss"], theirs[step]["grad_norm"]), step

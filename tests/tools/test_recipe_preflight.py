@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -235,14 +236,22 @@ def test_8b_config_is_refused_before_allocating_and_dry_run_prints_the_plan():
     if _free_gib() > 2 * 60:
         pytest.skip("this machine has the memory to start the 8B config on 2 ranks")
     started = time.perf_counter()
-    refused = _torchrun("--config", str(CONFIG_8B))
+
+    def refuse() -> tuple[subprocess.CompletedProcess, float]:
+        return _torchrun("--config", str(CONFIG_8B)), time.perf_counter() - started
+
+    # The two launches are independent: side by side, one's torchrun agent starts while the
+    # other's ranks plan (an agent's start keeps one core of two busy).
+    with ThreadPoolExecutor(2) as pool:
+        refusal = pool.submit(refuse)
+        dry_run = pool.submit(_torchrun, "--config", str(CONFIG_8B), "--dry-run")
+        (refused, took), dry = refusal.result(), dry_run.result()
     assert refused.returncode != 0 and refused.stdout == ""
     errors = [line for line in _ours(refused.stderr) if line.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith("error: needs ") and " GiB per rank by the memory planner" \
         in errors[0] and "the device has" in errors[0], refused.stderr
     assert "DefaultCPUAllocator" not in refused.stderr and f'File "{REPO / "recipes"}' not in refused.stderr
-    assert time.perf_counter() - started < 240
-    dry = _torchrun("--config", str(CONFIG_8B), "--dry-run")
+    assert took < 240
     assert dry.returncode != 0  # the run would be refused: a script can tell
     assert f"chance loss ln(128256) = {math.log(128256):.3f}" in dry.stdout
     assert "M parameters, 32 layers, dim 4096" in dry.stdout
