@@ -44,8 +44,12 @@ HAS_SHARD_PLACEMENT_RESULT = hasattr(importlib.import_module("torch.distributed.
                                      "ShardPlacementResult")
 
 
+@functools.cache
 def _meshes(kind: str, ep: int) -> tuple[DeviceMesh, DeviceMesh | None, DeviceMesh | None]:
-    """(dense data-parallel mesh, experts' efsdp mesh, ep mesh); the last two None without EP."""
+    """(dense data-parallel mesh, experts' efsdp mesh, ep mesh); the last two None without EP.
+
+    Made once per rank process (every rank asks for the same meshes in the same order): the tests
+    reuse the process groups instead of adding gloo threads to the pool's workers with each run."""
     world = dist.get_world_size()
     if kind.startswith("torchtitan"):
         # ParallelDims gives its size-1 axes torch's "fake" backend (registered by this import).
@@ -165,7 +169,7 @@ def _train_pair(models: list[nn.Module], reference: nn.Module, steps: int) -> _R
     return run
 
 
-def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 3, shard=_shard) -> dict:
+def _train_vs_torch(kind: str, num_experts: int, ep: int, steps: int = 2, shard=_shard) -> dict:
     torch.manual_seed(0)
     base = MoEModel(num_experts)
     dense, efsdp, ep_mesh = _meshes(kind, ep)

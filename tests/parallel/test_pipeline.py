@@ -37,7 +37,8 @@ import torch.nn.functional as F
 import fsdp2
 from tests._dist import run_on_ranks
 
-DIM, LAYERS_PER_STAGE, STEPS, BATCH = 8, 2, 3, 8
+DIM, LAYERS_PER_STAGE, BATCH = 8, 2, 8
+STEPS = 2  # the first step also infers the stages' shapes; the second is the steady state
 REF_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -163,13 +164,21 @@ def _count_comms(mode) -> dict[str, int]:
     return {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items() if n}
 
 
+@functools.cache
+def _mesh(pp: int, world: int):
+    """The (pp, dp) mesh, made once per rank process: every route and test reuses its process groups
+    (a mesh per run added 6 gloo threads to each worker, and the pool was restarted every ten tests)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "dp"))
+
+
 def _train(route: str, schedule: str, n_microbatches: int, per_rank: int, steps: int = STEPS, pp: int = 2,
            titan: bool = False, param_dtype: torch.dtype = torch.float32) -> dict:
     """Train the pipeline ``steps`` AdamW steps on this rank; what it ends with."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
 
-    mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
+    mesh = _mesh(pp, dist.get_world_size())
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     num_stages = pp * per_rank
     every = _build_stages(num_stages)

@@ -211,7 +211,9 @@ def _compiled_autograd_refused() -> None:
 
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = Transformer(n_layers=2, dim=16, n_heads=2)
+    # One block: compiled autograd makes a fake tensor of each tensor the backward saved, before the
+    # first hook refuses it (two blocks took twice the seconds).
+    model = Transformer(n_layers=1, dim=16, n_heads=2)
     for block in model.layers:
         fsdp2.fully_shard(block, mesh=mesh)
     fsdp2.fully_shard(model, mesh=mesh)
@@ -223,7 +225,7 @@ def _compiled_autograd_refused() -> None:
     # The interrupted iteration is reset by the next forward: training goes on eagerly.
     with fsdp2.record_schedule() as events:
         lm_loss(model(tokens), targets).backward()
-    assert sum(e.startswith("reduce_scatter") for e in events) == 3, events
+    assert sum(e.startswith("reduce_scatter") for e in events) == 2, events  # the block's and the root's
 
 
 @pytest.mark.slow
