@@ -110,7 +110,9 @@ def _context() -> mp.context.BaseContext:
     if torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    # DTensor and dynamo (which ``distribute_tensor`` imports on first use) too: 1.2 s of CPU per
+    # worker otherwise, paid again at every pool start (10 s for the 8-rank pool).
+    ctx.set_forkserver_preload([__name__, "torch.distributed.tensor", "torch._dynamo"])
     return ctx
 
 
