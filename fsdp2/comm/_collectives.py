@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import _compat
 from .._format import REDUCE_MAGIC, packed_offsets
 from ..diagnostics import _bytes, _debug, _trace
-from ._quantize import GradChunks, block_slices
+from ._quantize import GradChunks, block_slices, simulated_ranges
 from ._streams import Completion
 
 if TYPE_CHECKING:
@@ -280,8 +280,10 @@ class QuantizedReduction(NamedTuple):
         residual, added to its columns first, then overwritten with what the quantization lost there."""
         chunks = self.chunks
         values, scales = chunks.views(send)
+        ranges = block_slices(chunks.world, chunks.numel, chunks.block, chunks.bits)
+        first_columns = [off for res, off in zip(residuals or (), self.offsets) if res.shape[1]]
         with torch.no_grad():
-            for c0, c1 in block_slices(chunks.world, chunks.numel, chunks.block, chunks.bits):
+            for c0, c1 in simulated_ranges(ranges, send.device, first_columns):
                 rows = staged[:, c0:c1].to(self.acc, copy=residuals is not None)
                 spans = self._residual_spans(residuals, c0, c1)
                 for res, mine, theirs in spans:
@@ -507,7 +509,7 @@ def quantized_all_reduce(out: torch.Tensor, replicas: int, block: int, bits: int
     gather = GradChunks(1, chunk, block, bits)
     in_place = out.is_contiguous()
     flat = out.view(-1) if in_place else out.reshape(-1).clone()
-    ranges = block_slices(replicas, chunk, block, bits)
+    ranges = simulated_ranges(block_slices(replicas, chunk, block, bits), out.device)
     with torch.no_grad():
         send = torch.empty(replicas * scatter.chunk_bytes, dtype=torch.uint8, device=out.device)
         values, scales = scatter.views(send)

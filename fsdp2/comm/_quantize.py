@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .._format import GatherFormat, aligned, blocks, value_bytes
 
 __all__ = ["quantize_entries", "dequantize_entries", "GradChunks", "pack_values", "unpack_values", "value_bytes",
-           "block_slices", "SLICE_ELEMENTS"]
+           "block_slices", "simulated_ranges", "SLICE_ELEMENTS"]
 
 QMAX = 127
 SLICE_ELEMENTS = 1 << 24
@@ -69,7 +69,7 @@ def quantize_entries(fmt: GatherFormat, entries: Sequence[torch.Tensor], send: t
             values[0].copy_(entry, non_blocking=True)
             continue
         flat = entry.reshape(-1)
-        for c0, c1 in block_slices(1, flat.numel(), fmt.block, fmt.bits):
+        for c0, c1 in simulated_ranges(block_slices(1, flat.numel(), fmt.block, fmt.bits), send.device):
             x = _blocked(flat[c0:c1].to(device=send.device, dtype=torch.float32), fmt.block)
             scale = x.abs().amax(dim=1) / qmax  # (blocks,)
             q = torch.round(x / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-qmax, qmax)
@@ -94,7 +94,7 @@ def dequantize_entries(fmt: GatherFormat, output: torch.Tensor, chunks: Sequence
             chunk.copy_(_dequantized(values, scales, 0, n, fmt.block, fmt.bits, torch.float32)[:, :n].view(chunk.shape))
             continue
         rows = chunk.view(world, n)  # a range of whole blocks at a time
-        for c0, c1 in block_slices(world, n, fmt.block, fmt.bits):
+        for c0, c1 in simulated_ranges(block_slices(world, n, fmt.block, fmt.bits), output.device):
             rows[:, c0:c1].copy_(_dequantized(values, scales, c0, c1, fmt.block, fmt.bits, torch.float32)[:, :c1 - c0])
 
 
@@ -123,6 +123,23 @@ def block_slices(rows: int, numel: int, block: int, bits: int) -> list[tuple[int
     unit = math.lcm(block, _COLUMNS)
     per = max(1, SLICE_ELEMENTS // max(1, rows * unit)) * unit
     return [(c0, min(numel, c0 + per)) for c0 in range(0, numel, per)] or [(0, 0)]
+
+
+def simulated_ranges(ranges: list[tuple[int, int]], device: torch.device,
+                     first_reads: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """The ranges of ``block_slices`` a loop over them runs on ``device``: all of them, except on
+    the meta device (the memory planner's simulation, ``fsdp2/plan``), where ops move no data and
+    a range as wide as the one before it allocates and frees exactly what that one did (the
+    loops keep at most the previous range's temporaries into the next): there the first two
+    ranges, the last one, and any starting a column range in which a tensor the loop reads is
+    first touched (``first_reads``: its first column; a memory tracker counts a storage from the
+    first op that reads it) are run, the same live bytes op by op as all of them. Large groups
+    have hundreds of ranges; the planner simulates each a few times."""
+    if device.type != "meta" or len(ranges) <= 3:
+        return ranges
+    starts = set(first_reads)
+    kept = [r for i, r in enumerate(ranges[:-1]) if i < 2 or any(r[0] <= s < r[1] for s in starts)]
+    return kept + [ranges[-1]]
 
 
 def _blocked(flat: torch.Tensor, block: int) -> torch.Tensor:
@@ -159,7 +176,7 @@ class GradChunks:
         (same shape, fp32), write there what the rounding lost (``rows`` minus what arrives).
         A range of whole blocks at a time (``block_slices``)."""
         values, scales = self.views(packed)
-        for c0, c1 in block_slices(self.world, self.numel, self.block, self.bits):
+        for c0, c1 in simulated_ranges(block_slices(self.world, self.numel, self.block, self.bits), packed.device):
             self.quantize_range(rows[:, c0:c1], values, scales, c0, None if error is None else error[:, c0:c1])
 
     def quantize_range(self, part: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, c0: int,
@@ -200,7 +217,7 @@ class GradChunks:
         at a time (``block_slices``)."""
         values, scales = self.views(packed)
         out = torch.empty(self.numel, dtype=dtype, device=packed.device)
-        for c0, c1 in block_slices(self.world, self.numel, self.block, self.bits):
+        for c0, c1 in simulated_ranges(block_slices(self.world, self.numel, self.block, self.bits), packed.device):
             # Summed over whole blocks (contiguous): the order of the sum is the one-pass one.
             out[c0:c1].copy_(_dequantized(values, scales, c0, c1, self.block, self.bits, dtype).sum(dim=0)[:c1 - c0])
         return out
