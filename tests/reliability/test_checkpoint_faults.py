@@ -49,7 +49,7 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Iterator
 
@@ -62,6 +62,7 @@ from fsdp2.checkpoint._checksum import crc32_of_file
 from recipes.checkpoint import Checkpointer, UnusableCheckpointError
 from recipes.launch import Interrupted, ctrl_c_after
 from tests._dist import run_on_ranks
+from tests._together import started_together
 from tests.reliability._faulty_train import overwrite_in_place
 from tests.reliability.test_fault import BASE, _plain_setup
 from tests.tools.test_recipe import _train_on_ranks, _without_numpy
@@ -288,19 +289,12 @@ FAULTS = {
 
 
 @pytest.fixture(scope="module")
-def faulty_runs(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
-    """``_torchrun_with_fault`` for each test of ``FAULTS`` that this session runs, started
-    together, each in a thread and a directory of its own: a launch spends about a third of its
-    time on one core (torchrun starting, then waiting for its restarted ranks), which the others
-    use. The future of each test gives its directory and the launch's output (or raises its error)."""
-    selected = {item.originalname for item in request.session.items if item.path == request.path}
-    wanted = [name for name in FAULTS if name in selected]
-    with ThreadPoolExecutor(max(1, len(wanted))) as pool:
-        def launch(name: str) -> tuple[Path, str]:
-            root = tmp_path_factory.mktemp(FAULTS[name][0].replace(":", "-"))
-            return root, _torchrun_with_fault(root, *FAULTS[name])
-
-        yield {name: pool.submit(launch, name) for name in wanted}
+def faulty_runs(request, tmp_path_factory) -> Iterator[dict[str, Future[tuple[Path, str]]]]:
+    """``_torchrun_with_fault`` of each test of ``FAULTS`` this session runs, started together
+    (tests/_together.py): test -> the future of (its directory, the launch's output)."""
+    launches = {name: lambda root, fault=fault: _torchrun_with_fault(root, *fault) for name, fault in FAULTS.items()}
+    with started_together(request, tmp_path_factory, launches) as futures:
+        yield futures
 
 
 def _assert_uninterrupted(root: Path, sound: Path) -> None:
