@@ -23,6 +23,8 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -40,6 +42,7 @@ from fsdp2.runtime._state import get_state
 from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import MLP, Block, Transformer, lm_loss, make_batch
 from tests._parity import assert_params_match, average_grads
+from tests._together import started_together
 from tests.runtime.test_module_behaviour import InjectedFailure, _RaiseInBackward
 
 DIM, HEADS = 32, 4
@@ -356,7 +359,8 @@ def _peer_skips_quantized_backward(transport: str) -> str:
 
 
 @pytest.mark.parametrize("transport", ["flat", "exchange"])
-def test_timeout_of_a_quantized_reduction_names_it(transport):
+def test_timeout_of_a_quantized_reduction_names_it(transport, python_runs):
+    # (python_runs: its interpreter starts while rank 0 here waits out the exchange's timeout)
     message = run_on_ranks(_peer_skips_quantized_backward, 2, transport)[0]
     assert message.startswith("fsdp2: reduce_scatter of "), message
     assert re.search(r"\(2 x \d+ elements \(int8 all-to-all\)\) failed on rank 0 during backward", message), message
@@ -392,15 +396,29 @@ def test_debug_mode_logs_every_collective():
                                 r"during backward of step 1", m) for m in scatters), scatters
 
 
-@pytest.mark.slow
-def test_fsdp2_debug_environment_variable_turns_debug_on_at_import():
+def _import_with_debug_on(tmp: Path) -> subprocess.CompletedProcess:
     code = ("import logging, fsdp2, fsdp2.diagnostics._debug as d; "
             "assert d.enabled() and logging.getLogger('fsdp2').getEffectiveLevel() == logging.DEBUG; "
             "assert logging.getLogger('fsdp2').handlers; d.set_debug(False); "
             "assert not d.enabled() and not logging.getLogger('fsdp2').handlers")
     env = {**os.environ, "FSDP2_DEBUG": "1"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def python_runs(request, tmp_path_factory) -> Iterator[dict[str, Future[tuple[Path, subprocess.CompletedProcess]]]]:
+    """The fresh interpreter of the test named below, started (tests/_together.py) by the first
+    test that asks: test -> the future of (its directory, the finished process)."""
+    with started_together(request, tmp_path_factory, {
+        "test_fsdp2_debug_environment_variable_turns_debug_on_at_import": _import_with_debug_on,
+    }) as futures:
+        yield futures
+
+
+@pytest.mark.slow
+def test_fsdp2_debug_environment_variable_turns_debug_on_at_import(python_runs, request):
+    _, out = python_runs[request.node.originalname].result()
     assert out.returncode == 0, out.stderr
 
 
