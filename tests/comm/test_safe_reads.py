@@ -36,6 +36,7 @@ from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.comm.cpu._transport import probe_reads
 from fsdp2.comm.cpu import _cma, _exchange, _lease, _pipes, _yama
 from tests._dist import REPO_ROOT, environ, info_records, run_on_ranks
+from tests._together import started_together
 from tests._models import MLP
 
 
@@ -265,11 +266,12 @@ EARLY_EXITS = [("exit", "subprocess"), ("exit", "multiprocessing"), ("peer_dies"
 
 
 @pytest.fixture(scope="module")
-def early_exits(tmp_path_factory) -> Iterator[dict[tuple[str, str], Future]]:
+def early_exits(python_runs, tmp_path_factory) -> Iterator[dict[tuple[str, str], Future]]:
     """``_launch`` of every (scenario, launcher) of ``EARLY_EXITS``, started together, each in a
     thread and a directory of its own: an ``exit`` run spends most of its time with rank 1
-    waiting up to 5 s for rank 0 to be gone, which is idle time the others can use. The
-    future of each gives its ``_launch`` result and its directory (or raises its error)."""
+    waiting up to 5 s for rank 0 to be gone, which is idle time the others can use (so do the
+    interpreters of ``python_runs``, started first). The future of each gives its ``_launch``
+    result and its directory (or raises its error)."""
     with ThreadPoolExecutor(len(EARLY_EXITS)) as pool:
         def launch(scenario: str, launcher: str) -> tuple[list[int | None], list[str], float, Path]:
             tmp = tmp_path_factory.mktemp(f"{scenario}-{launcher}")
@@ -422,12 +424,16 @@ _DECLARE = textwrap.dedent("""
 """)
 
 
+def _declare_in_a_child(tmp: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _DECLARE], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+
+
 @pytest.mark.slow
-def test_the_declaration_reaches_the_kernel():
+def test_the_declaration_reaches_the_kernel(python_runs, request):
     # Where Yama runs, prctl(PR_SET_PTRACER) takes the pid and 0 withdraws it; elsewhere the
     # kernel refuses the option, and the refusal is reported, not hidden.
-    done = subprocess.run([sys.executable, "-c", _DECLARE], cwd=REPO_ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    _, done = python_runs[request.node.originalname].result()
     assert done.returncode == 0, done.stderr
     if _yama.scope() is None:
         assert re.fullmatch(r"'prctl\(PR_SET_PTRACER, \d+\) failed: Invalid argument' '' 0\n", done.stdout), done.stdout
@@ -508,10 +514,25 @@ _WITHOUT_FCNTL = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_fsdp2_imports_and_trains_without_fcntl(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _WITHOUT_FCNTL, str(tmp_path / "init")], cwd=REPO_ROOT,
+def _train_without_fcntl(tmp: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _WITHOUT_FCNTL, str(tmp / "init")], cwd=REPO_ROOT,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
                           timeout=300)
+
+
+@pytest.fixture(scope="module")
+def python_runs(request, tmp_path_factory) -> Iterator[dict[str, Future[tuple[Path, subprocess.CompletedProcess]]]]:
+    """The fresh interpreter of each test named below, started together (tests/_together.py), and
+    with ``early_exits`` where that runs: test -> the future of (its directory, the finished process)."""
+    with started_together(request, tmp_path_factory, {
+        "test_the_declaration_reaches_the_kernel": _declare_in_a_child,
+        "test_fsdp2_imports_and_trains_without_fcntl": _train_without_fcntl,
+    }) as futures:
+        yield futures
+
+
+@pytest.mark.slow
+def test_fsdp2_imports_and_trains_without_fcntl(python_runs, request):
+    _, done = python_runs[request.node.originalname].result()
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr

@@ -18,6 +18,7 @@ must find the damage and resume from the checkpoint before it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 import recipes.train as train
 from recipes.checkpoint import Checkpointer
+from recipes.exit import run_and_exit
 
 KIB_64 = 64 * 2**10
 
@@ -75,4 +77,7 @@ if __name__ == "__main__":
         kind, step = os.environ["FSDP2_TEST_FAULT"].split(":")
         _inject(kind, int(step))
     sys.argv[0] = train.__file__
-    train.main()
+    faulthandler.enable(all_threads=True)
+    # As recipes/train.py ends: without interpreter finalization, which a gloo thread can abort
+    # (SIGABRT, recipes/exit.py's Note), failing the restarted attempt of a run that finished.
+    run_and_exit(train.main)

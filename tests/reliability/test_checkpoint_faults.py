@@ -49,7 +49,9 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch.distributed.checkpoint as dcp
@@ -60,6 +62,7 @@ from fsdp2.checkpoint._checksum import crc32_of_file
 from recipes.checkpoint import Checkpointer, UnusableCheckpointError
 from recipes.launch import Interrupted, ctrl_c_after
 from tests._dist import run_on_ranks
+from tests._together import started_together
 from tests.reliability._faulty_train import overwrite_in_place
 from tests.reliability.test_fault import BASE, _plain_setup
 from tests.tools.test_recipe import _train_on_ranks, _without_numpy
@@ -262,7 +265,7 @@ def test_no_sound_checkpoint_left_stops_before_the_model_is_built(sound, tmp_pat
 FAULTY = REPO / "tests" / "reliability" / "_faulty_train.py"
 
 
-def _torchrun_with_fault(root: Path, fault: str, restarts: int, extra: tuple[str, ...] | list[str] = ()) -> str:
+def _torchrun_with_fault(root: Path, fault: str, restarts: int, extra: tuple[str, ...] = ()) -> str:
     """``_faulty_train.py`` (train.py, ``fault`` injected into the first attempt) under torchrun; its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
            str(restarts), "--monitor-interval", "0.1", str(FAULTY), *ARGS, *extra, "--checkpoint-dir",
@@ -276,6 +279,24 @@ def _torchrun_with_fault(root: Path, fault: str, restarts: int, extra: tuple[str
     return proc.stdout
 
 
+# test -> the fault injected into its launch, torchrun's --max-restarts, more arguments
+FAULTS = {
+    "test_a_save_torn_by_a_kill_resumes_from_the_checkpoint_before": ("torn:6", 1, ()),
+    "test_a_same_size_corrupted_checkpoint_under_max_restarts_resumes_from_the_one_before": ("corrupt:4", 3, ()),
+    "test_a_kill_during_an_async_write_resumes_from_the_checkpoint_before":
+        ("async-torn:4", 1, ("--checkpoint.async_mode=async",)),
+}
+
+
+@pytest.fixture(scope="module")
+def faulty_runs(request, tmp_path_factory) -> Iterator[dict[str, Future[tuple[Path, str]]]]:
+    """``_torchrun_with_fault`` of each test of ``FAULTS`` this session runs, started together
+    (tests/_together.py): test -> the future of (its directory, the launch's output)."""
+    launches = {name: lambda root, fault=fault: _torchrun_with_fault(root, *fault) for name, fault in FAULTS.items()}
+    with started_together(request, tmp_path_factory, launches) as futures:
+        yield futures
+
+
 def _assert_uninterrupted(root: Path, sound: Path) -> None:
     """Every step recorded once, with the uninterrupted run's loss, gradient norm and learning rate."""
     steps = [json.loads(line)["step"] for line in (root / "metrics.jsonl").read_text().splitlines()]
@@ -286,43 +307,45 @@ def _assert_uninterrupted(root: Path, sound: Path) -> None:
             assert got[step][key] == want[step][key], (step, key)
 
 
-@pytest.mark.slow  # torchrun, a kill and a restart
-def test_a_save_torn_by_a_kill_resumes_from_the_checkpoint_before(sound, tmp_path):
-    output = _torchrun_with_fault(tmp_path, "torn:6", restarts=1)
-    ckpt = tmp_path / "ckpt"
-    assert re.search(rf"checkpoint: removed {re.escape(str(ckpt / 'step-00000006'))}\.tmp-\w+, left by an "
+def _assert_resumed_over_a_torn_save(root: Path, sound: Path, output: str, *, torn: int, resumed: int) -> None:
+    """The restart removed the torn save of step ``torn``, resumed from step ``resumed`` and ran
+    as the uninterrupted run; the newest 2 checkpoints are left."""
+    ckpt = root / "ckpt"
+    assert re.search(rf"checkpoint: removed {re.escape(str(ckpt / f'step-{torn:08d}'))}\.tmp-\w+, left by an "
                      "interrupted save or prune", output), output
-    assert f"checkpoint: resumed from {ckpt / 'step-00000004'} at step 4" in output, output
-    _assert_uninterrupted(tmp_path, sound)
+    assert f"checkpoint: resumed from {ckpt / f'step-{resumed:08d}'} at step {resumed}" in output, output
+    _assert_uninterrupted(root, sound)
     assert _listing(ckpt) == ["step-00000004", "step-00000006"]
 
 
 @pytest.mark.slow  # torchrun, a kill and a restart
-def test_a_same_size_corrupted_checkpoint_under_max_restarts_resumes_from_the_one_before(sound, tmp_path):
+def test_a_save_torn_by_a_kill_resumes_from_the_checkpoint_before(sound, faulty_runs, request):
+    root, output = faulty_runs[request.node.originalname].result()
+    _assert_resumed_over_a_torn_save(root, sound, output, torn=6, resumed=4)
+
+
+@pytest.mark.slow  # torchrun, a kill and a restart
+def test_a_same_size_corrupted_checkpoint_under_max_restarts_resumes_from_the_one_before(sound, faulty_runs,
+                                                                                          request):
     # The first attempt saves step 4, a bad sector overwrites 64 KiB of it, the rank dies; the
     # restart must not load it (before: ~90 lines of traceback on every restart, for good).
-    output = _torchrun_with_fault(tmp_path, "corrupt:4", restarts=3)
-    ckpt = tmp_path / "ckpt"
+    root, output = faulty_runs[request.node.originalname].result()
+    ckpt = root / "ckpt"
     moved = [line for line in output.splitlines() if "is unusable" in line]
     assert len(moved) == 1 and f"checkpoint: {ckpt / 'step-00000004'} is unusable (__0_0.distcp does not match " \
         "its checksum (CRC-32 " in moved[0], output
     assert f"checkpoint: resumed from {ckpt / 'step-00000002'} at step 2" in output, output
     assert "; moved it to step-00000004.unusable-" in moved[0]
-    _assert_uninterrupted(tmp_path, sound)
+    _assert_uninterrupted(root, sound)
     assert _listing(ckpt) == ["step-00000004", "step-00000004.unusable", "step-00000006"]
 
 
 @pytest.mark.slow  # torchrun, a kill and a restart
-def test_a_kill_during_an_async_write_resumes_from_the_checkpoint_before(sound, tmp_path):
+def test_a_kill_during_an_async_write_resumes_from_the_checkpoint_before(sound, faulty_runs, request):
     # Rank 1 dies in the background write of step 4 while its training goes on: no marker is
     # written, step 2 stays the newest sound checkpoint and the restart resumes from it exactly.
-    output = _torchrun_with_fault(tmp_path, "async-torn:4", restarts=1, extra=["--checkpoint.async_mode=async"])
-    ckpt = tmp_path / "ckpt"
-    assert re.search(rf"checkpoint: removed {re.escape(str(ckpt / 'step-00000004'))}\.tmp-\w+, left by an "
-                     "interrupted save or prune", output), output
-    assert f"checkpoint: resumed from {ckpt / 'step-00000002'} at step 2" in output, output
-    _assert_uninterrupted(tmp_path, sound)
-    assert _listing(ckpt) == ["step-00000004", "step-00000006"]
+    root, output = faulty_runs[request.node.originalname].result()
+    _assert_resumed_over_a_torn_save(root, sound, output, torn=4, resumed=2)
 
 
 def test_async_checkpoints_equal_the_synchronous_ones_and_say_how_long_training_was_blocked(sound, tmp_path):
@@ -483,9 +506,10 @@ def test_checkpointing_without_numpy_stops_before_the_first_step(tmp_path):
 
 
 # ---- the offline export takes the run's directory -----------------------------------------------
-def _export(source: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp2.checkpoint", "export", str(source), str(out)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+def _export(source: Path, out: Path) -> subprocess.Popen:
+    """``python -m fsdp2.checkpoint export source out``, started; ``communicate()`` gives its stdout, stderr."""
+    return subprocess.Popen([sys.executable, "-m", "fsdp2.checkpoint", "export", str(source), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
 @pytest.mark.slow
@@ -497,22 +521,29 @@ def test_export_of_a_run_directory_takes_the_newest_sound_checkpoint(sound, tmp_
     _truncate(_copy(sound, 6, tmp_path) / "__0_0.distcp")
     shutil.copytree(sound / "ckpt" / "step-00000006", tmp_path / "ckpt" / "step-00000008.tmp-0123456789")
     ckpt = tmp_path / "ckpt"
-    proc = _export(ckpt, tmp_path / "run.safetensors")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.startswith("skipped step-00000006: __0_0.distcp is ")
-    assert proc.stdout.startswith(f"wrote 21 tensors from {ckpt / 'step-00000004'} to {tmp_path / 'run.safetensors'}")
-    # The reference: step 4 exported by name, in this process (the command's main(), a start saved).
-    assert checkpoint_command(["export", str(ckpt / "step-00000004"), str(tmp_path / "step.safetensors")]) == 0
+    unsound = shutil.copytree(ckpt, tmp_path / "unsound")  # the same, with no sound checkpoint left
+    (unsound / "step-00000002" / ".metadata").unlink()
+    (unsound / "step-00000004" / "fsdp2_complete.json").write_text("{")
+    # Two commands, each a process of its own, started together (each start is seconds of one core).
+    run_proc, none_proc = _export(ckpt, tmp_path / "run.safetensors"), _export(unsound, tmp_path / "none.safetensors")
+    try:
+        # The reference: step 4 exported by name, in this process (the command's main(), a start saved).
+        assert checkpoint_command(["export", str(ckpt / "step-00000004"), str(tmp_path / "step.safetensors")]) == 0
+        (stdout, stderr), (_, none_stderr) = run_proc.communicate(timeout=120), none_proc.communicate(timeout=120)
+    finally:
+        for proc in (run_proc, none_proc):
+            proc.kill()
+            proc.wait()
+    assert run_proc.returncode == 0, stderr
+    assert stderr.startswith("skipped step-00000006: __0_0.distcp is ")
+    assert stdout.startswith(f"wrote 21 tensors from {ckpt / 'step-00000004'} to {tmp_path / 'run.safetensors'}")
     run, step = load_file(tmp_path / "run.safetensors"), load_file(tmp_path / "step.safetensors")
     assert run.keys() == step.keys() and all(run[k].equal(step[k]) for k in run)
 
-    (ckpt / "step-00000002" / ".metadata").unlink()
-    (ckpt / "step-00000004" / "fsdp2_complete.json").write_text("{")
-    proc = _export(ckpt, tmp_path / "none.safetensors")
-    assert proc.returncode == 2 and not (tmp_path / "none.safetensors").exists()
-    assert f"error: {ckpt} is not a DCP checkpoint and holds no sound one: skipped step-00000006: " in proc.stderr
-    assert "skipped step-00000004: fsdp2_complete.json is unreadable" in proc.stderr
-    assert "skipped step-00000002: .metadata is missing" in proc.stderr
+    assert none_proc.returncode == 2 and not (tmp_path / "none.safetensors").exists()
+    assert f"error: {unsound} is not a DCP checkpoint and holds no sound one: skipped step-00000006: " in none_stderr
+    assert "skipped step-00000004: fsdp2_complete.json is unreadable" in none_stderr
+    assert "skipped step-00000002: .metadata is missing" in none_stderr
 
 
 # ---- Ctrl-C: one line, with the step to resume from ----------------------------------------------

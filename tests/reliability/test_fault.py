@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,17 @@ def _worker_of_rank(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"torchrun (pid {torchrun_pid}) has no worker with RANK={rank}: children {children}")
 
 
+def _kill_once_recorded(proc: subprocess.Popen, metrics: Path, step: int, rank: int) -> None:
+    """SIGKILL the worker of ``rank`` (torchrun ``proc``'s) once ``metrics`` records ``step``."""
+    deadline = time.monotonic() + 180
+    while _last_step(metrics) < step:
+        assert proc.poll() is None, f"the run ended before step {step}"
+        assert time.monotonic() < deadline, "the run did not reach the step to kill"
+        time.sleep(0.005)
+    os.kill(_worker_of_rank(proc.pid, rank), signal.SIGKILL)
+    print(f"killed rank {rank} with step {_last_step(metrics)} recorded")
+
+
 @pytest.mark.slow  # torchrun, a kill and a restart: minutes on 2 cores
 def test_sigkilled_rank_restarts_and_resumes_exactly(tmp_path):
     rng = random.Random(SEED)
@@ -110,14 +122,14 @@ def test_sigkilled_rank_restarts_and_resumes_exactly(tmp_path):
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     log = (tmp_path / "torchrun.log").open("w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    reference = tmp_path / "reference"  # the same run, uninterrupted, in the test's 2-rank world
     try:
-        deadline = time.monotonic() + 180
-        while _last_step(crashed / "metrics.jsonl") < kill_step:
-            assert proc.poll() is None, f"the run ended before step {kill_step}"
-            assert time.monotonic() < deadline, "the run did not reach the step to kill"
-            time.sleep(0.005)
-        os.kill(_worker_of_rank(proc.pid, kill_rank), signal.SIGKILL)
-        print(f"killed rank {kill_rank} with step {_last_step(crashed / 'metrics.jsonl')} recorded")
+        with ThreadPoolExecutor(1) as pool:
+            killed = pool.submit(_kill_once_recorded, proc, crashed / "metrics.jsonl", kill_step, kill_rank)
+            # Meanwhile (the launch keeps one core busy at most while torchrun starts and restarts):
+            run_on_ranks(_train_on_ranks, 2, [*CRASH_ARGS, "--checkpoint-dir", str(reference / "ckpt"),
+                                              "--metrics-file", str(reference / "metrics.jsonl")], timeout=240.0)
+            killed.result()
         returncode = proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
@@ -130,9 +142,6 @@ def test_sigkilled_rank_restarts_and_resumes_exactly(tmp_path):
     resumed = re.search(r"resumed from \S+ at step (\d+)", output)
     assert resumed and EVERY <= int(resumed.group(1)) <= STEPS - EVERY, output
 
-    reference = tmp_path / "reference"  # the same run, uninterrupted, in the test's 2-rank world
-    run_on_ranks(_train_on_ranks, 2, [*CRASH_ARGS, "--checkpoint-dir", str(reference / "ckpt"),
-                                      "--metrics-file", str(reference / "metrics.jsonl")], timeout=240.0)
     got, want = _records(crashed / "metrics.jsonl"), _records(reference / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "each step recorded exactly once"
     for g, w in zip(got, want):

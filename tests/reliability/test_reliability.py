@@ -9,8 +9,8 @@
 * An exception in forward or backward is recovered from at the next forward, by itself.
 * ``set_check_finite_gradients`` raises ``FloatingPointError`` on every rank, naming the parameter.
 
-Tests that leave a collective unmatched on purpose run on a fresh process group with a short
-timeout, so the pool's world group stays usable.
+Tests that leave a collective unmatched on purpose run on a fresh process group, so the pool's
+world group stays usable, and wait only briefly for the peer that left it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -40,9 +42,11 @@ from fsdp2.runtime._state import get_state
 from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import MLP, Block, Transformer, lm_loss, make_batch
 from tests._parity import assert_params_match, average_grads
+from tests._together import started_together
 from tests.runtime.test_module_behaviour import InjectedFailure, _RaiseInBackward
 
 DIM, HEADS = 32, 4
+SOON_S = 0.5  # how long a rank waits for a peer that has left (_stop_waiting_soon)
 
 
 # ---- helpers (run inside ranks) ---------------------------------------------------------
@@ -59,6 +63,18 @@ def _fresh_mesh(timeout_s: float) -> Iterator[DeviceMesh]:
         yield DeviceMesh.from_group(group, "cpu", mesh_dim_names=(f"fresh_{group.group_name}",))
     finally:
         dist.destroy_process_group(group)
+
+
+def _stop_waiting_soon(mesh: DeviceMesh) -> None:
+    """This rank's next collectives on ``mesh`` time out after ``SOON_S``, not the group's timeout.
+
+    For a rank whose peer has left ``mesh`` for good: the collective it enters next cannot
+    complete, however long it waits, so the wait proves nothing. The collectives both ranks
+    ran before had the group's longer timeout, so a peer slow there (a loaded machine) is no
+    timeout. Collectives only: gloo's point-to-point receives keep the timeout the group was
+    made with.
+    """
+    mesh.get_group().set_timeout(datetime.timedelta(seconds=SOON_S))
 
 
 def _shard(model: nn.Module, **kwargs) -> nn.Module:
@@ -297,10 +313,11 @@ def test_ranks_disagreeing_on_which_parameters_get_gradients_fail_on_every_rank(
 # ---- 3. hang diagnostics and debug logging ----------------------------------------------
 def _peer_raises_before_forward() -> str:
     rank = dist.get_rank()
-    with _fresh_mesh(3) as mesh:
+    with _fresh_mesh(20) as mesh:
         model = _shard(Transformer(n_layers=2), mesh=mesh)
         x, y = make_batch(rank, 0)
         lm_loss(model(x), y).backward()  # step 1 runs on both ranks
+        _stop_waiting_soon(mesh)  # rank 1 runs no collective of this group again
         if rank == 1:
             with pytest.raises(InjectedFailure, match="bad batch"):
                 raise InjectedFailure("bad batch")  # the user's own error: fsdp2 is not involved
@@ -324,12 +341,14 @@ def test_timeout_names_group_collective_iteration_and_phase():
 
 def _peer_skips_quantized_backward(transport: str) -> str:
     rank = dist.get_rank()
-    with environ(CPU_COLLECTIVES_ENV, transport), _fresh_mesh(3) as mesh:
+    # The exchange reduces by point-to-point messages, which wait the group's whole timeout.
+    with environ(CPU_COLLECTIVES_ENV, transport), _fresh_mesh(3 if transport == "exchange" else 20) as mesh:
         # kept gathered: the first collective of the backward is the block's reduction
         model = _shard(Transformer(n_layers=1), mesh=mesh, reshard_after_forward=False,
                        comm_policy=QuantizedComm(gradients="int8"))
         x, y = make_batch(rank, 0)
         loss = lm_loss(model(x), y)
+        _stop_waiting_soon(mesh)  # rank 1 runs no collective of this group again
         if rank == 1:
             dist.barrier()  # (the default group's) no backward here: rank 0's reduction waits alone
             return ""
@@ -340,7 +359,8 @@ def _peer_skips_quantized_backward(transport: str) -> str:
 
 
 @pytest.mark.parametrize("transport", ["flat", "exchange"])
-def test_timeout_of_a_quantized_reduction_names_it(transport):
+def test_timeout_of_a_quantized_reduction_names_it(transport, python_runs):
+    # (python_runs: its interpreter starts while rank 0 here waits out the exchange's timeout)
     message = run_on_ranks(_peer_skips_quantized_backward, 2, transport)[0]
     assert message.startswith("fsdp2: reduce_scatter of "), message
     assert re.search(r"\(2 x \d+ elements \(int8 all-to-all\)\) failed on rank 0 during backward", message), message
@@ -376,15 +396,29 @@ def test_debug_mode_logs_every_collective():
                                 r"during backward of step 1", m) for m in scatters), scatters
 
 
-@pytest.mark.slow
-def test_fsdp2_debug_environment_variable_turns_debug_on_at_import():
+def _import_with_debug_on(tmp: Path) -> subprocess.CompletedProcess:
     code = ("import logging, fsdp2, fsdp2.diagnostics._debug as d; "
             "assert d.enabled() and logging.getLogger('fsdp2').getEffectiveLevel() == logging.DEBUG; "
             "assert logging.getLogger('fsdp2').handlers; d.set_debug(False); "
             "assert not d.enabled() and not logging.getLogger('fsdp2').handlers")
     env = {**os.environ, "FSDP2_DEBUG": "1"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def python_runs(request, tmp_path_factory) -> Iterator[dict[str, Future[tuple[Path, subprocess.CompletedProcess]]]]:
+    """The fresh interpreter of the test named below, started (tests/_together.py) by the first
+    test that asks: test -> the future of (its directory, the finished process)."""
+    with started_together(request, tmp_path_factory, {
+        "test_fsdp2_debug_environment_variable_turns_debug_on_at_import": _import_with_debug_on,
+    }) as futures:
+        yield futures
+
+
+@pytest.mark.slow
+def test_fsdp2_debug_environment_variable_turns_debug_on_at_import(python_runs, request):
+    _, out = python_runs[request.node.originalname].result()
     assert out.returncode == 0, out.stderr
 
 

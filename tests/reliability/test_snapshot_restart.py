@@ -22,13 +22,16 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from recipes.snapshot import snapshot_bytes
 from recipes.checks import check_command
 from tests._dist import _free_port, run_on_ranks
+from tests._together import started_together
 from tests.reliability.test_checkpoint_faults import _train_logged
 from tests.reliability.test_fault import BASE
 from tests.tools.test_recipe import _train_on_ranks
@@ -88,12 +91,33 @@ def _assert_same_from(root: Path, uninterrupted: list[dict], step: int) -> None:
         assert {k: mine[k] for k in KEYS} == {k: want[k] for k in KEYS}, mine["step"]
 
 
+def _killed_after_step_7_on_two_nodes(root: Path) -> str:
+    return _launch([*ARGS, "--checkpoint.snapshot_every=1", f"--checkpoint.snapshot_dir={root / 'snapshots'}",
+                    "--faults.kill_after_step=7", "--faults.kill_rank=1", "--metrics-file",
+                    str(root / "metrics.jsonl")], nodes=2)
+
+
+def _killed_after_step_8_with_a_checkpoint_at_6(root: Path) -> str:
+    return _launch([*ARGS, "--checkpoint.snapshot_every=3", f"--checkpoint.snapshot_dir={root / 'snap'}",
+                    "--checkpoint-dir", str(root / "ckpt"), "--checkpoint-every", "6", "--faults.kill_after_step=8",
+                    "--metrics-file", str(root / "metrics.jsonl")], nodes=1)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory) -> Iterator[dict[str, Future[tuple[Path, str]]]]:
+    """The launch of each test below that this session runs, started together
+    (tests/_together.py): test -> the future of (its directory, the launches' output)."""
+    with started_together(request, tmp_path_factory, {
+        "test_a_rank_killed_after_step_7_resumes_from_its_snapshot_on_two_nodes": _killed_after_step_7_on_two_nodes,
+        "test_a_checkpoint_as_new_as_the_newest_snapshot_is_resumed_from": _killed_after_step_8_with_a_checkpoint_at_6,
+    }) as futures:
+        yield futures
+
+
 @pytest.mark.slow  # two torchrun launches, a kill and a restart
-def test_a_rank_killed_after_step_7_resumes_from_its_snapshot_on_two_nodes(tmp_path, uninterrupted):
+def test_a_rank_killed_after_step_7_resumes_from_its_snapshot_on_two_nodes(launched, request, uninterrupted):
+    tmp_path, output = launched[request.node.originalname].result()
     area = tmp_path / "snapshots"
-    output = _launch([*ARGS, "--checkpoint.snapshot_every=1", f"--checkpoint.snapshot_dir={area}",
-                      "--faults.kill_after_step=7", "--faults.kill_rank=1", "--metrics-file",
-                      str(tmp_path / "metrics.jsonl")], nodes=2)
     assert "a copy to rank r + 1 on the next node (2 nodes)" in output, output
     resumed = re.findall(rf"resumed from snapshot {re.escape(str(area))}/node-[01] step (\d+) \(lost (\d+) steps\)",
                          output)
@@ -105,11 +129,9 @@ def test_a_rank_killed_after_step_7_resumes_from_its_snapshot_on_two_nodes(tmp_p
 
 
 @pytest.mark.slow  # a torchrun launch, a kill and a restart
-def test_a_checkpoint_as_new_as_the_newest_snapshot_is_resumed_from(tmp_path, uninterrupted):
+def test_a_checkpoint_as_new_as_the_newest_snapshot_is_resumed_from(launched, request, uninterrupted):
+    tmp_path, output = launched[request.node.originalname].result()
     ckpt = tmp_path / "ckpt"
-    output = _launch([*ARGS, "--checkpoint.snapshot_every=3", f"--checkpoint.snapshot_dir={tmp_path / 'snap'}",
-                      "--checkpoint-dir", str(ckpt), "--checkpoint-every", "6", "--faults.kill_after_step=8",
-                      "--metrics-file", str(tmp_path / "metrics.jsonl")], nodes=1)
     assert "one node: no peer copy" in output, output
     assert re.findall(r"resumed from \w+ .* step \d+ \(.*\)", output) == [
         f"resumed from checkpoint {ckpt} step 6 (lost 2 steps)"], output
