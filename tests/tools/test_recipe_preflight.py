@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -236,7 +237,8 @@ def torchrun_runs(tmp_path_factory) -> tuple[Path, dict[str, tuple[subprocess.Co
 
     The launches are independent, and each keeps one core of two idle while its agent starts and
     while its ranks wait for each other: side by side, one's agent starts while another's ranks
-    work. A launch whose test would skip (see there) is not started.
+    work. A launch whose test would skip (see there) is not started; a test run alone still
+    starts the others.
     """
     root = tmp_path_factory.mktemp("torchrun")
     (root / "ckpt" / "step-00000004").mkdir(parents=True)
@@ -250,20 +252,14 @@ def torchrun_runs(tmp_path_factory) -> tuple[Path, dict[str, tuple[subprocess.Co
                                 "--metrics-file", str(root / "m.jsonl"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     started = time.perf_counter()
-    procs = {name: subprocess.Popen(_torchrun(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    cwd=REPO, env=env)
-             for name, args in launches.items()}
-    done = {}
-    try:
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=300)
-            done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
-                          time.perf_counter() - started)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+
+    def run(args: tuple[str, ...]) -> tuple[subprocess.CompletedProcess, float]:
+        proc = subprocess.run(_torchrun(*args), capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+        return proc, time.perf_counter() - started
+
+    with ThreadPoolExecutor(len(launches)) as pool:
+        futures = {name: pool.submit(run, args) for name, args in launches.items()}
+        done = {name: future.result() for name, future in futures.items()}
     return root, done
 
 
