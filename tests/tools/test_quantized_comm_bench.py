@@ -23,7 +23,9 @@ def test_quantized_comm_benchmark_reports_fewer_bytes_and_close_losses(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(BENCH),
            "--steps", "3", "--seeds", "0,1", "--val-batches", "2", "--runs", "off,weights,both", "--out", str(out),
-           "--set", "training.batch_size=2"]  # (the tiny config's 8 sequences a rank: the same bytes, more compute)
+           # The tiny config, smaller: 2 of its 8 sequences a rank and 64 of its 128 bytes each (the same
+           # bytes sent, less compute), 2 of its 4 blocks (the same kinds of parameters sent, half as many).
+           "--set", "training.batch_size=2", "--set", "training.seq_len=64", "--set", "model.n_layers=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -325,12 +325,25 @@ LAYOUT_FLAGS = {"hsdp": ["--dp-replicate", "2", "--dp-shard", "2"], "fsdp_tp": [
 EXPORTS = {"fsdp": "model.safetensors", "hsdp": "model.pt", "fsdp_tp": "model.safetensors"}
 
 
-def _torchrun(*args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(TRAIN), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
+def _torchrun(**launches: list[str]) -> dict[str, subprocess.CompletedProcess]:
+    """``torchrun recipes/train.py ARGS`` on 2 ranks for each of ``launches`` (name: ARGS), all
+    started together: each keeps one core of two idle while its agent starts and while its ranks
+    wait for each other, and side by side one's agent starts while another's ranks work."""
+    procs = {name: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc-per-node", "2", str(TRAIN), *args],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+             for name, args in launches.items()}
+    done = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=240)
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
 
 
 def _train_on_ranks(argv: list[str]) -> int:
@@ -374,12 +387,21 @@ def _resume(root: Path, world_size: int, args: list[str], step: int, steps: int)
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    """torchrun, 2 ranks: 8 steps with checkpoints at 4 and 8, an export, and per-step metrics."""
+def torchrun_runs(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """This file's torchrun launches, side by side: the full run (2 ranks, 8 steps with checkpoints
+    at 4 and 8, an export, and per-step metrics) and one whose command line has a config error."""
     root = tmp_path_factory.mktemp("fsdp")
-    stdout = _torchrun(*RUN_ARGS, "--checkpoint-dir", str(root / "ckpt"), "--metrics-file", str(root / "a.jsonl"),
-                       f"--checkpoint.export={root / EXPORTS['fsdp']}")
-    return root, stdout
+    return root, _torchrun(full=[*RUN_ARGS, "--checkpoint-dir", str(root / "ckpt"), "--metrics-file",
+                                 str(root / "a.jsonl"), f"--checkpoint.export={root / EXPORTS['fsdp']}"],
+                           config_error=["--training.lrr=1"])
+
+
+@pytest.fixture(scope="module")
+def full_run(torchrun_runs):
+    root, runs = torchrun_runs
+    proc = runs["full"]
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return root, proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -477,11 +499,9 @@ def test_recipe_export_loads_into_unsharded_model(full_run, layout_run, layout):
     assert not torch.equal(model.tok_embeddings.weight, init.tok_embeddings.weight), "export holds trained weights"
 
 
-@pytest.mark.slow  # torchrun's start: tens of seconds on 2 cores
-def test_config_error_under_torchrun_names_the_error_in_torchrun_report():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(TRAIN),
-           "--training.lrr=1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+@pytest.mark.slow  # torchrun_runs: torchrun's start, tens of seconds on 2 cores
+def test_config_error_under_torchrun_names_the_error_in_torchrun_report(torchrun_runs):
+    proc = torchrun_runs[1]["config_error"]  # --training.lrr=1
     assert proc.returncode != 0
     error = "error: unknown key 'training.lrr' (from --training.lrr=1); did you mean 'training.lr'?"
     assert proc.stdout == ""

@@ -35,13 +35,16 @@ from tests.tools.test_recipe import RUN_ARGS_2D, TRAIN, _assert_loss_falls, _rec
 
 REPO = Path(__file__).resolve().parents[2]
 HSDP = ["--dp-replicate", "2", "--dp-shard", "2"]  # the replicate axis across the nodes, shard inside
+# The run's arguments: no loss curve to draw (tests/tools/test_recipe.py checks it; here it is
+# matplotlib's start on rank 0 at the end of each run, for nothing checked).
+ARGS = [*RUN_ARGS_2D, *HSDP, "--metrics.plot=false"]
 KEYS = ("loss", "lr", "grad_norm")
 
 
-def _two_nodes(args: list[str], run_id: str, timeout: float = 300.0) -> list[subprocess.CompletedProcess]:
+def _two_nodes(args: list[str], run_id: str) -> list[subprocess.Popen]:
     """``recipes/train.py args`` launched twice, with ``FSDP2_NODE=0`` and ``FSDP2_NODE=1``,
     meeting at a c10d rendezvous on a free local port (which numbers the launches itself: torchrun
-    ignores ``--node-rank`` with it)."""
+    ignores ``--node-rank`` with it); started, not waited for (``_wait``)."""
     port = _free_port()
     procs = []
     for node in (0, 1):
@@ -51,6 +54,11 @@ def _two_nodes(args: list[str], run_id: str, timeout: float = 300.0) -> list[sub
         env = {**os.environ, NODE_ENV: str(node), CPU_COLLECTIVES_ENV: "read"}
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                                       env=env))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float = 300.0) -> list[subprocess.CompletedProcess]:
+    """Each launch's result; one still running after ``timeout`` (or when waiting fails) is killed."""
     done = []
     try:
         for proc in procs:
@@ -73,11 +81,20 @@ def _succeeded(done: list[subprocess.CompletedProcess]) -> str:
 
 @pytest.fixture(scope="module")
 def two_node_run(tmp_path_factory):
-    """HSDP on two simulated nodes: 6 steps, checkpoints at 3 and 6, per-step metrics."""
+    """HSDP on two simulated nodes (6 steps, checkpoints at 3 and 6, per-step metrics in a.jsonl)
+    and the same run on one node in the test world (one.jsonl), which runs while the two launches
+    start (a torchrun agent's start keeps one core of two busy) and meet."""
     root = tmp_path_factory.mktemp("nodes")
-    stdout = _succeeded(_two_nodes([*RUN_ARGS_2D, *HSDP, "--checkpoint-dir", str(root / "ckpt"),
-                                    "--metrics-file", str(root / "a.jsonl")], "nodes-train"))
-    return root, stdout
+    launches = _two_nodes([*ARGS, "--checkpoint-dir", str(root / "ckpt"), "--metrics-file", str(root / "a.jsonl")],
+                          "nodes-train")
+    try:
+        run_on_ranks(_train_reading, 4, [*ARGS, "--metrics-file", str(root / "one.jsonl")], timeout=240.0)
+    except BaseException:
+        for proc in launches:
+            proc.kill()
+            proc.communicate()
+        raise
+    return root, _succeeded(_wait(launches))
 
 
 def _train_reading(argv: list[str]) -> int:
@@ -86,15 +103,13 @@ def _train_reading(argv: list[str]) -> int:
 
 
 @pytest.mark.slow  # two torchrun launches: about 30 s on 2 cores
-def test_recipe_trains_on_two_nodes_as_on_one(two_node_run, tmp_path):
+def test_recipe_trains_on_two_nodes_as_on_one(two_node_run):
     root, stdout = two_node_run
     assert "world 4 (cpu, gloo), mesh {'dp_replicate': 2, 'dp_shard': 2}" in stdout
     records = _records(root / "a.jsonl")
     _assert_loss_falls(records, 6, drop=0.5)
     assert records[1]["tokens"] == 4 * 32 * 4  # batch x seq x dp ranks
-    run_on_ranks(_train_reading, 4, [*RUN_ARGS_2D, *HSDP, "--metrics-file", str(tmp_path / "one.jsonl")],
-                 timeout=240.0)
-    one_node = _records(tmp_path / "one.jsonl")
+    one_node = _records(root / "one.jsonl")  # train() on four ranks of the test world
     assert {s: [r[k] for k in KEYS] for s, r in records.items()} == \
         {s: [r[k] for k in KEYS] for s, r in one_node.items()}
 
@@ -111,7 +126,7 @@ def test_recipe_resumes_on_two_nodes(two_node_run):
     resumed = root / "resumed"
     shutil.copytree(root / "ckpt" / "step-00000003", resumed / "step-00000003")
     shutil.copy(root / "a.jsonl", root / "b.jsonl")  # the interrupted run's: steps after 3 are dropped
-    starts = run_on_ranks(_train_on_two_nodes, 4, [*RUN_ARGS_2D, *HSDP, "--checkpoint-dir", str(resumed),
+    starts = run_on_ranks(_train_on_two_nodes, 4, [*ARGS, "--checkpoint-dir", str(resumed),
                                                    "--metrics-file", str(root / "b.jsonl")], timeout=240.0)
     assert starts == [3] * 4, "the run must resume from the checkpoint, not start over"
     assert [json.loads(line)["step"] for line in (root / "b.jsonl").read_text().splitlines()] == list(range(1, 7))

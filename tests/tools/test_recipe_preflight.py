@@ -206,10 +206,8 @@ def test_plan_argv_is_the_resolved_config():
 
 
 # ---- under torchrun ----------------------------------------------------------------------------
-def _torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(TRAIN), *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(TRAIN), *args]
 
 
 def _ours(stderr: str) -> list[str]:
@@ -221,9 +219,53 @@ def _free_gib() -> float:
     return (preflight._available_memory() or 0) / 2**30
 
 
-@pytest.mark.slow  # torchrun's start
-def test_missing_data_under_torchrun_is_one_line():
-    proc = _torchrun("--data", "/nonexistent", "--steps", "1")
+def _refuses_8b() -> bool:
+    """Whether this machine lacks the memory to start the 8B config on 2 ranks (the refusal's premise)."""
+    return _free_gib() <= 2 * 60
+
+
+def _has_the_documented_corpus() -> bool:
+    from recipes.data import load_corpus
+
+    return load_corpus(None).numel() == 4_698_555
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory) -> tuple[Path, dict[str, tuple[subprocess.CompletedProcess, float]]]:
+    """Every torchrun launch of this file's tests, all started together: their folder, and by name
+    each one's result and its seconds from the start.
+
+    The launches are independent, and each keeps one core of two idle while its agent starts and
+    while its ranks wait for each other: side by side, one's agent starts while another's ranks
+    work. A launch whose test would skip (see there) is not started; a test run alone still
+    starts the others.
+    """
+    root = tmp_path_factory.mktemp("torchrun")
+    (root / "ckpt" / "step-00000004").mkdir(parents=True)
+    launches = {"missing_data": ("--data", "/nonexistent", "--steps", "1"),
+                "dry_run": ("--dry-run", "--checkpoint-dir", str(root / "ckpt"))}
+    if _refuses_8b():
+        launches |= {"refused_8b": ("--config", str(CONFIG_8B)),
+                     "dry_run_8b": ("--config", str(CONFIG_8B), "--dry-run")}
+    if _has_the_documented_corpus():
+        launches["one_step"] = ("--steps", "1", "--metrics.sample_tokens=0", "--training.warmup_steps=1",
+                                "--metrics-file", str(root / "m.jsonl"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    started = time.perf_counter()
+
+    def run(args: tuple[str, ...]) -> tuple[subprocess.CompletedProcess, float]:
+        proc = subprocess.run(_torchrun(*args), capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+        return proc, time.perf_counter() - started
+
+    with ThreadPoolExecutor(len(launches)) as pool:
+        futures = {name: pool.submit(run, args) for name, args in launches.items()}
+        done = {name: future.result() for name, future in futures.items()}
+    return root, done
+
+
+@pytest.mark.slow  # torchrun_runs: torchrun's start
+def test_missing_data_under_torchrun_is_one_line(torchrun_runs):
+    proc, _ = torchrun_runs[1]["missing_data"]
     assert proc.returncode != 0 and proc.stdout == ""
     assert proc.stderr.count("\nerror: --data /nonexistent: no such file or directory\n") == 1, proc.stderr
     assert [line for line in _ours(proc.stderr) if line.startswith("error")] == [
@@ -231,21 +273,11 @@ def test_missing_data_under_torchrun_is_one_line():
     assert f'File "{REPO / "recipes"}' not in proc.stderr, "no rank's traceback"
 
 
-@pytest.mark.slow  # torchrun's start, and the planner's search for layouts that fit
-def test_8b_config_is_refused_before_allocating_and_dry_run_prints_the_plan():
-    if _free_gib() > 2 * 60:
+@pytest.mark.slow  # torchrun_runs: torchrun's start, and the planner's search for layouts that fit
+def test_8b_config_is_refused_before_allocating_and_dry_run_prints_the_plan(torchrun_runs):
+    if not _refuses_8b():
         pytest.skip("this machine has the memory to start the 8B config on 2 ranks")
-    started = time.perf_counter()
-
-    def refuse() -> tuple[subprocess.CompletedProcess, float]:
-        return _torchrun("--config", str(CONFIG_8B)), time.perf_counter() - started
-
-    # The two launches are independent: side by side, one's torchrun agent starts while the
-    # other's ranks plan (an agent's start keeps one core of two busy).
-    with ThreadPoolExecutor(2) as pool:
-        refusal = pool.submit(refuse)
-        dry_run = pool.submit(_torchrun, "--config", str(CONFIG_8B), "--dry-run")
-        (refused, took), dry = refusal.result(), dry_run.result()
+    (refused, took), (dry, _) = torchrun_runs[1]["refused_8b"], torchrun_runs[1]["dry_run_8b"]
     assert refused.returncode != 0 and refused.stdout == ""
     errors = [line for line in _ours(refused.stderr) if line.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith("error: needs ") and " GiB per rank by the memory planner" \
@@ -259,31 +291,29 @@ def test_8b_config_is_refused_before_allocating_and_dry_run_prints_the_plan():
     assert "dry run: nothing allocated" in dry.stdout and "step 1/" not in dry.stdout
 
 
-@pytest.mark.slow  # torchrun's start
-def test_dry_run_of_the_tiny_config_stops_before_the_first_step(tmp_path):
-    (tmp_path / "ckpt" / "step-00000004").mkdir(parents=True)
-    proc = _torchrun("--dry-run", "--checkpoint-dir", str(tmp_path / "ckpt"))
+@pytest.mark.slow  # torchrun_runs: torchrun's start
+def test_dry_run_of_the_tiny_config_stops_before_the_first_step(torchrun_runs):
+    root, runs = torchrun_runs
+    proc, _ = runs["dry_run"]  # --checkpoint-dir root/ckpt, which holds step-00000004
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "world 2 (cpu, gloo), mesh {'dp_shard': 2}" in out
     assert "chance loss ln(256) = 5.545" in out
-    assert f"checkpoints: {tmp_path / 'ckpt'} holds step-00000004; the run resumes from the newest sound one" in out
+    assert f"checkpoints: {root / 'ckpt'} holds step-00000004; the run resumes from the newest sound one" in out
     assert "memory planner (python -m fsdp2.plan --dim 128 " in out and "memory: the planner says " in out
     assert out.rstrip().endswith("dry run: nothing allocated; without --dry-run it trains")
     assert "step 1/" not in out
 
 
-@pytest.mark.slow  # torchrun's start, two steps
-def test_the_memory_check_leaves_training_as_it_was(tmp_path):
+@pytest.mark.slow  # torchrun_runs: torchrun's start, one step
+def test_the_memory_check_leaves_training_as_it_was(torchrun_runs):
     # The planner runs fsdp2 on a fake process group; run in the ranks' own process, DTensor's
     # caches once gave rank 1 rank 0's initial weights (step 1's loss 5.5530 instead of 5.5492).
     # Step 1's loss is the initial model's: the same with the check as the documented run's.
-    from recipes.data import load_corpus
-
-    if load_corpus(None).numel() != 4_698_555:
+    if not _has_the_documented_corpus():
         pytest.skip("the documented step-1 loss is for Python 3.11.7's sources")
-    proc = _torchrun("--steps", "1", "--metrics.sample_tokens=0", "--training.warmup_steps=1",
-                     "--metrics-file", str(tmp_path / "m.jsonl"))
+    root, runs = torchrun_runs
+    proc, _ = runs["one_step"]
     assert proc.returncode == 0, proc.stderr
     assert "memory: the planner says " in proc.stdout, "the check ran"
-    assert round(json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])["loss"], 4) == 5.5492
+    assert round(json.loads((root / "m.jsonl").read_text().splitlines()[0])["loss"], 4) == 5.5492
