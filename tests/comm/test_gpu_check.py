@@ -54,7 +54,12 @@ def test_dry_run_takes_every_step_on_cpu_and_reports_them(tmp_path):
     assert step["config"]["device"] == "cpu" and step["config"]["world"] == 2
     assert step["last_loss_rank0"]["fsdp2"] == step["last_loss_rank0"]["torch_fsdp2"]
     overhead = next(r for r in results if "overhead_ms" in r)
-    assert overhead["config"]["world"] == 8 and overhead["ratio"]["fsdp2/torch_fsdp2"] > 0
+    assert overhead["config"]["world"] == 8 and set(overhead["overhead_ms"]) == {"fsdp2", "torch_fsdp2"}
+    # The dry run's 2 steps time noise: an overhead (a step less the plain model's) can come out
+    # negative on a loaded machine, so the ratio's sign says nothing; it is reported, a number or
+    # None (torch's overhead not positive).
+    ratio = overhead["ratio"]["fsdp2/torch_fsdp2"]
+    assert ratio is None or isinstance(ratio, float), overhead["ratio"]
     assert "fsdp2/torch_fsdp2" in report and "copy_" in report  # host_profile.py's summary lines
     # The CUDA tests were collected (and skipped here): the marker selects them.
     assert "tests/comm/test_cuda.py::test_cuda_parity_and_prefetch_schedule SKIPPED" in report
