@@ -27,6 +27,9 @@ def log(*args: object) -> None:
         print(*args, flush=True)
 
 
+_WAIT_FOR_RANK0_S = 60.0
+
+
 def fail(message: str, rank0: bool) -> NoReturn:
     """Stop this rank with exit code 2 after a clean error: one line on rank 0's stderr.
 
@@ -41,9 +44,11 @@ def fail(message: str, rank0: bool) -> NoReturn:
         with open(error_file, "w") as f:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
     if not rank0 and "TORCHELASTIC_RUN_ID" in os.environ:
-        # torchrun stops every rank once the first exits: the others wait a moment so that rank 0's
-        # line gets printed (every rank fails alike, and a loaded machine may run rank 0 last).
-        time.sleep(2)
+        # torchrun stops every rank once the first exits, so a rank that left before rank 0 had
+        # printed would cut its line off; every rank fails alike, but a loaded machine may run
+        # rank 0 seconds behind (a 2 s wait lost that race, 2026-11-29). So the others stay until
+        # rank 0's exit makes torchrun stop them (SIGTERM); the bound covers a rank 0 that is gone.
+        time.sleep(_WAIT_FOR_RANK0_S)
     sys.exit(2)
 
 

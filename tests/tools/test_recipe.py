@@ -326,11 +326,16 @@ EXPORTS = {"fsdp": "model.safetensors", "hsdp": "model.pt", "fsdp_tp": "model.sa
 
 
 def _torchrun(**launches: list[str]) -> dict[str, subprocess.CompletedProcess]:
-    """``torchrun recipes/train.py ARGS`` on 2 ranks for each of ``launches`` (name: ARGS), all
-    started together: each keeps one core of two idle while its agent starts and while its ranks
-    wait for each other, and side by side one's agent starts while another's ranks work."""
-    procs = {name: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                     "--nproc-per-node", "2", str(TRAIN), *args],
+    """``torchrun recipes/train.py ARGS`` on 2 ranks for each of ``launches`` (name: ARGS; ARGS
+    that start with a ``.py`` file run that script, given train.py and the rest), all started
+    together: each keeps one core of two idle while its agent starts and while its ranks wait for
+    each other, and side by side one's agent starts while another's ranks work."""
+    def command(args: list[str]) -> list[str]:
+        script = [args.pop(0)] if args and args[0].endswith(".py") else []
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                *script, str(TRAIN), *args]
+
+    procs = {name: subprocess.Popen(command(list(args)),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
              for name, args in launches.items()}
     done = {}
@@ -389,11 +394,12 @@ def _resume(root: Path, world_size: int, args: list[str], step: int, steps: int)
 @pytest.fixture(scope="module")
 def torchrun_runs(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
     """This file's torchrun launches, side by side: the full run (2 ranks, 8 steps with checkpoints
-    at 4 and 8, an export, and per-step metrics) and one whose command line has a config error."""
+    at 4 and 8, an export, and per-step metrics) and one whose command line has a config error,
+    its rank 0 starting 4 s after rank 1 (tests/tools/_rank0_late.py)."""
     root = tmp_path_factory.mktemp("fsdp")
     return root, _torchrun(full=[*RUN_ARGS, "--checkpoint-dir", str(root / "ckpt"), "--metrics-file",
                                  str(root / "a.jsonl"), f"--checkpoint.export={root / EXPORTS['fsdp']}"],
-                           config_error=["--training.lrr=1"])
+                           config_error=[str(Path(__file__).with_name("_rank0_late.py")), "--training.lrr=1"])
 
 
 @pytest.fixture(scope="module")
@@ -501,7 +507,9 @@ def test_recipe_export_loads_into_unsharded_model(full_run, layout_run, layout):
 
 @pytest.mark.slow  # torchrun_runs: torchrun's start, tens of seconds on 2 cores
 def test_config_error_under_torchrun_names_the_error_in_torchrun_report(torchrun_runs):
-    proc = torchrun_runs[1]["config_error"]  # --training.lrr=1
+    # --training.lrr=1, rank 0 late: rank 1 fails first, and must not end the run (torchrun stops
+    # every rank once one exits) before rank 0 has printed the line.
+    proc = torchrun_runs[1]["config_error"]
     assert proc.returncode != 0
     error = "error: unknown key 'training.lrr' (from --training.lrr=1); did you mean 'training.lr'?"
     assert proc.stdout == ""
