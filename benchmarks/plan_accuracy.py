@@ -99,8 +99,9 @@ _TOY_GPU = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--mode
 
 def recipe_argv(flags: list[str], steps: int) -> list[str]:
     model = [] if any(f.startswith("--model.dim=") for f in flags) else MODEL
+    # (no loss curve: its PNG would go with the launch's temporary directory, after matplotlib's import)
     return [*model, *flags, "--steps", str(steps), "--metrics.log_every=1", "--metrics.sample_tokens=0",
-            "--training.warmup_steps=1", "--skip-memory-check"]
+            "--metrics.plot=false", "--training.warmup_steps=1", "--skip-memory-check"]
 
 
 def predict(flags: list[str], world: int, hardware: Hardware, device: str = "cpu") -> float:

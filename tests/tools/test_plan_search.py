@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing as mp
 import random
 import re
 from pathlib import Path
@@ -142,40 +143,70 @@ def test_8b_layouts_are_accepted_by_the_recipe():
 
 
 # ---- memory: shared simulations against each layout's own ------------------------------------------
-def _simulate_once(monkeypatch: pytest.MonkeyPatch) -> Callable[..., MemoryEstimate]:
-    """``estimate_memory``, each layout simulated once and read back after, also where FastMemory calls it.
+@pytest.fixture(scope="module")
+def helper():
+    """A process forked from this one, to run half of a test's simulations while this one runs the
+    other half: they are independent, and one process alone leaves the other core idle. (Meta
+    tensors: no kernel runs; one thread.)"""
+    with mp.get_context("fork").Pool(1, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        yield pool
+
+
+def _simulate_job(job: tuple[Layout, ModelArgs, Reserve]) -> MemoryEstimate:
+    lay, model, reserve = job
+    return estimate_memory(lay, ModelBuilder.llama(model), reserve=reserve)
+
+
+def _simulate_once(monkeypatch: pytest.MonkeyPatch, helper, model: ModelArgs,
+                   jobs: list[tuple[Layout, Reserve]]) -> tuple[ModelBuilder, Callable[..., MemoryEstimate]]:
+    """(``ModelBuilder.llama(model)``, ``estimate_memory`` of it with each layout simulated once and read
+    back after, also where FastMemory calls it).
 
     The simulation is deterministic (test_shared_memory_simulates_two_shard_counts_and_fits_the_rest
     compares its results exactly), so repeating one proves nothing more; what FastMemory does with
-    the results, and counts as simulations, is unchanged."""
-    done: dict[tuple, MemoryEstimate] = {}
+    the results, and counts as simulations, is unchanged. ``jobs``, the (layout, reserve) the test
+    will read, are simulated first (``estimate_memory`` itself), every second one by ``helper``."""
+    builder = ModelBuilder.llama(model)
+    every = [(lay, model, reserve) for lay, reserve in jobs]
+    theirs = helper.map_async(_simulate_job, every[1::2], chunksize=1)
+    estimates = [None] * len(every)
+    estimates[::2] = [_simulate_job(job) for job in every[::2]]
+    estimates[1::2] = theirs.get()
+    done = {(repr(lay), reserve): est for (lay, reserve), est in zip(jobs, estimates)}
 
-    def simulate(lay: Layout, builder: ModelBuilder, *, reserve: Reserve) -> MemoryEstimate:
-        key = (repr(lay), id(builder), reserve)
+    def simulate(lay: Layout, built: ModelBuilder, *, reserve: Reserve) -> MemoryEstimate:
+        assert built is builder, "one model per test"
+        key = (repr(lay), reserve)
         if key not in done:
             done[key] = estimate_memory(lay, builder, reserve=reserve)
         return done[key]
 
     monkeypatch.setattr("fsdp2.plan._search.estimate_memory", simulate)
-    return simulate
+    return builder, simulate
 
 
-def _shared_vs_full(model: ModelArgs, layouts: list[Layout], shapes: int) -> tuple[float, float]:
+def _shared_vs_full(monkeypatch: pytest.MonkeyPatch, helper, model: ModelArgs, layouts: list[Layout],
+                    shapes: int) -> tuple[float, float]:
     """Worst relative errors of FastMemory against estimate_memory on layouts it did not simulate:
     (fitted from two simulations of the shape, scaled from one). Under ``_simulate_once``."""
-    builder, rng = ModelBuilder.llama(model), random.Random(0)
+    rng = random.Random(0)
     groups: dict[tuple, dict[int, Layout]] = {}
     for lay in layouts:
         shape = (lay.tp, lay.pp, lay.pp_schedule, lay.batch, lay.activation_checkpointing, lay.reshard_after_forward,
                  lay.comm_policy is not None, lay.grad_accum > 1)
         groups.setdefault(shape, {}).setdefault(lay.dp_shard, lay)
     varied = [list(g.values()) for g in groups.values() if len(g) >= 3]
+    # Per shape: the two layouts FastMemory simulates (the one-simulation one's: the first) and one
+    # it fits, whose own simulation is the reference.
+    picked = [(first, second, rng.choice(others)) for first, second, *others in
+              rng.sample(varied, min(shapes, len(varied)))]
+    jobs = [(lay, Reserve()) for trio in picked for lay in trio]
+    builder, simulate = _simulate_once(monkeypatch, helper, model, jobs)
     fitted = scaled = 0.0
-    for first, second, *others in rng.sample(varied, min(shapes, len(varied))):
+    for first, second, lay in picked:
         fast, one = FastMemory(builder, Reserve()), FastMemory(builder, Reserve(), simulations_per_shape=1)
         assert fast.estimate(first)[2] == fast.estimate(second)[2] == one.estimate(first)[2] == "simulated"
-        lay = rng.choice(others)
-        full = estimate_memory(lay, builder, reserve=Reserve())
+        full = simulate(lay, builder, reserve=Reserve())
         peak, needed, how = fast.estimate(lay)
         assert how == "fitted"
         fitted = max(fitted, abs(needed / full.needed_bytes - 1), abs(peak / full.peak_bytes - 1))
@@ -186,18 +217,16 @@ def _shared_vs_full(model: ModelArgs, layouts: list[Layout], shapes: int) -> tup
 
 
 @pytest.mark.slow
-def test_shared_memory_matches_full_simulation_small(monkeypatch):
-    _simulate_once(monkeypatch)  # (the one-simulation FastMemory's: the two-simulation one's first)
+def test_shared_memory_matches_full_simulation_small(monkeypatch, helper):
     layouts = enumerate_layouts(TINY, world=16, global_batch=32, seq=128, devices_per_node=4)
-    fitted, scaled = _shared_vs_full(TINY, layouts, shapes=8)
+    fitted, scaled = _shared_vs_full(monkeypatch, helper, TINY, layouts, shapes=8)
     assert fitted < 0.01 and scaled < 0.05  # (the search prunes by the scaled one only beyond a 10% margin)
 
 
 @pytest.mark.slow
-def test_shared_memory_matches_full_simulation_8b(monkeypatch):
-    _simulate_once(monkeypatch)
+def test_shared_memory_matches_full_simulation_8b(monkeypatch, helper):
     layouts = enumerate_layouts(LLAMA3["llama3_8b"], world=64, global_batch=128, seq=8192)
-    fitted, scaled = _shared_vs_full(LLAMA3["llama3_8b"], layouts, shapes=3)
+    fitted, scaled = _shared_vs_full(monkeypatch, helper, LLAMA3["llama3_8b"], layouts, shapes=3)
     assert fitted < 0.01 and scaled < 0.05
 
 
@@ -221,11 +250,11 @@ def test_shared_memory_simulates_two_shard_counts_and_fits_the_rest():
 
 
 @pytest.mark.slow
-def test_pruning_agrees_with_exhaustive_evaluation(monkeypatch):
+def test_pruning_agrees_with_exhaustive_evaluation(monkeypatch, helper):
     # Nodes of 2: the per-node layouts (FSDP 4 resharding to 2 ranks) are among them.
     layouts = enumerate_layouts(SMALL, world=4, global_batch=4, seq=16, devices_per_node=2)
-    builder = ModelBuilder.llama(SMALL)
-    simulate = _simulate_once(monkeypatch)  # (the searches' simulations of these layouts: read back)
+    # (the searches' simulations of these layouts: read back)
+    builder, simulate = _simulate_once(monkeypatch, helper, SMALL, [(lay, Reserve.none()) for lay in layouts])
     needed = {repr(lay): simulate(lay, builder, reserve=Reserve.none()).needed_bytes for lay in layouts}
     budget = sorted(needed.values())[len(needed) // 2]  # half of them fit
     result = search(layouts, score=toy_step, memory=FastMemory(builder, Reserve.none()), gpu_memory=budget, top=5)
