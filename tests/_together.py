@@ -10,13 +10,14 @@ its own result: the launches and the assertions are the tests' own, only the wai
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import pytest
 
-__all__ = ["started_together"]
+__all__ = ["launched_together", "run_together", "started_together"]
 
 T = TypeVar("T")
 
@@ -36,3 +37,37 @@ def started_together(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
 
     with ThreadPoolExecutor(max(1, len(wanted))) as pool:
         yield {name: pool.submit(launch, name) for name in wanted}
+
+
+def launched_together(launches: dict[str, Callable[[Path], T]]) -> Any:
+    """A module-scoped fixture of :func:`started_together` over ``launches`` (test name ->
+    ``launch(directory)``): test -> the future of (its directory, the launch's result)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[tuple[Path, T]]]]:
+        with started_together(request, tmp_path_factory, launches) as futures:
+            yield futures
+
+    return fixture
+
+
+def run_together(commands: dict[str, list[str]], *, timeout: float,
+                 **popen: Any) -> dict[str, subprocess.CompletedProcess]:
+    """Each of ``commands`` (name -> argv) started at once, its output captured as text
+    (``popen``: more of ``subprocess.Popen``'s arguments); name -> the finished process. Each
+    one's ``timeout`` counts from when the previous one ended; one past it raises
+    ``subprocess.TimeoutExpired``, and those still running are killed."""
+    procs = {name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+             for name, argv in commands.items()}
+    done = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=timeout)
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done

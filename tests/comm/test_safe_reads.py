@@ -36,7 +36,7 @@ from fsdp2.comm._transport import CPU_COLLECTIVES_ENV
 from fsdp2.comm.cpu._transport import probe_reads
 from fsdp2.comm.cpu import _cma, _exchange, _lease, _pipes, _yama
 from tests._dist import REPO_ROOT, environ, info_records, run_on_ranks
-from tests._together import started_together
+from tests._together import launched_together
 from tests._models import MLP
 
 
@@ -520,15 +520,12 @@ def _train_without_fcntl(tmp: Path) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-@pytest.fixture(scope="module")
-def python_runs(request, tmp_path_factory) -> Iterator[dict[str, Future[tuple[Path, subprocess.CompletedProcess]]]]:
-    """The fresh interpreter of each test named below, started together (tests/_together.py), and
-    with ``early_exits`` where that runs: test -> the future of (its directory, the finished process)."""
-    with started_together(request, tmp_path_factory, {
-        "test_the_declaration_reaches_the_kernel": _declare_in_a_child,
-        "test_fsdp2_imports_and_trains_without_fcntl": _train_without_fcntl,
-    }) as futures:
-        yield futures
+# The fresh interpreter of each test named below, started together (tests/_together.py), and
+# with ``early_exits`` where that runs: test -> the future of (its directory, the finished process).
+python_runs = launched_together({
+    "test_the_declaration_reaches_the_kernel": _declare_in_a_child,
+    "test_fsdp2_imports_and_trains_without_fcntl": _train_without_fcntl,
+})
 
 
 @pytest.mark.slow

@@ -49,9 +49,7 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch.distributed.checkpoint as dcp
@@ -62,7 +60,7 @@ from fsdp2.checkpoint._checksum import crc32_of_file
 from recipes.checkpoint import Checkpointer, UnusableCheckpointError
 from recipes.launch import Interrupted, ctrl_c_after
 from tests._dist import run_on_ranks
-from tests._together import started_together
+from tests._together import launched_together
 from tests.reliability._faulty_train import overwrite_in_place
 from tests.reliability.test_fault import BASE, _plain_setup
 from tests.tools.test_recipe import _train_on_ranks, _without_numpy
@@ -288,13 +286,10 @@ FAULTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def faulty_runs(request, tmp_path_factory) -> Iterator[dict[str, Future[tuple[Path, str]]]]:
-    """``_torchrun_with_fault`` of each test of ``FAULTS`` this session runs, started together
-    (tests/_together.py): test -> the future of (its directory, the launch's output)."""
-    launches = {name: lambda root, fault=fault: _torchrun_with_fault(root, *fault) for name, fault in FAULTS.items()}
-    with started_together(request, tmp_path_factory, launches) as futures:
-        yield futures
+# ``_torchrun_with_fault`` of each test of ``FAULTS`` this session runs, started together
+# (tests/_together.py): test -> the future of (its directory, the launch's output).
+faulty_runs = launched_together({name: lambda root, fault=fault: _torchrun_with_fault(root, *fault)
+                                 for name, fault in FAULTS.items()})
 
 
 def _assert_uninterrupted(root: Path, sound: Path) -> None:

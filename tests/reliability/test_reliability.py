@@ -23,7 +23,6 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Iterator
 
@@ -42,7 +41,7 @@ from fsdp2.runtime._state import get_state
 from tests._dist import REPO_ROOT, environ, run_on_ranks
 from tests._models import MLP, Block, Transformer, lm_loss, make_batch
 from tests._parity import assert_params_match, average_grads
-from tests._together import started_together
+from tests._together import launched_together
 from tests.runtime.test_module_behaviour import InjectedFailure, _RaiseInBackward
 
 DIM, HEADS = 32, 4
@@ -406,14 +405,11 @@ def _import_with_debug_on(tmp: Path) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-@pytest.fixture(scope="module")
-def python_runs(request, tmp_path_factory) -> Iterator[dict[str, Future[tuple[Path, subprocess.CompletedProcess]]]]:
-    """The fresh interpreter of the test named below, started (tests/_together.py) by the first
-    test that asks: test -> the future of (its directory, the finished process)."""
-    with started_together(request, tmp_path_factory, {
-        "test_fsdp2_debug_environment_variable_turns_debug_on_at_import": _import_with_debug_on,
-    }) as futures:
-        yield futures
+# The fresh interpreter of the test named below, started (tests/_together.py) by the first test
+# that asks: test -> the future of (its directory, the finished process).
+python_runs = launched_together({
+    "test_fsdp2_debug_environment_variable_turns_debug_on_at_import": _import_with_debug_on,
+})
 
 
 @pytest.mark.slow

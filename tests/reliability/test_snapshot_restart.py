@@ -22,16 +22,14 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from recipes.snapshot import snapshot_bytes
 from recipes.checks import check_command
 from tests._dist import _free_port, run_on_ranks
-from tests._together import started_together
+from tests._together import launched_together
 from tests.reliability.test_checkpoint_faults import _train_logged
 from tests.reliability.test_fault import BASE
 from tests.tools.test_recipe import _train_on_ranks
@@ -103,15 +101,12 @@ def _killed_after_step_8_with_a_checkpoint_at_6(root: Path) -> str:
                     "--metrics-file", str(root / "metrics.jsonl")], nodes=1)
 
 
-@pytest.fixture(scope="module")
-def launched(request, tmp_path_factory) -> Iterator[dict[str, Future[tuple[Path, str]]]]:
-    """The launch of each test below that this session runs, started together
-    (tests/_together.py): test -> the future of (its directory, the launches' output)."""
-    with started_together(request, tmp_path_factory, {
-        "test_a_rank_killed_after_step_7_resumes_from_its_snapshot_on_two_nodes": _killed_after_step_7_on_two_nodes,
-        "test_a_checkpoint_as_new_as_the_newest_snapshot_is_resumed_from": _killed_after_step_8_with_a_checkpoint_at_6,
-    }) as futures:
-        yield futures
+# The launch of each test below that this session runs, started together (tests/_together.py):
+# test -> the future of (its directory, the launches' output).
+launched = launched_together({
+    "test_a_rank_killed_after_step_7_resumes_from_its_snapshot_on_two_nodes": _killed_after_step_7_on_two_nodes,
+    "test_a_checkpoint_as_new_as_the_newest_snapshot_is_resumed_from": _killed_after_step_8_with_a_checkpoint_at_6,
+})
 
 
 @pytest.mark.slow  # two torchrun launches, a kill and a restart

@@ -45,6 +45,7 @@ from recipes.train import main as train_main
 from tests._dist import run_on_ranks
 from tests._models import lm_loss, make_batch
 from tests._parity import average_grads, full
+from tests._together import run_together
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
@@ -335,20 +336,7 @@ def _torchrun(**launches: list[str]) -> dict[str, subprocess.CompletedProcess]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 *script, str(TRAIN), *args]
 
-    procs = {name: subprocess.Popen(command(list(args)),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-             for name, args in launches.items()}
-    done = {}
-    try:
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=240)
-            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return done
+    return run_together({name: command(list(args)) for name, args in launches.items()}, timeout=240, cwd=REPO)
 
 
 def _train_on_ranks(argv: list[str]) -> int:
@@ -596,20 +584,8 @@ def without_numpy_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProces
     """Every command of ``NUMPY_FREE_COMMANDS`` run once without numpy, all started together:
     each is one Python process importing torch on one core, so two run in the time of one."""
     env = _without_numpy(tmp_path_factory.mktemp("no_numpy"))
-    procs = {name: subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, cwd=REPO, env=env)
-             for name, command in NUMPY_FREE_COMMANDS.items()}
-    done = {}
-    try:
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=120)
-            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return done
+    return run_together({name: [sys.executable, *command] for name, command in NUMPY_FREE_COMMANDS.items()},
+                        timeout=120, cwd=REPO, env=env)
 
 
 @pytest.mark.parametrize("command", NUMPY_FREE_COMMANDS)
