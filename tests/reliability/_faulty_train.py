@@ -50,6 +50,10 @@ def _inject(kind: str, at: int) -> None:
         if step != at:
             return save(self, step, *args, **kwargs)
         if kind == "async-torn":
+            # The previous save's background write ends first (collective, as save's own wait):
+            # on a loaded machine it can still be writing, and the fsync below would kill it instead.
+            self.wait()
+
             def die_in_the_background(fd: int) -> None:
                 fsync(fd)
                 if dist.get_rank() == 1 and threading.current_thread() is not threading.main_thread():
