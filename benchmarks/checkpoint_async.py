@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -213,4 +214,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/, next to benchmarks/
+    from recipes.exit import run_and_exit  # no interpreter finalization to abort a finished run
+
+    run_and_exit(main)

@@ -186,4 +186,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from recipes.exit import run_and_exit  # no interpreter finalization to abort a finished run
+
+    run_and_exit(lambda: sys.exit(main()))

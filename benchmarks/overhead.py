@@ -61,6 +61,7 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Iterator
 
 os.environ.setdefault("FSDP2_CPU_COLLECTIVES", "flat")  # before fsdp2 builds any group
@@ -324,4 +325,7 @@ def plot(results: list[dict], path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/, next to benchmarks/
+    from recipes.exit import run_and_exit  # no interpreter finalization to abort a finished run
+
+    run_and_exit(main)

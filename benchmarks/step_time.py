@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -422,4 +423,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/, next to benchmarks/
+    from recipes.exit import run_and_exit  # no interpreter finalization to abort a finished run
+
+    run_and_exit(main)
