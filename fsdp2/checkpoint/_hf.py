@@ -12,6 +12,9 @@ A Hugging Face model folder is ``config.json`` plus ``model.safetensors`` or sha
   interleaved layout); Hugging Face's rotates ``(i, i + head_dim/2)`` (``rotate_half``). The
   same rotation, with the rows of ``q_proj`` and ``k_proj`` permuted inside each head: row
   ``2i + j`` here is row ``j * head_dim/2 + i`` there.
+- ``config.json`` <-> ``ModelArgs`` is ``fsdp2/models/hf_config.py`` (the one reader, shared with
+  the recipe and the planner's ``--hf-config``); :func:`model_args_from_hf`, :func:`hf_config`
+  and :func:`is_hf_folder` are re-exported from it.
 - In: :func:`model_args_from_hf` reads ``config.json`` (refusing, in one line naming the
   field, what the model cannot express), :func:`check_hf_weights` checks the tensors' names
   and shapes from the safetensors headers alone, and :func:`load_hf` fills a sharded model:
@@ -29,12 +32,13 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import BinaryIO, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..models.hf_config import CONFIG, DTYPE_NAMES, hf_config, is_hf_folder, model_args_from_hf
 from ..models.llama import ModelArgs
 from ._full import INDEX, _Gatherer, _header, _resolve_files, load_full
 from ._safetensors import StreamingWriter, import_safetensors
@@ -43,134 +47,7 @@ __all__ = ["model_args_from_hf", "hf_config", "hf_names", "check_hf_weights", "l
            "HFWriter", "is_hf_folder", "hf_row_order"]
 
 logger = logging.getLogger(__name__)
-CONFIG = "config.json"
 DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's save_pretrained default (5 GB)
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def is_hf_folder(path: str | os.PathLike) -> bool:
-    """A directory holding ``config.json`` (a Hugging Face model folder)."""
-    return Path(path).is_dir() and (Path(path) / CONFIG).is_file()
-
-
-# ---- config.json <-> ModelArgs ------------------------------------------------------------------
-def _read_config(path: str | os.PathLike) -> tuple[dict[str, Any], str]:
-    path = Path(path)
-    file = path / CONFIG if path.is_dir() else path
-    try:
-        return json.loads(file.read_text()), str(file)
-    except OSError as e:
-        raise ValueError(f"{file}: cannot read it ({e.strerror or e})") from None
-    except ValueError as e:
-        raise ValueError(f"{file}: not JSON ({e})") from None
-
-
-_LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
-                "high_freq_factor": "rope_high_freq_factor",
-                "original_max_position_embeddings": "rope_original_max_seq_len"}
-
-
-def _rope(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """The rotary fields: ``rope_theta``, and Llama 3.1's scaling (``rope_type`` "llama3"); any other
-    scaling is refused. Reads transformers 5's ``rope_parameters`` or the older ``rope_scaling``."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling")
-    if isinstance(scaling, dict):
-        params.update(scaling)
-    elif scaling:
-        raise ValueError(f"{where}: rope_scaling {scaling!r} is not supported: give null or a llama3 scaling")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "llama3"):
-        raise ValueError(f"{where}: rope_scaling of type {kind!r} is not supported (the model implements no "
-                         "scaling and Llama 3.1's 'llama3'); use a model whose rope_scaling is null or llama3")
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ValueError(f"{where}: rope_theta must be a positive number, got {theta!r}")
-    if kind == "default":
-        return {"rope_theta": float(theta), "rope_scaling_factor": 1.0}
-    missing = [k for k in _LLAMA3_KEYS if not isinstance(params.get(k), (int, float))]
-    if missing:
-        raise ValueError(f"{where}: the llama3 rope scaling has no {missing[0]}")
-    fields = {ours: float(params[theirs]) for theirs, ours in _LLAMA3_KEYS.items()}
-    fields["rope_original_max_seq_len"] = int(params["original_max_position_embeddings"])
-    return {"rope_theta": float(theta), **fields}
-
-
-def _refuse_unsupported(config: dict[str, Any], where: str) -> None:
-    """One line naming the first field the model cannot express."""
-    model_type = config.get("model_type")
-    if model_type != "llama":
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported: only Llama-family models "
-                         "(model_type 'llama', LlamaForCausalLM) load into the recipe's model")
-    archs = config.get("architectures")
-    if archs is not None and archs != ["LlamaForCausalLM"]:
-        raise ValueError(f"{where}: architectures {archs!r} is not supported: only ['LlamaForCausalLM']")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {config['hidden_act']!r} is not supported: the model's SwiGLU uses silu")
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            raise ValueError(f"{where}: {flag}=true is not supported: the model's projections have no biases")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if not isinstance(config.get(k), int)]
-    if missing:
-        raise ValueError(f"{where}: {missing[0]} is missing or not an int")
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim * config["num_attention_heads"] != config["hidden_size"]:
-        raise ValueError(f"{where}: head_dim {head_dim} x num_attention_heads {config['num_attention_heads']} != "
-                         f"hidden_size {config['hidden_size']}: the model's heads split hidden_size exactly")
-
-
-def model_args_from_hf(path: str | os.PathLike, **fields: Any) -> ModelArgs:
-    """The :class:`ModelArgs` of a Hugging Face Llama ``config.json`` (a file, or a model folder).
-
-    ``fields`` set what config.json does not decide (``max_seq_len``: by default its
-    ``max_position_embeddings``; ``init_std``); they cannot override what it does (see :func:`hf_fields`).
-
-    Raises:
-        ValueError: in one line naming the field, for what the model cannot express: another
-            architecture, rotary scaling, biases, an activation other than silu, a ``head_dim``
-            that does not split ``hidden_size``.
-    """
-    hf = hf_fields(path)
-    clash = sorted(set(fields) & set(hf))
-    if clash:
-        raise ValueError(f"model_args_from_hf: {clash[0]} comes from config.json; do not pass it")
-    positions = _read_config(path)[0].get("max_position_embeddings")
-    if "max_seq_len" not in fields and isinstance(positions, int):
-        fields["max_seq_len"] = positions
-    return ModelArgs(**hf, **fields)
-
-
-def hf_fields(path: str | os.PathLike) -> dict[str, Any]:
-    """The :class:`ModelArgs` fields a Hugging Face ``config.json`` decides (see :func:`model_args_from_hf`)."""
-    config, where = _read_config(path)
-    _refuse_unsupported(config, where)
-    kv = config.get("num_key_value_heads")
-    return {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"],
-            "n_heads": config["num_attention_heads"], "n_kv_heads": kv if kv is not None else None,
-            "vocab_size": config["vocab_size"], "ffn_hidden_size": config["intermediate_size"],
-            "norm_eps": float(config.get("rms_norm_eps", 1e-6)), **_rope(config, where),
-            "tie_embeddings": bool(config.get("tie_word_embeddings", False)), "moe_experts": 0}
-
-
-def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """A Hugging Face ``LlamaForCausalLM`` ``config.json`` for a model of shape ``args``."""
-    if args.moe_experts:
-        raise ValueError("hf_config: a mixture-of-experts model has no LlamaForCausalLM equivalent")
-    dtype_name = next(name for name, d in DTYPE_NAMES.items() if d == dtype)
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.rope_scaling_factor > 1.0:
-        rope = {"rope_type": "llama3", "rope_theta": args.rope_theta,
-                **{theirs: getattr(args, ours) for theirs, ours in _LLAMA3_KEYS.items()}}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
-            "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate_size": args.ffn_hidden,
-            "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len, "hidden_act": "silu",
-            "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-            "rope_parameters": rope,
-            "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-            "initializer_range": args.init_std, "torch_dtype": dtype_name, "dtype": dtype_name,
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
 # ---- names and the rotary permutation -------------------------------------------------------

@@ -4,6 +4,7 @@
     python -m fsdp2.plan --config llama3_8b --world 8 --compare
     python -m fsdp2.plan --dim 2048 --n-layers 16 --n-heads 16 --n-kv-heads 4 --world 8
     python -m fsdp2.plan --hf-config path/to/config.json --world 8 --activation-checkpointing full
+    python -m fsdp2.plan --hf-config path/to/Llama-3.1-8B --world 8 --gpu-memory 80GB
     python -m fsdp2.plan --config recipes/configs/llama3_8b.toml --world 8 --gpu-memory 80GB
 
 Builds two blocks of the recipe's Llama (``fsdp2.models.llama``) on the meta device (no
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tomllib
 from pathlib import Path
@@ -40,6 +40,7 @@ from . import _time_cli
 from ._layout import SCHEDULES, Layout, ModelBuilder
 from ._planner import MemoryEstimate, Reserve, estimate_memory
 from ..memory._tracker import format_bytes, format_table
+from ..models.hf_config import read_hf_config
 from ..models.llama import LLAMA3, ModelArgs
 
 __all__ = ["main", "parse_bytes", "check_fit", "FitCheck"]
@@ -72,8 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--config", type=_config, default=None, metavar=f"{{{','.join(sorted(LLAMA3))},FILE.toml}}",
                        help="Meta's published Llama 3 dimensions on the recipe's model, or a recipe's TOML "
                             "config (its model and layout; flags override them)")
-    model.add_argument("--hf-config", type=Path, default=None, metavar="CONFIG_JSON",
-                       help="a Hugging Face Llama-style config.json (hidden_size, num_hidden_layers, ...)")
+    model.add_argument("--hf-config", type=Path, default=None, metavar="PATH",
+                       help="a Hugging Face Llama config.json, or the model folder holding it (read as the "
+                            "recipe's checkpoint.initial_load_path reads it: what the recipe refuses, this refuses)")
     for flag, what in (("--dim", "model width"), ("--n-layers", "blocks"), ("--n-heads", "attention heads"),
                        ("--n-kv-heads", "key/value heads (grouped-query attention)"), ("--vocab-size", "vocabulary"),
                        ("--ffn-hidden", "SwiGLU hidden size"),
@@ -233,27 +235,15 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
 
 
 # ---- the model --------------------------------------------------------------------------------
-_HF_KEYS = {"max_position_embeddings": "max_seq_len", "hidden_size": "dim", "num_hidden_layers": "n_layers",
-            "num_attention_heads": "n_heads",
-            "num_key_value_heads": "n_kv_heads", "vocab_size": "vocab_size", "intermediate_size": "ffn_hidden",
-            "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps"}
-
-
 def _hf_dims(path: Path) -> tuple[dict[str, Any], list[str]]:
-    """The recipe Llama's dimensions from a Hugging Face config.json, and notes on what is not modeled."""
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--hf-config {path}: cannot read it as JSON ({e})") from None
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                           "intermediate_size") if k not in config]
-    if missing:
-        raise ValueError(f"--hf-config {path}: not a Llama-style config, it has no {', '.join(missing)}")
-    if any(k in config for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-        raise ValueError(f"--hf-config {path}: a mixture-of-experts model; the planner models dense Llama blocks")
-    dims = {ours: config[theirs] for theirs, ours in _HF_KEYS.items() if config.get(theirs) is not None}
-    notes = [f"{path.name}: a {config.get('model_type', 'Llama-style')} config simulated as the recipe's Llama "
-             "(RMSNorm, rotary attention, SwiGLU) with its dimensions"]
+    """The recipe Llama's fields from a Hugging Face config.json (a file or a model folder), read as
+    the recipe reads it (``read_hf_config``: the same fields, the same refusals), and a note to print."""
+    shape = read_hf_config(path, where=f"--hf-config {path}")
+    dims = dict(shape.fields)
+    if shape.max_position_embeddings is not None:
+        dims["max_seq_len"] = shape.max_position_embeddings
+    notes = [f"{path.name}: a llama config simulated as the recipe's Llama (RMSNorm, rotary attention, SwiGLU) "
+             "with its dimensions"]
     return dims, notes
 
 
@@ -283,7 +273,8 @@ def _model_args(args: argparse.Namespace) -> tuple[str, ModelArgs, list[str]]:
         name += " (" + ", ".join(f"{k}={v}" for k, v in flags.items()) + ")"
     base["max_seq_len"] = max(base.get("max_seq_len", 0), args.seq)
     ffn_hidden = base.pop("ffn_hidden", None)
-    if ffn_hidden is not None:  # an exact SwiGLU width: one multiple of itself
+    if ffn_hidden is not None:  # an exact SwiGLU width: one multiple of itself (over a config's own width)
+        base.pop("ffn_hidden_size", None)
         base.update(multiple_of=ffn_hidden, ffn_dim_multiplier=(ffn_hidden - 0.5) / int(8 * base["dim"] / 3))
     known = {f.name for f in dataclasses.fields(ModelArgs)}
     model = ModelArgs(**{k: v for k, v in base.items() if k in known})

@@ -191,7 +191,8 @@ def _in_a_checkout_copy(tmp_path: Path) -> Path:
     return tmp_path
 
 
-LLAMA_3_8B_HF = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+LLAMA_3_8B_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                  "vocab_size": 128256, "intermediate_size": 14336, "max_position_embeddings": 8192,
                  "tie_word_embeddings": False, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
 

@@ -158,7 +158,7 @@ def test_model_errors(capsys, tmp_path):
     for argv, error in [(["--world", "2"], "no model: give --config, --hf-config or the dimensions (missing --dim, "
                                            "--n-layers, --n-heads, --vocab-size)"),
                         (["--world", "2", "--hf-config", str(tmp_path / "moe.json")], "a mixture-of-experts model"),
-                        (["--world", "2", "--hf-config", str(tmp_path / "none.json")], "cannot read it as JSON")]:
+                        (["--world", "2", "--hf-config", str(tmp_path / "none.json")], "none.json: cannot read it")]:
         with pytest.raises(SystemExit):
             main(argv)
         assert error in capsys.readouterr().err
