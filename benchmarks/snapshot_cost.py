@@ -6,13 +6,19 @@ For each model (``demo``: recipes/configs/tiny.toml, 0.80M parameters, 8 x 128 t
 rank; ``100M``: the same Llama with dim 1024, 9 layers, 105M parameters, 2 x 128 tokens per
 rank), the recipe's model, AdamW and schedule are built and trained; after two warm-up steps
 (and a first snapshot of each kind, which allocates and touches the slots), each round times
-one training step, then one snapshot on one node (no peer copy), then one on two simulated
-nodes (each rank its own area, its snapshot also sent to the other rank over a gloo group and
-kept there). Prints one JSON line per model and kind: the median step time and the median
-snapshot cost (each the slowest rank's), the snapshot's parts (rank 0's medians: copy into
-the slot, CRC-32, peer copy), their ratio, and the K
-``--checkpoint.snapshot_every=auto`` would pick (cost / K at most 2% of the step time).
-The transport of the peer copy is gloo over TCP on localhost.
+one training step alone, then, for each kind (one node: no peer copy; two simulated nodes:
+each rank its own area, its snapshot also sent to the other rank over a gloo group and kept
+there) and each mode (``sync``: the whole snapshot before the step goes on; ``background``:
+only the copy, the checksum and the peer copy on the snapshotter's thread while the next
+step trains), one snapshot followed by one training step and the wait for the snapshot's end.
+
+Prints one JSON line per model, kind and mode: the median step time alone; what the snapshot
+cost, the median of (snapshot + step + wait) minus the median step alone (both the slowest
+rank's: what a run's step time grows by, overlap and interference included); how long the
+snapshot held the caller (``blocked_s``); the snapshot's parts (rank 0's medians: copy into the
+slot, CRC-32, peer copy); the cost's ratio to the step; and the K ``--checkpoint.snapshot_every=auto``
+would pick (it counts the whole snapshot's work, background included: cost / K at most 2% of
+the step time). The transport of the peer copy is gloo over TCP on localhost.
 """
 
 from __future__ import annotations
@@ -57,14 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _timed(fn) -> float:
-    """Seconds ``fn`` took on the slowest rank (no barrier inside the timing)."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return seconds.item()
+def _slowest(*seconds: float) -> list[float]:
+    """Each figure's maximum over the ranks."""
+    figures = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    return figures.tolist()
 
 
 def measure(name: str, rounds: int, root: Path) -> list[dict]:
@@ -78,6 +81,7 @@ def measure(name: str, rounds: int, root: Path) -> list[dict]:
     rank = dist.get_rank()
     kinds = {"one node": Snapshotter(root / "one", run_id="bench", node="0"),
              "two nodes": Snapshotter(root / "two", run_id="bench", local_world_size=1, node=str(rank))}
+    modes = {"sync": False, "background": True}
     step = 0
 
     def train() -> None:
@@ -89,24 +93,37 @@ def measure(name: str, rounds: int, root: Path) -> list[dict]:
         train()
     for snaps in kinds.values():
         snaps.save(step, model, optimizer, extra={"step": step})
-    steps, costs = [], {kind: [] for kind in kinds}
+    steps: list[float] = []
+    runs: dict[tuple[str, str], list[tuple[float, float, dict[str, float]]]] = {}
     for _ in range(rounds):
-        steps.append(_timed(train))
+        dist.barrier()
+        start = time.perf_counter()
+        train()
+        steps += _slowest(time.perf_counter() - start)
         for kind, snaps in kinds.items():
-            costs[kind].append(_timed(lambda: snaps.save(step, model, optimizer, extra={"step": step})))
-            costs[kind + " parts"] = costs.get(kind + " parts", []) + [snaps.last_cost]
+            for mode, background in modes.items():
+                snaps.background = background  # (no save in flight: each round waits for its own)
+                dist.barrier()
+                start = time.perf_counter()
+                snaps.save(step, model, optimizer, extra={"step": step})
+                saved = time.perf_counter()
+                train()
+                snaps.wait()
+                blocked, total = _slowest(saved - start, time.perf_counter() - start)
+                runs.setdefault((kind, mode), []).append((blocked, total, snaps.last_cost))
     for snaps in kinds.values():
         snaps.close(remove=True)
     step_s = statistics.median(steps)
     rows = []
-    for kind in kinds:
-        cost = statistics.median(costs[kind])
-        parts = {part: statistics.median(c[part] for c in costs[kind + " parts"])
-                 for part in ("copy", "checksum", "peer")}
-        rows.append({"model": name, "params": full_parameter_count(config)[0], "kind": kind,
+    for (kind, mode), got in runs.items():
+        cost = statistics.median(total for _, total, _ in got) - step_s
+        parts = {part: statistics.median(c[part] for _, _, c in got) for part in ("copy", "checksum", "peer")}
+        work = sum(parts.values())
+        rows.append({"model": name, "params": full_parameter_count(config)[0], "kind": kind, "mode": mode,
                      "world": dist.get_world_size(), "transport": "gloo (CPU, localhost)", "rounds": rounds,
-                     "step_s": step_s, "snapshot_s": cost, **{f"{p}_s": v for p, v in parts.items()},
-                     "cost_per_step": cost / step_s, "auto_every": max(1, math.ceil(cost / (BUDGET * step_s)))})
+                     "step_s": step_s, "snapshot_s": cost, "blocked_s": statistics.median(b for b, _, _ in got),
+                     **{f"{p}_s": v for p, v in parts.items()}, "cost_per_step": cost / step_s,
+                     "auto_every": max(1, math.ceil(work / (BUDGET * step_s)))})
     return rows
 
 

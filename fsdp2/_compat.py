@@ -427,17 +427,18 @@ def clear_dtensor_caches() -> None:
     """Empty DTensor's sharding-propagation caches (its Python one, for this thread, and its C++
     fast path's).
 
-    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` is private ("for debugging");
-    it exists with this name on torch 2.11, 2.13 and 2.14 (checked). Where it is missing, the
-    Python cache is cleared through the dispatcher, and the C++ one, if any, stays.
+    Both are emptied through the calls ``torch.distributed.tensor.debug._clear_sharding_prop_cache``
+    makes (private, "for debugging"; the same on torch 2.11, 2.13 and 2.14), not through that
+    package: it imports numpy (its ``visualize_sharding``), which torch does not depend on, and
+    without numpy the C++ cache was left holding the planner's simulated meshes (every rank
+    then got rank 0's initial weights). Where the C++ call is missing, only the Python cache is
+    emptied.
     """
-    try:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:
-        propagator = DTensor._op_dispatcher.sharding_propagator
-        getattr(propagator.propagate_op_sharding, "cache_clear", lambda: None)()
-        return
-    _clear_sharding_prop_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    getattr(propagator.propagate_op_sharding, "cache_clear", lambda: None)()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
 
 
 def is_live_process_group(pg) -> bool:

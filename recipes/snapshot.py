@@ -8,8 +8,10 @@ copy goes to a rank of the next node. Under ``torchrun --max-restarts`` a crashe
 from the newest snapshot every rank holds soundly, or from the newest sound disk checkpoint when
 that is as new; one line says which and how many finished steps were lost. ``auto`` measures a
 snapshot's cost and a step's time in the first steps and picks the smallest K whose copies cost
-at most 2% of the step time. A run that finishes removes its snapshots; disk checkpoints stay
-the only state that outlives the host. See docs/checkpointing.md.
+at most 2% of the step time. Only the copy into the slot holds the step; the checksum and the
+peer copy run in the background while the next steps train (``Snapshotter(background=True)``).
+A run that finishes removes its snapshots; disk checkpoints stay the only state that outlives
+the host. See docs/checkpointing.md.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class Snapshots:
         every = config.checkpoint.snapshot_every
         self.auto = every == "auto"
         self.every = 0 if self.auto else int(every)  # 0: chosen at the second snapshot
-        self.snapshotter = Snapshotter(snapshot_root(config), run_id=run_id())
+        self.snapshotter = Snapshotter(snapshot_root(config), run_id=run_id(), background=True)
         self.taken = 0
         self.last_step_end: float | None = None
         self.step_seconds = 0.0
@@ -150,22 +152,28 @@ class Snapshots:
         self.last_step_end = time.perf_counter()
 
     def _measured(self, step: int) -> None:
-        """Agree on the slowest rank's figures; print them; under auto, choose K."""
+        """Agree on the slowest rank's figures; print them; under auto, choose K.
+
+        The cost counted is the whole snapshot's work, its background part included (as if none
+        of it overlapped the step): on a machine whose cores the step keeps busy, little does."""
+        self.snapshotter.wait()  # this snapshot's background part: its figures (and the group is free)
         cost = self.snapshotter.last_cost
-        figures = torch.tensor([sum(cost.values()), self.step_seconds, cost["copy"], cost["checksum"], cost["peer"]],
-                               dtype=torch.float64)
+        parts = [cost["waited"] + cost["copy"], cost["checksum"], cost["peer"]]
+        figures = torch.tensor([sum(parts), self.step_seconds, *parts], dtype=torch.float64)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.snapshotter.group)
         total, step_s, copy, crc, peer = figures.tolist()
         if not self.every:
             self.every = max(1, math.ceil(total / (BUDGET * step_s))) if step_s > 0 else 1
-        _info("snapshot: every %d steps; measured at step %d: one snapshot costs %.1f ms (copy %.1f, checksum %.1f, "
-              "peer copy %.1f), a step %.1f ms: %.2f%% of the step time per step%s", self.every, step, 1e3 * total,
-              1e3 * copy, 1e3 * crc, 1e3 * peer, 1e3 * step_s, 100 * total / self.every / max(step_s, 1e-9),
+        _info("snapshot: every %d steps; measured at step %d: one snapshot costs %.1f ms (copy %.1f, holding the "
+              "step; in the background: checksum %.1f, peer copy %.1f), a step %.1f ms: %.2f%% of the step time "
+              "per step%s", self.every, step, 1e3 * total, 1e3 * copy, 1e3 * crc, 1e3 * peer, 1e3 * step_s,
+              100 * total / self.every / max(step_s, 1e-9),
               f" (auto: the smallest interval within {BUDGET:.0%})" if self.auto else "")
 
     def close(self, *, finished: bool) -> None:
-        """Release the area; a finished run removes its snapshots (a crashed one keeps them for its restart)."""
-        self.snapshotter.close(remove=finished)
+        """Release the area; a finished run removes its snapshots (a crashed one keeps them for its restart,
+        leaving a snapshot still in the background unfinished: its peers may never take their part)."""
+        self.snapshotter.close(remove=finished, wait=finished)
         if finished:
             try:
                 self.snapshotter.area.parent.rmdir()  # the run's directory, once every node's area is gone

@@ -26,6 +26,13 @@ crash, :meth:`Snapshotter.newest` finds the newest step for which every rank's s
 soundly somewhere (its own slot, else a peer's copy: a rank whose area is gone takes the copy
 over the network), and :meth:`Snapshotter.restore` loads it.
 
+With ``background=True`` a save returns once the tensors are copied into the slot (the only
+part that reads the training state); the CRC-32, the header's commit and the peer copy run on a
+thread of the snapshotter's own while training goes on. They read only the slot, which nothing
+writes until the next save, and that save (like :meth:`Snapshotter.wait`, :meth:`newest`,
+:meth:`restore` and :meth:`close`) first waits for them. A kill before the commit leaves the
+slot invalid and the previous snapshot the newest: at most one snapshot more is lost.
+
 Files are locked (``fcntl.flock``) by the live process that writes them: a second run
 pointed at the same area is refused, while a restart of the same run (its processes dead,
 their locks released) resumes from what they left. See docs/checkpointing.md.
@@ -41,6 +48,7 @@ import os
 import pickle
 import socket
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -51,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._wire import all_gather_json
+from .._wire import all_gather_json, as_memoryview
 
 __all__ = ["Snapshotter", "SnapshotPlan", "SnapshotAreaError", "snapshot_area"]
 
@@ -157,10 +165,16 @@ class Snapshotter:
             ``world // local_world_size``. One node: no peer copies.
         node: this node's name (default ``FSDP2_NODE``, else the host name).
         peer_copy: send each snapshot to a rank of the next node (only with several nodes).
+        background: :meth:`save` returns once the state is copied into the slot; the checksum,
+            the commit and the peer copy finish on a background thread (see :meth:`wait`).
+
+    ``last_cost``: the newest finished save's seconds: ``waited`` (for the previous save's
+    background part), ``copy`` (both kept the caller), ``checksum`` and ``peer`` (the caller's
+    time, or the background thread's with ``background=True``).
     """
 
     def __init__(self, root: str | os.PathLike, *, run_id: str, local_world_size: int | None = None,
-                 node: str | None = None, peer_copy: bool = True) -> None:
+                 node: str | None = None, peer_copy: bool = True, background: bool = False) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.local_world = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         if self.world % self.local_world:
@@ -175,6 +189,8 @@ class Snapshotter:
         self.own: _File | None = None
         self.copy: _File | None = None
         self._locks: list[int] = []
+        self.background = background
+        self._pending: _Pending | None = None
         problem = None
         try:
             for path in [self._own_path, *([self._peer_path] if self.peer else [])]:
@@ -245,8 +261,15 @@ class Snapshotter:
         if self.own is not None:
             struct.pack_into("<q", self.own.map, _PROGRESS_AT, step)
 
-    def close(self, *, remove: bool = False) -> None:
-        """Unmap and unlock; ``remove`` also deletes this rank's files (a run that finished)."""
+    def close(self, *, remove: bool = False, wait: bool = True) -> None:
+        """Unmap and unlock; ``remove`` also deletes this rank's files (a run that finished).
+
+        ``wait``: first finish the save in flight (collective with peer copies). ``False`` (a run
+        that is failing, whose peers may never take their part of the copy) leaves it unfinished:
+        its slot stays invalid and the previous snapshot the newest.
+        """
+        if wait:
+            self.wait()
         for file in (self.own, self.copy):
             if file is not None:
                 _unmap(file)
@@ -267,10 +290,16 @@ class Snapshotter:
         """Collective (with peer copies): snapshot this rank's state at ``step`` into the slot not
         holding the newest snapshot, then send it to the peer. ``extra``: small picklable state.
 
+        Waits for the previous save's background part first. Returns once the state is copied
+        into the slot (``background=True``: ``model`` and ``optimizer`` may change from then on)
+        or, by default, once the snapshot is committed and sent.
+
         The first save sizes and maps the file; later ones reuse it, unless the state grew (an
         optimizer state that appeared late, a larger ``extra``): then the file is sized again.
         """
         t0 = time.perf_counter()
+        self.wait()
+        t1 = time.perf_counter()
         tensors = _tensors(model, optimizer)
         info = _meta(tensors, optimizer, extra)
         meta = pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL)
@@ -290,15 +319,33 @@ class Snapshotter:
         for (_, tensor), offset in zip(tensors, info["offsets"]):
             n = tensor.numel() * tensor.element_size()
             payload[offset:offset + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        header = SlotHeader(self.rank, self.world, step, own.generation, end, 0, len(meta), self._fingerprint,
+                            self.run_id)
+        cost = {"waited": t1 - t0, "copy": time.perf_counter() - t1}
+        if self.background:
+            self._pending = _Pending(self._commit, slot, header, cost)
+        else:
+            self._commit(slot, header, cost)
+
+    def _commit(self, slot: torch.Tensor, header: SlotHeader, cost: dict[str, float]) -> None:
+        """The slot's CRC-32 and header (committed), then the peer copy; sets ``last_cost``."""
+        t0 = time.perf_counter()
+        region = slot[:_PAGE + header.payload_bytes]
+        header = header._replace(crc=zlib.crc32(as_memoryview(region[_PAGE:])))
+        packed = header.pack()
+        slot[:len(packed)].copy_(torch.frombuffer(bytearray(packed), dtype=torch.uint8))  # committed
         t1 = time.perf_counter()
-        crc = zlib.crc32(memoryview(own.map)[_PAGE + (own.generation % 2) * own.slot_bytes + _PAGE:][:end])
-        header = SlotHeader(self.rank, self.world, step, own.generation, end, crc, len(meta),
-                            self._fingerprint, self.run_id).pack()
-        slot[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))  # committed
-        t2 = time.perf_counter()
         if self.peer:
-            self._send_copy(slot[:_PAGE + end])
-        self.last_cost = {"copy": t1 - t0, "checksum": t2 - t1, "peer": time.perf_counter() - t2}
+            self._send_copy(region)
+        self.last_cost = {**cost, "checksum": t1 - t0, "peer": time.perf_counter() - t1}
+
+    def wait(self) -> None:
+        """Block until the save in flight (``background=True``) is committed and its peer copy
+        sent; re-raise what failed there. Returns at once when none is in flight. Collective with
+        peer copies, as the save was."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
 
     def _send_copy(self, region: torch.Tensor) -> None:
         """Send this slot to ``dest`` and receive ``source``'s into the peer file's older slot."""
@@ -322,6 +369,7 @@ class Snapshotter:
         payload CRC-32. The sound (owner, step) pairs, two newest per owner, are all-gathered as
         a tensor; a step counts when every owner holds it itself or some rank holds its copy.
         """
+        self.wait()
         fingerprint = _fingerprint(_tensors(model, None), self.world)
         self._found = [f for f in self._scan() if self._check_fingerprint(f, fingerprint)]
         table = torch.full((self.world, 3), -1, dtype=torch.int64)  # per owner: two newest steps, progress
@@ -346,6 +394,7 @@ class Snapshotter:
                 optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Collective: load ``plan``'s snapshot into ``model`` and ``optimizer`` and the RNG states;
         returns its ``extra``. A rank whose snapshot another rank holds receives it on the gloo group."""
+        self.wait()
         regions = {o: self._open_region(self._held(o, plan.step)) for o in range(self.world)
                    if plan.holders[o] == self.rank}
         holder = plan.holders[self.rank]
@@ -357,9 +406,9 @@ class Snapshotter:
         if mine is None:
             mine = torch.empty(int(n), dtype=torch.uint8)
         _exchange(sends, [(mine, holder)] if holder != self.rank else [], self.group)
-        header = SlotHeader.unpack(memoryview(mine.numpy()))
+        header = SlotHeader.unpack(as_memoryview(mine))
         if header is None or header.step != plan.step or zlib.crc32(
-                mine[_PAGE:_PAGE + header.payload_bytes].numpy()) != header.crc:
+                as_memoryview(mine[_PAGE:_PAGE + header.payload_bytes])) != header.crc:
             raise RuntimeError(f"snapshot: rank {self.rank}'s snapshot of step {plan.step} was damaged on its way")
         return _load(mine[_PAGE:], header, model, optimizer)
 
@@ -403,6 +452,27 @@ class Snapshotter:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+class _Pending:
+    """A save's background part, running on a daemon thread (a process that ends or dies
+    mid-way leaves the slot uncommitted, never waits for it); :meth:`join` re-raises its error."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn, *args), name="fsdp2-snapshot", daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # re-raised on the caller's thread by join()
+            self.error = e
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"snapshot: the background part of a save failed: {self.error}") from self.error
+
+
 def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
               group: dist.ProcessGroup) -> None:
     """Point to point on ``group``: every (tensor, global rank) of ``sends`` sent, of ``recvs``
@@ -469,7 +539,7 @@ def _meta(tensors: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimi
 def _load(payload: torch.Tensor, header: SlotHeader, model: torch.nn.Module,
           optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Copy a payload's tensors into the model and a rebuilt optimizer state; set the RNG; its extra."""
-    meta = pickle.loads(payload[:header.meta_bytes].numpy().tobytes())
+    meta = pickle.loads(as_memoryview(payload[:header.meta_bytes]))
     values: dict[str, torch.Tensor] = {}
     for (key, dtype, shape), offset in zip(meta["table"], meta["offsets"]):
         values[key] = payload[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)

@@ -56,14 +56,16 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -
     return loss.item()
 
 
-def _train_snapshot_restore(root: str, two_nodes: bool, damage: str) -> tuple[list[float], list[float], tuple]:
+def _train_snapshot_restore(root: str, two_nodes: bool, damage: str,
+                            background: bool) -> tuple[list[float], list[float], tuple]:
     """Train 4 steps with a snapshot after each (and 2 more: the uninterrupted run), damage as told,
     restore into a fresh model and optimizer and train to step 6. Returns the uninterrupted losses
-    after the restored step, the restored run's, and (restored step, holders, steps lost, extra)."""
+    after the restored step, the restored run's, and (restored step, holders, steps lost, extra).
+    ``background``: each snapshot's checksum and peer copy run while the next step trains."""
     node = str(dist.get_rank()) if two_nodes else "0"
     local = 1 if two_nodes else 2
     model, optimizer = _build()
-    snaps = Snapshotter(root, run_id="test", local_world_size=local, node=node)
+    snaps = Snapshotter(root, run_id="test", local_world_size=local, node=node, background=background)
     losses = []
     for step in range(1, 5):
         losses.append(_step(model, optimizer, step))
@@ -89,15 +91,15 @@ def _train_snapshot_restore(root: str, two_nodes: bool, damage: str) -> tuple[li
     return losses[plan.step:], resumed, (plan.step, plan.holders, plan.lost, extra)
 
 
-@pytest.mark.parametrize("two_nodes, damage, step, holders", [
-    (False, "", 4, [0, 1]),
-    (True, "", 4, [0, 1]),
-    (True, "own area gone", 4, [1, 1]),
-    (False, "newest slot overwritten", 3, [0, 1]),
-    (False, "newest header invalidated", 3, [0, 1]),  # killed after the save's first write
+@pytest.mark.parametrize("two_nodes, damage, background, step, holders", [
+    (False, "", True, 4, [0, 1]),
+    (True, "", False, 4, [0, 1]),
+    (True, "own area gone", True, 4, [1, 1]),
+    (False, "newest slot overwritten", False, 3, [0, 1]),
+    (False, "newest header invalidated", True, 3, [0, 1]),  # killed after the save's first write
 ])
-def test_restore_repeats_the_uninterrupted_steps(tmp_path, two_nodes, damage, step, holders):
-    results = run_on_ranks(_train_snapshot_restore, 2, str(tmp_path), two_nodes, damage)
+def test_restore_repeats_the_uninterrupted_steps(tmp_path, two_nodes, damage, background, step, holders):
+    results = run_on_ranks(_train_snapshot_restore, 2, str(tmp_path), two_nodes, damage, background)
     for want, got, (restored, who, lost, extra) in results:
         assert (restored, who, lost, extra) == (step, holders, 4 - step, {"step": step})
         assert got == want  # bit for bit

@@ -9,12 +9,15 @@ Each rank here is a fresh process (the test pool's ranks already have a process 
 the planner needs a process without one): it builds the recipe's model as ``train.py`` does,
 with and without planning first, and the shards must be byte for byte the same. The ranks are
 forked from the test pool's forkserver (tests/_dist.py), which imported torch and nothing more:
-no process group, no planner run, without each rank importing torch again.
+no process group, no planner run, without each rank importing torch again. The same holds
+where numpy cannot be imported (torch does not need it; the Quickstart's fresh virtualenv lacks
+it): the caches are emptied without torch's debug package, which imports numpy.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,10 +34,13 @@ ARGV = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_
         "--model.max_seq_len=32", "--training.seq_len=32", "--training.batch_size=2"]
 
 
-def _rank(rank: int, world: int, argv: list[str], plan: bool, out: str, env: dict[str, str]) -> None:
+def _rank(rank: int, world: int, argv: list[str], plan: bool, out: str, env: dict[str, str], numpy: bool) -> None:
     os.environ.clear()  # the test's environment, as a spawned rank's (not the forkserver's)
     os.environ.update(env)
     torch.set_num_threads(1)
+    if not numpy:  # from here on `import numpy` raises ImportError, as on a machine without it
+        assert not any(name.startswith("torch.distributed.tensor.debug") for name in sys.modules)
+        sys.modules["numpy"] = None  # type: ignore[assignment]
     config, dims = check_command(argv, world)
     if plan:
         assert check_memory(config, dims, "cpu") is not None  # the planner ran in this process
@@ -50,13 +56,14 @@ def _rank(rank: int, world: int, argv: list[str], plan: bool, out: str, env: dic
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", [["--dp-shard", "2"],
-                                    pytest.param(["--parallelism.tp=2", "--dp-shard", "1"], marks=pytest.mark.slow)],
-                         ids=["fsdp", "tp"])
-def test_planning_first_leaves_each_ranks_initial_weights_as_they_were(tmp_path, layout):
+@pytest.mark.parametrize("layout, numpy", [(["--dp-shard", "2"], True), (["--dp-shard", "2"], False),
+                                           pytest.param(["--parallelism.tp=2", "--dp-shard", "1"], True,
+                                                        marks=pytest.mark.slow)],
+                         ids=["fsdp", "fsdp-without-numpy", "tp"])
+def test_planning_first_leaves_each_ranks_initial_weights_as_they_were(tmp_path, layout, numpy):
     argv = [*ARGV, *layout]
     for plan in (False, True):
-        mp.start_processes(_rank, args=(2, argv, plan, str(tmp_path), dict(os.environ)), nprocs=2,
+        mp.start_processes(_rank, args=(2, argv, plan, str(tmp_path), dict(os.environ), numpy), nprocs=2,
                            start_method=_context().get_start_method())
     for rank in range(2):
         alone = torch.load(tmp_path / f"plan0-rank{rank}.pt")
