@@ -150,4 +150,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from recipes.exit import run_and_exit  # no interpreter finalization to abort a finished run
+
+    run_and_exit(main)
