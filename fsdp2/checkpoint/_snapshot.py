@@ -265,13 +265,17 @@ class Snapshotter:
         """Unmap and unlock; ``remove`` also deletes this rank's files (a run that finished).
 
         ``wait``: first finish the save in flight (collective with peer copies). ``False`` (a run
-        that is failing, whose peers may never take their part of the copy) leaves it unfinished:
-        its slot stays invalid and the previous snapshot the newest.
+        that is failing, whose peers may never take their part of the copy) does not wait: the
+        save commits if it still can before the process ends, else its slot stays invalid and
+        the previous snapshot the newest; its mappings stay until the process ends.
         """
         if wait:
             self.wait()
+        # A save left in flight may still read or write the mappings: they stay until the process
+        # ends (unmapped under a running thread, its next access would be a segfault).
+        busy = self._pending is not None and self._pending.thread.is_alive()
         for file in (self.own, self.copy):
-            if file is not None:
+            if file is not None and not busy:
                 _unmap(file)
         for fd in self._locks:
             os.close(fd)
