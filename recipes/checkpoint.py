@@ -61,12 +61,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import fsdp2.checkpoint as ckpt
 from fsdp2._wire import all_gather_json, broadcast_json
-from fsdp2.checkpoint.__main__ import find_checkpoint
 
 __all__ = ["Checkpointer", "UnusableCheckpointError", "check_checkpoint_dir", "check_export", "export_model",
            "check_initial_load", "load_initial"]
@@ -95,6 +93,8 @@ def _from_rank0(value: Any) -> Any:
 
 def _one_line(error: BaseException) -> str:
     """An exception as one short line: DCP's own names each rank's exception with its traceback."""
+    import torch.distributed.checkpoint as dcp  # loaded already: only a failed load or save gets here
+
     if isinstance(error, dcp.CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
     text = " ".join(str(error).split()) or "no message"
@@ -217,6 +217,8 @@ class Checkpointer:
     def _try_load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                   scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[dict[str, Any] | None, str | None]:
         """Collective: (extra state, None), or (None, what went wrong on the first rank it went wrong on)."""
+        import torch.distributed.checkpoint as dcp  # (loading imports it anyway; a run without checkpoints never)
+
         extra, failure = None, None
         try:
             extra = self.load(path, model, optimizer, scheduler, check_content=False)  # choose() just did
@@ -440,6 +442,8 @@ def check_initial_load(path: str | Path) -> None:
         raise ValueError(f"{where} is a file but not .safetensors; pass a .safetensors file (e.g. one "
                          "--checkpoint.export wrote) or a DCP checkpoint directory")
     _need_numpy(where)
+    from fsdp2.checkpoint.__main__ import find_checkpoint  # imports DCP: only for a DCP path
+
     try:
         find_checkpoint(path)
     except ValueError as e:
@@ -463,6 +467,8 @@ def load_initial(path: str | Path, model: nn.Module) -> None:
         ckpt.load_full(path, model)
         source = f"{path} (safetensors)"
     else:
+        from fsdp2.checkpoint.__main__ import find_checkpoint  # imports DCP
+
         found, _skipped = find_checkpoint(path)
         ckpt.load(found, model)
         source = f"{found} (DCP checkpoint)"

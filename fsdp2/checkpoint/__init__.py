@@ -25,13 +25,35 @@
 See docs/checkpointing.md.
 """
 
-from ._async import ASYNC_MODES, AsyncSaver, SaveHandle
-from ._dcp import CorruptCheckpointError, load, save, verify, verify_on_ranks
-from ._full import export_full, load_full
-from ._hf import check_hf_weights, export_hf, hf_config, is_hf_folder, load_hf, model_args_from_hf
-from ._snapshot import SnapshotAreaError, SnapshotPlan, Snapshotter, snapshot_area
+import importlib
 
 __all__ = ["save", "load", "AsyncSaver", "SaveHandle", "ASYNC_MODES", "verify", "verify_on_ranks",
            "CorruptCheckpointError", "export_full", "load_full",
            "model_args_from_hf", "hf_config", "check_hf_weights", "load_hf", "export_hf", "is_hf_folder",
            "Snapshotter", "SnapshotPlan", "SnapshotAreaError", "snapshot_area"]
+
+# Each public name's home, imported on first use (a module ``__getattr__``): only the DCP
+# helpers (``save``, ``load``, ``verify``, ``AsyncSaver``, ...) import torch.distributed.checkpoint,
+# which costs every process that imports this package a tenth of a second or more; a training
+# run without checkpoints, or one that only reads a Hugging Face folder, never needs it.
+_HOME = {
+    "ASYNC_MODES": "_async", "AsyncSaver": "_async", "SaveHandle": "_async",
+    "CorruptCheckpointError": "_dcp", "load": "_dcp", "save": "_dcp", "verify": "_dcp", "verify_on_ranks": "_dcp",
+    "export_full": "_full", "load_full": "_full",
+    "check_hf_weights": "_hf", "export_hf": "_hf", "hf_config": "_hf", "is_hf_folder": "_hf", "load_hf": "_hf",
+    "model_args_from_hf": "_hf",
+    "SnapshotAreaError": "_snapshot", "SnapshotPlan": "_snapshot", "Snapshotter": "_snapshot",
+    "snapshot_area": "_snapshot",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))

@@ -151,7 +151,9 @@ def test_package_never_imports_torch_fsdp():
 
 def test_import_loads_the_core_only_and_the_tools_on_first_use():
     """``import fsdp2`` loads the runtime, not the planner, the Llama model (with torch's
-    tensor-parallel styles) or the checkpoint helpers; their names still work from the package."""
+    tensor-parallel styles) or the checkpoint helpers; their names still work from the package.
+    ``import fsdp2.checkpoint``, and the recipe a launch runs, leave out torch.distributed.checkpoint
+    until a DCP helper is first used; every checkpoint name answers from its one home."""
     import subprocess
     import sys
 
@@ -161,6 +163,22 @@ import sys
 import fsdp2
 loaded = sorted(m for m in sys.modules if m.startswith({tools!r}))
 assert not loaded, loaded
+import fsdp2.checkpoint
+import recipes.train
+assert "torch.distributed.checkpoint" not in sys.modules
+from fsdp2.checkpoint import Snapshotter, is_hf_folder
+assert is_hf_folder.__module__ == "fsdp2.checkpoint._hf" and "torch.distributed.checkpoint" not in sys.modules
+assert set(fsdp2.checkpoint.__all__) <= set(dir(fsdp2.checkpoint))
+homes = sorted(set(getattr(fsdp2.checkpoint, name).__module__ for name in fsdp2.checkpoint.__all__
+                   if name != "ASYNC_MODES"))  # (ASYNC_MODES: a tuple, it has no __module__)
+assert homes == ["fsdp2.checkpoint._" + m for m in ("async", "dcp", "full", "hf", "snapshot")], homes
+assert fsdp2.checkpoint.Snapshotter is Snapshotter and "torch.distributed.checkpoint" in sys.modules
+try:
+    fsdp2.checkpoint.no_such_name
+except AttributeError as e:
+    assert "fsdp2.checkpoint" in str(e) and "no_such_name" in str(e)
+else:
+    raise AssertionError("no AttributeError")
 from fsdp2 import MemoryTracker, estimate_memory
 assert MemoryTracker.__module__ == "fsdp2.memory._tracker" and callable(estimate_memory)
 assert fsdp2.memory.MemoryTracker is MemoryTracker and fsdp2.checkpoint.save
@@ -172,7 +190,8 @@ except AttributeError as e:
 else:
     raise AssertionError("no AttributeError")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])  # the repository's fsdp2 and recipes
     assert out.returncode == 0, out.stderr
 
 
