@@ -167,11 +167,12 @@ import fsdp2.checkpoint
 import recipes.train
 assert "torch.distributed.checkpoint" not in sys.modules
 from fsdp2.checkpoint import Snapshotter, is_hf_folder
-assert is_hf_folder.__module__ == "fsdp2.checkpoint._hf" and "torch.distributed.checkpoint" not in sys.modules
+assert is_hf_folder.__module__ == "fsdp2.models.hf_config" and "torch.distributed.checkpoint" not in sys.modules
 assert set(fsdp2.checkpoint.__all__) <= set(dir(fsdp2.checkpoint))
 homes = sorted(set(getattr(fsdp2.checkpoint, name).__module__ for name in fsdp2.checkpoint.__all__
                    if name != "ASYNC_MODES"))  # (ASYNC_MODES: a tuple, it has no __module__)
-assert homes == ["fsdp2.checkpoint._" + m for m in ("async", "dcp", "full", "hf", "snapshot")], homes
+assert homes == [*("fsdp2.checkpoint._" + m for m in ("async", "dcp", "full", "hf", "snapshot")),
+                 "fsdp2.models.hf_config"], homes
 assert fsdp2.checkpoint.Snapshotter is Snapshotter and "torch.distributed.checkpoint" in sys.modules
 try:
     fsdp2.checkpoint.no_such_name
