@@ -13,8 +13,9 @@ only the copy, the checksum and the peer copy on the snapshotter's thread while 
 step trains), one snapshot followed by one training step and the wait for the snapshot's end.
 
 Prints one JSON line per model, kind and mode: the median step time alone; what the snapshot
-cost, the median of (snapshot + step + wait) minus the median step alone (both the slowest
-rank's: what a run's step time grows by, overlap and interference included); how long the
+cost, the median over the rounds of (snapshot + step + wait) minus that round's step alone (both
+the slowest rank's: what a run's step time grows by, overlap and interference included; a
+difference of two noisy times, so small costs read as noise, even below 0); how long the
 snapshot held the caller (``blocked_s``); the snapshot's parts (rank 0's medians: copy into the
 slot, CRC-32, peer copy); the cost's ratio to the step; and the K ``--checkpoint.snapshot_every=auto``
 would pick (it counts the whole snapshot's work, background included: cost / K at most 2% of
@@ -100,6 +101,7 @@ def measure(name: str, rounds: int, root: Path) -> list[dict]:
         start = time.perf_counter()
         train()
         steps += _slowest(time.perf_counter() - start)
+        alone = steps[-1]
         for kind, snaps in kinds.items():
             for mode, background in modes.items():
                 snaps.background = background  # (no save in flight: each round waits for its own)
@@ -110,13 +112,13 @@ def measure(name: str, rounds: int, root: Path) -> list[dict]:
                 train()
                 snaps.wait()
                 blocked, total = _slowest(saved - start, time.perf_counter() - start)
-                runs.setdefault((kind, mode), []).append((blocked, total, snaps.last_cost))
+                runs.setdefault((kind, mode), []).append((blocked, total - alone, snaps.last_cost))
     for snaps in kinds.values():
         snaps.close(remove=True)
     step_s = statistics.median(steps)
     rows = []
     for (kind, mode), got in runs.items():
-        cost = statistics.median(total for _, total, _ in got) - step_s
+        cost = statistics.median(grown for _, grown, _ in got)
         parts = {part: statistics.median(c[part] for _, _, c in got) for part in ("copy", "checksum", "peer")}
         work = sum(parts.values())
         rows.append({"model": name, "params": full_parameter_count(config)[0], "kind": kind, "mode": mode,

@@ -181,6 +181,9 @@ class CheckpointConfig:
     # host memory (snapshot_dir), which a torchrun restart resumes from when newer than the newest checkpoint;
     # auto: the smallest K whose snapshots cost at most 2% of the step time, measured in the first steps
     snapshot_dir: str = ""  # the snapshots' directory, on a RAM file system; "": /dev/shm/fsdp2-<torchrun's run id>
+    snapshot_background: Literal["auto"] | bool = "auto"  # true: only the copy into memory holds the step, the
+    # checksum and the peer copy run beside the next steps; false: the step waits for all of it; auto: true on
+    # one node (no peer copy), false with peer copies (measured: docs/checkpointing.md)
     async_mode: Literal["off", "async", "pinned"] = "off"  # async: training blocks only while the state is copied
     # to host buffers, written in the background; pinned: those buffers pinned (CUDA only; else as async)
 

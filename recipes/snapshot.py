@@ -8,8 +8,10 @@ copy goes to a rank of the next node. Under ``torchrun --max-restarts`` a crashe
 from the newest snapshot every rank holds soundly, or from the newest sound disk checkpoint when
 that is as new; one line says which and how many finished steps were lost. ``auto`` measures a
 snapshot's cost and a step's time in the first steps and picks the smallest K whose copies cost
-at most 2% of the step time. Only the copy into the slot holds the step; the checksum and the
-peer copy run in the background while the next steps train (``Snapshotter(background=True)``).
+at most 2% of the step time. ``--checkpoint.snapshot_background``: with it, only the copy into
+the slot holds the step, the checksum and the peer copy run while the next steps train
+(``Snapshotter.background``); ``auto`` (the default) snapshots in the background on one node
+and waits for the whole snapshot with peer copies, where the background copy measured slower.
 A run that finishes removes its snapshots; disk checkpoints stay the only state that outlives
 the host. See docs/checkpointing.md.
 """
@@ -102,15 +104,18 @@ class Snapshots:
         every = config.checkpoint.snapshot_every
         self.auto = every == "auto"
         self.every = 0 if self.auto else int(every)  # 0: chosen at the second snapshot
-        self.snapshotter = Snapshotter(snapshot_root(config), run_id=run_id(), background=True)
+        self.snapshotter = s = Snapshotter(snapshot_root(config), run_id=run_id())
+        background = config.checkpoint.snapshot_background
+        s.background = not s.peer if background == "auto" else background
         self.taken = 0
         self.last_step_end: float | None = None
         self.step_seconds = 0.0
-        s = self.snapshotter
         where = (f"a copy to rank r + {s.local_world} on the next node ({s.nodes} nodes)" if s.peer
                  else "one node: no peer copy, the snapshots do not survive the node")
         when = f"every {self.every} steps" if self.every else "every step until measured (auto)"
-        _info("snapshot: %s in %s; %s", when, s.area, where)
+        how = ("the checksum and peer copy in the background" if s.peer else "the checksum in the background"
+               ) if s.background else "the step waits for each whole snapshot"
+        _info("snapshot: %s in %s; %s; %s", when, s.area, where, how)
 
     # ---- resuming -----------------------------------------------------------------------------
     def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -164,9 +169,11 @@ class Snapshots:
         total, step_s, copy, crc, peer = figures.tolist()
         if not self.every:
             self.every = max(1, math.ceil(total / (BUDGET * step_s))) if step_s > 0 else 1
-        _info("snapshot: every %d steps; measured at step %d: one snapshot costs %.1f ms (copy %.1f, holding the "
-              "step; in the background: checksum %.1f, peer copy %.1f), a step %.1f ms: %.2f%% of the step time "
-              "per step%s", self.every, step, 1e3 * total, 1e3 * copy, 1e3 * crc, 1e3 * peer, 1e3 * step_s,
+        parts = (f"copy {1e3 * copy:.1f}, holding the step; in the background: checksum {1e3 * crc:.1f}, "
+                 f"peer copy {1e3 * peer:.1f}") if self.snapshotter.background else \
+            f"copy {1e3 * copy:.1f}, checksum {1e3 * crc:.1f}, peer copy {1e3 * peer:.1f}"
+        _info("snapshot: every %d steps; measured at step %d: one snapshot costs %.1f ms (%s), a step %.1f ms: "
+              "%.2f%% of the step time per step%s", self.every, step, 1e3 * total, parts, 1e3 * step_s,
               100 * total / self.every / max(step_s, 1e-9),
               f" (auto: the smallest interval within {BUDGET:.0%})" if self.auto else "")
 

@@ -166,7 +166,8 @@ class Snapshotter:
         node: this node's name (default ``FSDP2_NODE``, else the host name).
         peer_copy: send each snapshot to a rank of the next node (only with several nodes).
         background: :meth:`save` returns once the state is copied into the slot; the checksum,
-            the commit and the peer copy finish on a background thread (see :meth:`wait`).
+            the commit and the peer copy finish on a background thread (see :meth:`wait`). Kept
+            as the attribute ``background``, which may change between saves.
 
     ``last_cost``: the newest finished save's seconds: ``waited`` (for the previous save's
     background part), ``copy`` (both kept the caller), ``checksum`` and ``peer`` (the caller's

@@ -28,6 +28,7 @@ import pytest
 
 from recipes.snapshot import snapshot_bytes
 from recipes.checks import check_command
+from recipes.config import ConfigError, parse_args
 from tests._dist import _free_port, run_on_ranks
 from tests._together import launched_together
 from tests.reliability.test_checkpoint_faults import _train_logged
@@ -123,7 +124,8 @@ launched = launched_together({
 def test_a_rank_killed_after_step_7_resumes_from_its_snapshot_on_two_nodes(launched, request, uninterrupted):
     tmp_path, output = launched[request.node.originalname].result()
     area = tmp_path / "snapshots"
-    assert "a copy to rank r + 1 on the next node (2 nodes)" in output, output
+    # (snapshot_background=auto: with peer copies, the step waits for each whole snapshot)
+    assert "a copy to rank r + 1 on the next node (2 nodes); the step waits for each whole snapshot" in output, output
     resumed = re.findall(rf"resumed from snapshot {re.escape(str(area))}/node-[01] step (\d+) \(lost (\d+) steps\)",
                          output)
     assert len(resumed) == 1, output
@@ -150,6 +152,15 @@ def test_an_area_under_a_file_is_refused_before_anything_starts(tmp_path):
         check_command([*ARGS, "--checkpoint.snapshot_every=1", f"--checkpoint.snapshot_dir={tmp_path}/file/x"], 2)
 
 
+def test_snapshot_background_takes_auto_or_a_bool():
+    assert parse_args([]).checkpoint.snapshot_background == "auto"
+    assert parse_args(["--checkpoint.snapshot_background=true"]).checkpoint.snapshot_background is True
+    assert parse_args(["--checkpoint.snapshot_background=off"]).checkpoint.snapshot_background is False
+    with pytest.raises(ConfigError, match=r"^checkpoint.snapshot_background must be one of 'auto' or a bool "
+                                          r"\(true/false\), got 'sometimes'"):
+        parse_args(["--checkpoint.snapshot_background=sometimes"])
+
+
 def test_an_area_too_small_is_refused_naming_the_bytes_needed(tmp_path):
     free = shutil.disk_usage(tmp_path).free
     # Llama-3-8B's shapes with enough layers that two ranks' snapshots exceed the free space.
@@ -168,7 +179,8 @@ def test_auto_measures_the_second_snapshot_and_picks_the_smallest_interval_withi
     lines = results[0][2]
     assert results[1][2] == [], "only rank 0 logs"
     assert re.fullmatch(rf"INFO: snapshot: every step until measured \(auto\) in {re.escape(str(area))}/node-\S+; "
-                        "one node: no peer copy, the snapshots do not survive the node", lines[0]), lines
+                        "one node: no peer copy, the snapshots do not survive the node; the checksum in the "
+                        "background", lines[0]), lines
     measured = [line for line in lines if "measured at" in line]
     assert len(measured) == 1, lines
     match = re.fullmatch(r"INFO: snapshot: every (\d+) steps; measured at step 2: one snapshot costs ([\d.]+) ms "
