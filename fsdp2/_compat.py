@@ -427,12 +427,10 @@ def clear_dtensor_caches() -> None:
     """Empty DTensor's sharding-propagation caches (its Python one, for this thread, and its C++
     fast path's).
 
-    Both are emptied through the calls ``torch.distributed.tensor.debug._clear_sharding_prop_cache``
-    makes (private, "for debugging"; the same on torch 2.11, 2.13 and 2.14), not through that
-    package: it imports numpy (its ``visualize_sharding``), which torch does not depend on, and
-    without numpy the C++ cache was left holding the planner's simulated meshes (every rank
-    then got rank 0's initial weights). Where the C++ call is missing, only the Python cache is
-    emptied.
+    With the calls ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` makes (private;
+    the same on torch 2.11, 2.13 and 2.14), not through that package, which imports numpy:
+    without numpy the C++ cache kept the planner's simulated meshes (every rank then got rank
+    0's initial weights). Where the C++ call is missing, only the Python cache is emptied.
     """
     propagator = DTensor._op_dispatcher.sharding_propagator
     getattr(propagator.propagate_op_sharding, "cache_clear", lambda: None)()
