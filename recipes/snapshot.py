@@ -169,11 +169,11 @@ class Snapshots:
         total, step_s, copy, crc, peer = figures.tolist()
         if not self.every:
             self.every = max(1, math.ceil(total / (BUDGET * step_s))) if step_s > 0 else 1
-        parts = (f"copy {1e3 * copy:.1f}, holding the step; in the background: checksum {1e3 * crc:.1f}, "
+        split = (f"copy {1e3 * copy:.1f}, holding the step; in the background: checksum {1e3 * crc:.1f}, "
                  f"peer copy {1e3 * peer:.1f}") if self.snapshotter.background else \
             f"copy {1e3 * copy:.1f}, checksum {1e3 * crc:.1f}, peer copy {1e3 * peer:.1f}"
         _info("snapshot: every %d steps; measured at step %d: one snapshot costs %.1f ms (%s), a step %.1f ms: "
-              "%.2f%% of the step time per step%s", self.every, step, 1e3 * total, parts, 1e3 * step_s,
+              "%.2f%% of the step time per step%s", self.every, step, 1e3 * total, split, 1e3 * step_s,
               100 * total / self.every / max(step_s, 1e-9),
               f" (auto: the smallest interval within {BUDGET:.0%})" if self.auto else "")
 
