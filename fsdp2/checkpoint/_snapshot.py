@@ -267,19 +267,15 @@ class Snapshotter:
 
         ``wait``: first finish the save in flight (collective with peer copies). ``False`` (a run
         that is failing, whose peers may never take their part of the copy) does not wait: the
-        save commits if it still can before the process ends, else its slot stays invalid and
-        the previous snapshot the newest; its mappings stay until the process ends.
+        save commits if it still can, else its slot stays invalid and the previous snapshot the
+        newest; the files stay mapped and locked until it ends (or the process does).
         """
         if wait:
             self.wait()
-        # A save left in flight may still read or write the mappings: they stay until the process
-        # ends (unmapped under a running thread, its next access would be a segfault).
-        busy = self._pending is not None and self._pending.thread.is_alive()
-        for file in (self.own, self.copy):
-            if file is not None and not busy:
-                _unmap(file)
-        for fd in self._locks:
-            os.close(fd)
+        if self._pending is not None:  # unmapped under the save's thread, its next access would segfault
+            self._pending.then(self._release)
+        else:
+            self._release()
         if remove:
             for path in (self._own_path, self._peer_path):
                 path.unlink(missing_ok=True)
@@ -287,6 +283,13 @@ class Snapshotter:
                 self.area.rmdir()
             except OSError:
                 pass  # another rank's files are still there
+
+    def _release(self) -> None:
+        for file in (self.own, self.copy):
+            if file is not None:
+                _unmap(file)
+        for fd in self._locks:
+            os.close(fd)
         self._locks, self.own, self.copy = [], None, None
 
     # ---- saving ----------------------------------------------------------------------------
@@ -463,6 +466,9 @@ class _Pending:
 
     def __init__(self, fn: Any, *args: Any) -> None:
         self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._done = False
+        self._after: Any = None
         self.thread = threading.Thread(target=self._run, args=(fn, *args), name="fsdp2-snapshot", daemon=True)
         self.thread.start()
 
@@ -471,6 +477,19 @@ class _Pending:
             fn(*args)
         except BaseException as e:  # re-raised on the caller's thread by join()
             self.error = e
+        finally:
+            with self._lock:
+                self._done, after = True, self._after
+            if after is not None:
+                after()
+
+    def then(self, after: Any) -> None:
+        """Call ``after()`` once the work has ended: on its thread, or now if it already has."""
+        with self._lock:
+            if not self._done:
+                self._after = after
+                return
+        after()
 
     def join(self) -> None:
         self.thread.join()

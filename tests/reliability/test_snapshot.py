@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import shutil
+import threading
 
 import pytest
 import torch
@@ -104,6 +105,44 @@ def test_restore_repeats_the_uninterrupted_steps(tmp_path, two_nodes, damage, ba
         assert (restored, who, lost, extra) == (step, holders, 4 - step, {"step": step})
         assert got == want  # bit for bit
     assert not any(tmp_path.rglob("*.snap"))  # close(remove=True) leaves nothing behind
+
+
+def _close_without_waiting(root: str) -> tuple[int, list[int], bool]:
+    """Two nodes, snapshots in the background. Step 1: both ranks save. Step 2: rank 0 saves and
+    closes without waiting (a failing run) while rank 1 has not saved yet, so rank 0's peer copy
+    is still in flight; only then does rank 1 save, and rank 0's thread receives rank 1's copy
+    into the mapping its ``close`` kept. A fresh snapshotter on each rank restores step 2."""
+    rank = dist.get_rank()
+    model, optimizer = _build()
+    snaps = Snapshotter(root, run_id="test", local_world_size=1, node=str(rank), background=True)
+    for step in (1, 2):
+        _step(model, optimizer, step)
+        if step == 1 or rank == 0:
+            snaps.save(step, model, optimizer, extra={"step": step})
+    saved = [p.to_local().clone() for p in model.parameters()]
+    if rank == 0:
+        snaps.close(wait=False)  # returns with its peer's part outstanding (else the barrier never comes)
+    dist.barrier()
+    if rank == 1:
+        snaps.save(2, model, optimizer, extra={"step": 2})
+        snaps.close()
+    else:
+        for thread in threading.enumerate():
+            if thread.name == "fsdp2-snapshot":
+                thread.join()
+    dist.barrier()
+    fresh, fresh_optimizer = _build(seed=1)
+    snaps = Snapshotter(root, run_id="test", local_world_size=1, node=str(rank))
+    plan = snaps.newest(fresh)
+    extra = snaps.restore(plan, fresh, fresh_optimizer)
+    snaps.close(remove=True)
+    same = all(torch.equal(a, p.to_local()) for a, p in zip(saved, fresh.parameters()))
+    return plan.step, plan.holders, extra == {"step": 2} and same
+
+
+def test_close_without_waiting_returns_and_keeps_the_files_mapped_for_the_save_in_flight(tmp_path):
+    assert run_on_ranks(_close_without_waiting, 2, str(tmp_path)) == [(2, [0, 1], True)] * 2
+    assert not any(tmp_path.rglob("*.snap"))
 
 
 def _claim(root: str, run_id: str) -> str:
